@@ -1,0 +1,87 @@
+"""skyward: run Python functions on pools of accelerator machines.
+
+    import skyward as sky
+
+    @sky.compute
+    def train(steps): ...
+
+    with sky.ComputePool(nodes=2, plugins=[sky.plugins.jax()]) as pool:
+        losses = train(100) @ pool
+
+Public names are imported lazily, so the node agent (which imports this package too) starts
+without the client's dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ComputePool": "skyward.pool",
+    "compute": "skyward.compute",
+    "gather": "skyward.compute",
+    "Compute": "skyward.compute",
+    "PendingCall": "skyward.compute",
+    "Gather": "skyward.compute",
+    "Image": "skyward.image",
+    "Index": "skyward.image",
+    "InstanceInfo": "skyward.info",
+    "instance_info": "skyward.info",
+    "Plugin": "skyward.plugins.base",
+    "Local": "skyward.providers.local",
+    "SSH": "skyward.providers.ssh",
+    "AWS": "skyward.providers.aws",
+    "ClusterSpec": "skyward.cluster",
+    "SkywardError": "skyward.errors",
+    "ConfigError": "skyward.errors",
+    "SerializationError": "skyward.errors",
+    "ProvisionError": "skyward.errors",
+    "BootstrapError": "skyward.errors",
+    "PluginError": "skyward.errors",
+    "WorkerError": "skyward.errors",
+    "RemoteError": "skyward.errors",
+    "PoolClosedError": "skyward.errors",
+    "NotOnNodeError": "skyward.errors",
+    "plugins": "skyward.plugins",
+}
+
+if TYPE_CHECKING:
+    from skyward import plugins
+    from skyward.cluster import ClusterSpec
+    from skyward.compute import Compute, Gather, PendingCall, compute, gather
+    from skyward.errors import (
+        BootstrapError,
+        ConfigError,
+        NotOnNodeError,
+        PluginError,
+        PoolClosedError,
+        ProvisionError,
+        RemoteError,
+        SerializationError,
+        SkywardError,
+        WorkerError,
+    )
+    from skyward.image import Image, Index
+    from skyward.info import InstanceInfo, instance_info
+    from skyward.plugins.base import Plugin
+    from skyward.pool import ComputePool
+    from skyward.providers.local import Local
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'skyward' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if name == "plugins" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

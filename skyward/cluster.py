@@ -1,0 +1,49 @@
+"""`ClusterSpec`: what a pool asks its provider for, and the accelerator spelling it accepts."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from skyward.errors import ConfigError
+
+_ACCELERATOR = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9._-]*)(?::(?P<count>[1-9][0-9]*))?$")
+
+# Accelerator families the JAX plugin maps to wheels; providers may know more names.
+TPU_PREFIX = "TPU"
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """An accelerator per node: a name such as ``"A100"`` and how many of it (``"A100:8"``)."""
+
+    name: str
+    count: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Accelerator:
+        """Parse ``"NAME"`` or ``"NAME:COUNT"``; raises `ConfigError` on anything else."""
+        match = _ACCELERATOR.match(text.strip())
+        if not match:
+            raise ConfigError(
+                f"accelerator {text!r} is not of the form NAME or NAME:COUNT (e.g. 'A100:8')"
+            )
+        return cls(match["name"].upper(), int(match["count"] or 1))
+
+    @property
+    def is_tpu(self) -> bool:
+        return self.name.startswith(TPU_PREFIX)
+
+    def __str__(self) -> str:
+        return self.name if self.count == 1 else f"{self.name}:{self.count}"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The shape of a pool, given to the provider and to every plugin's `transform` hook."""
+
+    nodes: int
+    pool_id: str
+    accelerator: Accelerator | None = None
+    provider: str = "local"
+    image_hash: str = ""

@@ -1,0 +1,165 @@
+"""`@compute` and the pending calls it makes, with their operators.
+
+``fn(...) @ pool`` runs on every node (a list, in node order); ``fn(...) >> pool`` runs on one node;
+``(a & b) >> pool`` or ``gather(a, b) >> pool`` runs several at once (a tuple, in call order).
+Nothing is pickled or sent until a call meets a pool.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+
+import cloudpickle
+
+from skyward.errors import SerializationError
+from skyward.transport.frames import PROTOCOL
+
+if TYPE_CHECKING:
+    from skyward.pool import ComputePool
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_function_ids = itertools.count(1)
+_EMPTY_ARGS = cloudpickle.dumps(((), {}), PROTOCOL)
+
+
+class Compute(Generic[P, R]):
+    """A function that can run on a pool's nodes; calling it returns a `PendingCall`.
+
+    The function is pickled once, at its first remote call, and sent once to each node: module
+    globals it uses are captured then (as Ray does), so pass changing values as arguments.
+    """
+
+    def __init__(self, fn: Callable[P, R]) -> None:
+        if not callable(fn):
+            raise TypeError(f"@sky.compute needs a function, got {fn!r}")
+        self.fn = fn
+        self.id = next(_function_ids)
+        self._pickled: bytes | None = None
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> PendingCall[R]:
+        return PendingCall(self, args, kwargs)
+
+    def local(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run the function here, in this process (for debugging)."""
+        return self.fn(*args, **kwargs)
+
+    def serialized(self) -> tuple[int, bytes]:
+        """The function's id and its pickled bytes (made once)."""
+        if self._pickled is None:
+            with self._lock:
+                if self._pickled is None:
+                    try:
+                        self._pickled = cloudpickle.dumps(self.fn, PROTOCOL)
+                    except Exception as exc:
+                        raise SerializationError(
+                            f"{_name(self.fn)} cannot be pickled for the nodes: {exc}. It may "
+                            "close over an object that cannot travel (a lock, a file, a client); "
+                            "create that object inside the function instead."
+                        ) from exc
+        return self.id, self._pickled
+
+    def __repr__(self) -> str:
+        return f"<sky.compute {_name(self.fn)}>"
+
+
+class PendingCall(Generic[R]):
+    """A call of a `@compute` function waiting for a pool: use ``@``, ``>>`` or ``&``."""
+
+    __slots__ = ("args", "function", "kwargs")
+
+    def __init__(
+        self, function: Compute[Any, R], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        self.function = function
+        self.args = args
+        self.kwargs = kwargs
+
+    def serialized_args(self) -> bytes:
+        """The pickled ``(args, kwargs)``; raises `SerializationError` naming the culprit."""
+        self.function.serialized()
+        if not self.args and not self.kwargs:
+            return _EMPTY_ARGS
+        try:
+            return cloudpickle.dumps((self.args, self.kwargs), PROTOCOL)
+        except Exception as exc:
+            raise SerializationError(self._culprit(exc)) from exc
+
+    def _culprit(self, exc: Exception) -> str:
+        labelled = [(f"argument {i}", a) for i, a in enumerate(self.args)]
+        labelled += [(f"argument {k}=", v) for k, v in self.kwargs.items()]
+        for label, value in labelled:
+            try:
+                cloudpickle.dumps(value, PROTOCOL)
+            except Exception as inner:
+                return (
+                    f"{label} of {_name(self.function.fn)} ({type(value).__name__}) cannot be "
+                    f"pickled for the nodes: {inner}. Pass data that pickles, or build the "
+                    "object inside the function."
+                )
+        return f"the arguments of {_name(self.function.fn)} cannot be pickled: {exc}"
+
+    def local(self) -> R:
+        """Run this call here, in this process (for debugging)."""
+        return self.function.fn(*self.args, **self.kwargs)
+
+    def __matmul__(self, pool: ComputePool) -> list[R]:
+        return pool.broadcast(self)
+
+    def __rshift__(self, pool: ComputePool) -> R:
+        return pool.run(self)
+
+    def __and__(self, other: PendingCall[Any] | Gather) -> Gather:
+        return Gather(self) & other
+
+    def __repr__(self) -> str:
+        return f"<pending call {_name(self.function.fn)}(...)>"
+
+
+class Gather:
+    """Several pending calls to run at once: ``(a & b & c) >> pool`` -> ``(ra, rb, rc)``."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self, *calls: PendingCall[Any]) -> None:
+        for call in calls:
+            if not isinstance(call, PendingCall):
+                raise TypeError(
+                    f"gather takes pending calls (fn(...) of a @sky.compute fn), got {call!r}"
+                )
+        self.calls: tuple[PendingCall[Any], ...] = calls
+
+    def __and__(self, other: PendingCall[Any] | Gather) -> Gather:
+        more = other.calls if isinstance(other, Gather) else (other,)
+        return Gather(*self.calls, *more)
+
+    def __rshift__(self, pool: ComputePool) -> tuple[Any, ...]:
+        return pool.gather(self.calls)
+
+    def local(self) -> tuple[Any, ...]:
+        """Run every call here, one after another (for debugging)."""
+        return tuple(call.local() for call in self.calls)
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+
+def compute(fn: Callable[P, R]) -> Compute[P, R]:
+    """Decorate a function so its calls can run on a `ComputePool`."""
+    return Compute(fn)
+
+
+def gather(*calls: PendingCall[Any]) -> Gather:
+    """Group calls to run concurrently across a pool's nodes: ``sky.gather(a, b) >> pool``."""
+    return Gather(*calls)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__qualname__', repr(fn))}()"

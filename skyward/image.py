@@ -1,0 +1,130 @@
+"""`Image`: the frozen description of a node's Python environment.
+
+Plugins never mutate an image; they return a new one (`dataclasses.replace`, `with_pip`, ...).
+The content hash names the environment directory on every node, so two pools with the same
+image share one built environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
+from skyward.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Index:
+    """A package index for the environment build.
+
+    `packages` scopes the index: only those distributions are taken from it (empty means all).
+    `flat` marks a find-links page (a plain HTML list of wheels) rather than a PEP 503 index.
+    """
+
+    url: str
+    packages: tuple[str, ...] = ()
+    flat: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "packages", tuple(canonicalize_name(p) for p in self.packages))
+
+
+def _as_index(value: Index | str) -> Index:
+    return value if isinstance(value, Index) else Index(value)
+
+
+@dataclass(frozen=True)
+class Image:
+    """What every node's environment holds.
+
+    Args:
+        python: interpreter version for the environment (``"3.12"``); None uses the node's own.
+        pip: requirement strings (PEP 508), installed with uv.
+        indexes: extra package indexes (`Index` or a URL).
+        apt: Debian packages the node must have.
+        env: environment variables for the agent and the user's code.
+        setup: shell commands run once per image on each node, after the packages.
+    """
+
+    python: str | None = None
+    pip: tuple[str, ...] = ()
+    indexes: tuple[Index, ...] = ()
+    apt: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    setup: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("pip", "apt", "setup"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ConfigError(f"Image({name}=...) takes a list of strings, not one string")
+            object.__setattr__(self, name, tuple(value))
+        object.__setattr__(self, "indexes", tuple(_as_index(i) for i in self.indexes))
+        object.__setattr__(self, "env", MappingProxyType(dict(sorted(dict(self.env).items()))))
+        for spec in self.pip:
+            try:
+                Requirement(spec)
+            except InvalidRequirement as exc:
+                raise ConfigError(f"Image(pip=...): {spec!r} is not a valid requirement: {exc}")
+
+    def __hash__(self) -> int:
+        return hash(self.content_hash)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Image) and self.content_hash == other.content_hash
+
+    def _canonical(self) -> dict[str, Any]:
+        return {
+            "python": self.python,
+            "pip": list(self.pip),
+            "indexes": [[i.url, list(i.packages), i.flat] for i in self.indexes],
+            "apt": list(self.apt),
+            "env": dict(self.env),
+            "setup": list(self.setup),
+        }
+
+    @property
+    def content_hash(self) -> str:
+        """A short stable hash of everything that shapes the environment."""
+        blob = json.dumps(self._canonical(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def requirements(self) -> list[Requirement]:
+        """The parsed pip requirements."""
+        return [Requirement(spec) for spec in self.pip]
+
+    def with_pip(self, *specs: str) -> Image:
+        """A new image with `specs` added (a spec already present is not repeated)."""
+        return replace(self, pip=self.pip + tuple(s for s in specs if s not in self.pip))
+
+    def without_packages(self, names: Iterable[str]) -> Image:
+        """A new image with every requirement on one of `names` removed."""
+        drop = {canonicalize_name(n) for n in names}
+        kept = tuple(s for s in self.pip if canonicalize_name(Requirement(s).name) not in drop)
+        return replace(self, pip=kept)
+
+    def with_indexes(self, *indexes: Index | str) -> Image:
+        """A new image with `indexes` appended (an index already present is not repeated)."""
+        new = tuple(i for i in map(_as_index, indexes) if i not in self.indexes)
+        return replace(self, indexes=self.indexes + new)
+
+    def with_env(self, env: Mapping[str, str]) -> Image:
+        """A new image whose environment has `env` on top of its own."""
+        return replace(self, env={**self.env, **env})
+
+    def merge(self, other: Image) -> Image:
+        """Combine two images: lists are concatenated without repeats, `other` wins on conflicts."""
+        image = self.with_pip(*other.pip).with_indexes(*other.indexes).with_env(other.env)
+        return replace(
+            image,
+            python=other.python or self.python,
+            apt=self.apt + tuple(a for a in other.apt if a not in self.apt),
+            setup=self.setup + tuple(s for s in other.setup if s not in self.setup),
+        )

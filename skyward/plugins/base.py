@@ -1,0 +1,63 @@
+"""`Plugin`: the three optional hooks a plugin may have, and how the pool calls them.
+
+Hooks are plain callables. `transform` runs on the client in plugin order; `around_app` is
+entered in every agent in plugin order and exited in reverse; `around_client` wraps the pool's
+life on the client. A failing hook is reported with the plugin's name and the hook's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from skyward.cluster import ClusterSpec
+from skyward.image import Image
+from skyward.info import InstanceInfo
+
+if TYPE_CHECKING:
+    from skyward.pool import ComputePool
+
+Transform = Callable[[Image, ClusterSpec], Image]
+AroundApp = Callable[[InstanceInfo], AbstractContextManager[Any] | None]
+AroundClient = Callable[["ComputePool"], AbstractContextManager[Any] | None]
+
+
+class Plugin:
+    """A pool extension. Subclass and override hooks, or pass callables::
+
+        sky.Plugin("wandb", around_app=lambda info: wandb_run(info.node))
+
+    A plugin object travels to every node with cloudpickle, so keep its state small and plain.
+    """
+
+    name: str = "plugin"
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        transform: Transform | None = None,
+        around_app: AroundApp | None = None,
+        around_client: AroundClient | None = None,
+    ) -> None:
+        if name is not None:
+            self.name = name
+        self._transform = transform
+        self._around_app = around_app
+        self._around_client = around_client
+
+    def transform(self, image: Image, cluster: ClusterSpec) -> Image:
+        """Return the image the nodes need (on the client, before any environment is built)."""
+        return self._transform(image, cluster) if self._transform else image
+
+    def around_app(self, info: InstanceInfo) -> AbstractContextManager[Any] | None:
+        """A context entered in every agent before the first call and exited at shutdown."""
+        return self._around_app(info) if self._around_app else None
+
+    def around_client(self, pool: ComputePool) -> AbstractContextManager[Any] | None:
+        """A context entered on the client around the pool's life."""
+        return self._around_client(pool) if self._around_client else None
+
+    def __repr__(self) -> str:
+        return f"<skyward plugin {self.name!r}>"

@@ -1,0 +1,89 @@
+"""The Keras plugin: the backend chosen before Keras is imported, and data parallelism over nodes.
+
+On several nodes it installs ``keras.distribution.DataParallel`` over every device of every node,
+so ``model.fit`` on each node trains one replicated model, each node feeding its own batches.
+Stacked after the JAX plugin it reuses the ``jax.distributed`` setup already done; alone, it asks
+Keras to initialize the distributed runtime itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from skyward.cluster import ClusterSpec
+from skyward.errors import ConfigError
+from skyward.image import Image
+from skyward.info import InstanceInfo
+from skyward.plugins.base import Plugin
+
+BACKENDS = ("jax", "tensorflow", "torch", "numpy")
+
+
+class KerasPlugin(Plugin):
+    """Sets ``KERAS_BACKEND`` on every node and, with several nodes, a data-parallel distribution.
+
+    Args:
+        backend: the Keras backend (``"jax"``; others work on a single node).
+        distribute: install ``DataParallel`` over all devices when the pool has several nodes.
+    """
+
+    name = "keras"
+
+    def __init__(self, backend: str = "jax", *, distribute: bool = True) -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown Keras backend {backend!r}; use one of {BACKENDS}")
+        self.backend = backend
+        self.distribute = distribute
+
+    def transform(self, image: Image, cluster: ClusterSpec) -> Image:
+        if any(r.name.lower() == "keras" for r in image.requirements()):
+            return image
+        return image.with_pip("keras>=3")
+
+    def around_app(self, info: InstanceInfo) -> contextlib.AbstractContextManager[Any]:
+        return self._configured(info)
+
+    @contextlib.contextmanager
+    def _configured(self, info: InstanceInfo) -> Iterator[None]:
+        loaded = sys.modules.get("keras")
+        if loaded is not None and loaded.backend.backend() != self.backend:
+            raise ConfigError(
+                f"keras was imported with backend {loaded.backend.backend()!r} before the keras "
+                f"plugin could set {self.backend!r}; do not import keras at node start-up"
+            )
+        os.environ["KERAS_BACKEND"] = self.backend
+        if info.total_nodes == 1 or not self.distribute:
+            yield
+            return
+        if self.backend != "jax":
+            raise ConfigError(
+                f"multi-node data parallelism needs the jax backend, not {self.backend!r}"
+            )
+        import keras
+
+        if not _jax_distributed_ready():
+            keras.distribution.initialize(
+                job_addresses=f"{info.head_addr}:{info.head_port}",
+                num_processes=info.total_nodes,
+                process_id=info.node,
+            )
+        devices = keras.distribution.list_devices()
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+        yield
+
+
+def _jax_distributed_ready() -> bool:
+    # Asking jax.process_count() would start the backend and make a later initialize fail.
+    import jax
+
+    return bool(jax.distributed.is_initialized())
+
+
+def keras(backend: str = "jax", *, distribute: bool = True) -> KerasPlugin:
+    """The Keras plugin (see `KerasPlugin`): ``sky.plugins.keras(backend="jax")``."""
+    return KerasPlugin(backend, distribute=distribute)

@@ -1,0 +1,491 @@
+"""`ComputePool`: provision -> build environments -> start agents -> run calls -> tear down.
+
+The public API is synchronous. Underneath, one asyncio loop in a background thread owns every
+node's stream; callers hand it work with `call_soon_threadsafe` and wait on
+`concurrent.futures.Future`s, which is the one place where threads meet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future
+from concurrent.futures import wait as wait_futures
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import cloudpickle
+
+from skyward.cluster import Accelerator, ClusterSpec
+from skyward.connection import AgentConnection
+from skyward.console import Console
+from skyward.errors import (
+    BootstrapError,
+    ConfigError,
+    PluginError,
+    PoolClosedError,
+    SerializationError,
+    SkywardError,
+    WorkerError,
+)
+from skyward.image import Image
+from skyward.info import InstanceInfo
+from skyward.plugins.base import Plugin
+from skyward.providers.base import Node, Provider
+from skyward.transport import frames
+
+if TYPE_CHECKING:
+    from skyward.compute import PendingCall
+
+T = TypeVar("T")
+_call_ids = itertools.count(1)
+
+
+class ComputePool:
+    """A pool of nodes that run `@sky.compute` functions; use it as a context manager.
+
+    Args:
+        provider: where nodes come from; default `sky.Local()` (processes on this machine).
+        nodes: how many nodes.
+        accelerator: what each node must have (``"A100"``, ``"A100:8"``); None for CPU.
+        image: the nodes' environment (`sky.Image`); plugins may add to it.
+        plugins: `sky.Plugin` objects, applied in order (e.g. jax, then keras).
+        env: environment variables for the agents, on top of the image's.
+        startup_timeout: seconds for every agent to start and pass its plugins' setup.
+        shutdown_timeout: seconds a node may take to unwind at exit before it is killed.
+        broadcast_grace: after one node of a broadcast fails, seconds the others get to finish
+            before they are stopped (an SPMD program cannot go on without a rank).
+        heartbeat_timeout: a node silent this long is declared dead.
+        stream_output: print every node's output, prefixed with its node, as it arrives.
+    """
+
+    def __init__(
+        self,
+        provider: Provider | None = None,
+        nodes: int = 1,
+        accelerator: str | None = None,
+        image: Image | None = None,
+        plugins: Sequence[Plugin] = (),
+        env: Mapping[str, str] | None = None,
+        *,
+        startup_timeout: float = 300.0,
+        shutdown_timeout: float = 10.0,
+        broadcast_grace: float = 5.0,
+        heartbeat_timeout: float = 30.0,
+        stream_output: bool = True,
+        name: str = "pool",
+    ) -> None:
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise ConfigError(f"nodes must be a whole number >= 1, got {nodes!r}")
+        if image is not None and not isinstance(image, Image):
+            raise ConfigError(f"image must be a sky.Image, got {type(image).__name__}")
+        for plugin in plugins:
+            if not isinstance(plugin, Plugin):
+                raise ConfigError(
+                    f"plugins must be sky.Plugin objects (e.g. sky.plugins.jax()), got {plugin!r}"
+                )
+        if provider is None:
+            from skyward.providers.local import Local
+
+            provider = Local()
+        self.provider: Provider = provider
+        self.plugins: tuple[Plugin, ...] = tuple(plugins)
+        self.env: dict[str, str] = dict(env or {})
+        self.pool_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.spec = ClusterSpec(
+            nodes=nodes,
+            pool_id=self.pool_id,
+            accelerator=Accelerator.parse(accelerator) if accelerator else None,
+            provider=getattr(provider, "name", type(provider).__name__.lower()),
+        )
+        self.provider.validate(self.spec)
+        self.image: Image = image or Image()
+        self.startup_timeout = startup_timeout
+        self.shutdown_timeout = shutdown_timeout
+        self.broadcast_grace = broadcast_grace
+        self.heartbeat_timeout = heartbeat_timeout
+        self.console = Console(enabled=stream_output)
+        self.nodes: list[Node] = []
+        self.infos: list[InstanceInfo] = []
+        self._conns: list[AgentConnection] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._client_hooks = contextlib.ExitStack()
+        self._closed = False
+        self._broken: str | None = None
+        self._cursor = itertools.count()
+        self._previous_sigterm: Any = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> ComputePool:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(graceful=exc_type is None)
+
+    def start(self) -> None:
+        """Provision the nodes, build their environments, start the agents, run plugin setup."""
+        if self._loop is not None:
+            raise PoolClosedError("this pool was already started; create a new ComputePool")
+        for plugin in self.plugins:
+            self.image = _run_hook(plugin, "transform", plugin.transform, self.image, self.spec)
+        self.spec = ClusterSpec(**{**self.spec.__dict__, "image_hash": self.image.content_hash})
+        try:
+            plugins_blob = cloudpickle.dumps(list(self.plugins), frames.PROTOCOL)
+        except Exception as exc:
+            raise SerializationError(f"a plugin could not be pickled for the nodes: {exc}") from exc
+        self._install_sigterm_handler()
+        self._start_loop()
+        try:
+            for plugin in self.plugins:
+                hook = _run_hook(plugin, "around_client", plugin.around_client, self)
+                if hook is not None:
+                    self._client_hooks.enter_context(hook)
+            self._run(self._start(plugins_blob))
+        except BaseException:
+            self.close(graceful=False)
+            raise
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop every agent and remove every node; safe to call again and from any state."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._loop is not None:
+                busy = any(conn.pending for conn in self._conns)
+                timeout = self.shutdown_timeout if graceful and not busy else 0.5
+                with contextlib.suppress(Exception):
+                    self._run(self._stop_agents(timeout))
+                self._run(self._terminate())
+        finally:
+            self._stop_loop()
+            self._client_hooks.close()
+            self._restore_sigterm_handler()
+
+    async def _start(self, plugins_blob: bytes) -> None:
+        self.console.status(
+            f"{self.pool_id}: launching {self.spec.nodes} node(s) on {self.spec.provider}"
+        )
+        self.nodes = await self.provider.launch(self.spec)
+        await self.provider.prepare(self.nodes, self.image, self.console.build_log)
+        env = {**self.image.env, **self.env}
+        streams = await asyncio.gather(*(node.start_agent(env) for node in self.nodes))
+        self._conns = [
+            AgentConnection(node.index, stream, self.console.node_line, self._node_died)
+            for node, stream in zip(self.nodes, streams, strict=True)
+        ]
+        try:
+            await asyncio.wait_for(self._handshake(plugins_blob), self.startup_timeout)
+        except TimeoutError:
+            raise BootstrapError(
+                self._stuck_report(
+                    f"the pool did not become ready within startup_timeout={self.startup_timeout:g} s"
+                )
+            ) from None
+        asyncio.get_running_loop().create_task(self._watch_heartbeats())
+        self.console.status(f"{self.pool_id}: ready ({self.spec.nodes} node(s))")
+
+    async def _handshake(self, plugins_blob: bytes) -> None:
+        started = await asyncio.gather(*(self._expect(c, frames.STARTED) for c in self._conns))
+        versions = {meta[5] for meta in started}
+        from skyward import __version__
+
+        if versions != {__version__}:
+            raise BootstrapError(
+                f"the nodes run skyward {sorted(versions)} but this client runs {__version__}"
+            )
+        head_port = started[0][3]
+        peers = tuple(node.private_addr for node in self.nodes)
+        accelerator = self.spec.accelerator
+        self.infos = [
+            InstanceInfo(
+                node=node.index,
+                total_nodes=len(self.nodes),
+                head_addr=peers[0],
+                head_port=head_port,
+                peers=peers,
+                pool_id=self.pool_id,
+                accelerator=accelerator.name if accelerator else None,
+                accelerator_count=accelerator.count if accelerator else 0,
+                provider=self.spec.provider,
+            )
+            for node in self.nodes
+        ]
+        for conn, info in zip(self._conns, self.infos, strict=True):
+            conn.stage = "setting up plugins"
+            conn.send((frames.HELLO, info, {}), plugins_blob)
+        await asyncio.gather(*(self._expect(c, frames.READY) for c in self._conns))
+        for conn in self._conns:
+            conn.stage = "running a call"
+
+    async def _expect(self, conn: AgentConnection, kind: int) -> frames.Meta:
+        """Wait for a startup message from one agent, following its progress on the way."""
+        while True:
+            meta = await conn.control.get()
+            if meta is None:
+                raise conn.dead or WorkerError(
+                    f"node {conn.node} ended during startup", node=conn.node
+                )
+            if meta[0] == kind:
+                return meta
+            if meta[0] == frames.PROGRESS:
+                conn.stage = f"in plugin {meta[1]!r} {meta[2]}"
+            elif meta[0] == frames.HOOK_FAILED:
+                raise self._hook_failed(conn, meta)
+
+    def _hook_failed(self, conn: AgentConnection, meta: frames.Meta) -> PluginError:
+        _, plugin, hook, type_name, message, remote_tb = meta
+        laggards = [
+            c
+            for c in self._conns
+            if c is not conn and f"{plugin!r}" not in c.stage and c.stage != "running a call"
+        ]
+        lines = [f"plugin {plugin!r} failed in {hook} on node {conn.node}: {type_name}: {message}"]
+        for other in laggards:
+            lines.append(
+                f"node {other.node} never reached plugin {plugin!r}: it was {other.stage}; "
+                f"its last output:"
+            )
+            lines += [f"    {line}" for line in list(other.lines)[-10:]] or ["    (nothing)"]
+        lines.append(f"remote traceback of node {conn.node}:\n{remote_tb.rstrip()}")
+        return PluginError("\n".join(lines), plugin=plugin, hook=hook, node=conn.node)
+
+    def _stuck_report(self, headline: str) -> str:
+        lines = [headline + ":"]
+        for conn in self._conns:
+            if conn.stage != "running a call":
+                lines.append(f"node {conn.node} is {conn.stage}; its last output:")
+                lines += [f"    {line}" for line in list(conn.lines)[-10:]] or ["    (nothing)"]
+        lines.append("Raise startup_timeout if the nodes only need more time.")
+        return "\n".join(lines)
+
+    async def _stop_agents(self, timeout: float) -> None:
+        await asyncio.gather(*(conn.close(timeout) for conn in self._conns))
+
+    async def _terminate(self) -> None:
+        for conn in self._conns:
+            conn.stream.kill()
+        if self.nodes:
+            await self.provider.terminate(self.nodes)
+
+    async def _watch_heartbeats(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(min(1.0, self.heartbeat_timeout / 4))
+            now = time.monotonic()
+            for conn in self._conns:
+                silent = now - conn.last_seen
+                if conn.dead is None and silent > self.heartbeat_timeout:
+                    conn.abort(
+                        f"no word from it for {silent:.0f} s (heartbeat_timeout="
+                        f"{self.heartbeat_timeout:g} s): the node or its network is down"
+                    )
+
+    def _node_died(self, conn: AgentConnection, error: WorkerError) -> None:
+        self.console.node_line(conn.node, f"[skyward] {str(error).splitlines()[0]}")
+
+    # -- the loop thread -------------------------------------------------------------------
+
+    def _start_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name=f"skyward-{self.pool_id}", daemon=True)
+        self._thread.start()
+        ready.wait()
+        self._loop = loop
+
+    def _stop_loop(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+
+        async def cancel_rest() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_rest(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        if not thread.is_alive():
+            loop.close()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        assert self._loop is not None
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def _install_sigterm_handler(self) -> None:
+        # SIGTERM would end the process without unwinding `with`; make it unwind instead.
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            raise SystemExit(128 + signum)
+
+        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _restore_sigterm_handler(self) -> None:
+        if self._previous_sigterm is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed or self._loop is None:
+            raise PoolClosedError(
+                "the pool is not running: use it inside `with sky.ComputePool(...) as pool:`"
+            )
+        if self._broken:
+            raise PoolClosedError(f"the pool cannot take more calls: {self._broken}")
+
+    def _live(self) -> list[AgentConnection]:
+        live = [conn for conn in self._conns if conn.dead is None]
+        if not live:
+            raise PoolClosedError("every node of the pool has died; start a new pool")
+        return live
+
+    def _send(self, conn: AgentConnection, call: PendingCall[Any], payload: bytes) -> Future[Any]:
+        assert self._loop is not None
+        future: Future[Any] = Future()
+        fn_id, fn_bytes = call.function.serialized()
+        self._loop.call_soon_threadsafe(
+            conn.send_call, next(_call_ids), fn_id, fn_bytes, payload, future
+        )
+        return future
+
+    def submit(self, call: PendingCall[T], node: int | None = None) -> Future[T]:
+        """Start `call` on one node (the next in turn, or `node`) and return its future."""
+        self._check_open()
+        payload = call.serialized_args()
+        if node is None:
+            live = self._live()
+            conn = live[next(self._cursor) % len(live)]
+        else:
+            if not 0 <= node < len(self._conns):
+                raise ConfigError(f"node must be in 0..{len(self._conns) - 1}, got {node}")
+            conn = self._conns[node]
+        return self._send(conn, call, payload)
+
+    def run(self, call: PendingCall[T], node: int | None = None) -> T:
+        """Run `call` on one node and return its result (what ``call >> pool`` does)."""
+        return self.submit(call, node).result()
+
+    def broadcast(self, call: PendingCall[T]) -> list[T]:
+        """Run `call` on every node; results in node order (what ``call @ pool`` does).
+
+        If one node fails, the others get `broadcast_grace` seconds to finish; any still running
+        is then stopped (an SPMD program cannot go on without a rank) and the pool is closed.
+        A node that dies stops the others at once.
+        """
+        self._check_open()
+        payload = call.serialized_args()
+        dead = [conn.node for conn in self._conns if conn.dead is not None]
+        if dead:
+            raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
+        futures = [self._send(conn, call, payload) for conn in self._conns]
+        return self._collect(futures, list(self._conns))
+
+    def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
+        """Run several calls at once, spread over the nodes; results in call order."""
+        self._check_open()
+        payloads = [call.serialized_args() for call in calls]
+        live = self._live()
+        start = next(self._cursor)
+        owners = [live[(start + i) % len(live)] for i in range(len(calls))]
+        futures = [
+            self._send(conn, call, payload)
+            for conn, call, payload in zip(owners, calls, payloads, strict=True)
+        ]
+        return tuple(self._collect(futures, owners))
+
+    def _collect(self, futures: list[Future[Any]], owners: list[AgentConnection]) -> list[Any]:
+        done, running = wait_futures(futures, return_when=FIRST_EXCEPTION)
+        if running:
+            failed = next(f for f in done if f.exception() is not None)
+            error = failed.exception()
+            assert error is not None
+            culprit = owners[futures.index(failed)].node
+            grace = 0.0 if isinstance(error, WorkerError) else self.broadcast_grace
+            _, running = wait_futures(running, timeout=grace)
+            if running:
+                self._break(
+                    f"node {culprit} failed while the others were still running "
+                    f"({type(error).__name__}); the others were stopped",
+                    owners,
+                    futures,
+                )
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                raise error
+        return [future.result() for future in futures]
+
+    def _break(
+        self, reason: str, owners: list[AgentConnection], futures: list[Future[Any]]
+    ) -> None:
+        assert self._loop is not None
+        self._broken = reason
+        stuck = [conn for conn, future in zip(owners, futures, strict=True) if not future.done()]
+
+        def abort_all() -> None:
+            for conn in stuck:
+                conn.abort(reason)
+
+        self._loop.call_soon_threadsafe(abort_all)
+        wait_futures(futures, timeout=5)
+
+    # -- output ----------------------------------------------------------------------------
+
+    def logs(self, node: int | None = None) -> list[str]:
+        """What the nodes printed: one node's lines, or every node's prefixed with its index."""
+        if node is not None:
+            return list(self._conns[node].lines)  # list() copies atomically under the GIL
+        return [f"(node {c.node}) {line}" for c in self._conns for line in list(c.lines)]
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running" if self._conns else "new"
+        return f"<ComputePool {self.pool_id} {self.spec.provider} nodes={self.spec.nodes} {state}>"
+
+    def __iter__(self) -> Iterator[InstanceInfo]:
+        return iter(self.infos)
+
+
+def _run_hook(plugin: Plugin, hook: str, fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except SkywardError:
+        raise
+    except Exception as exc:
+        raise PluginError(
+            f"plugin {plugin.name!r} failed in {hook}: {type(exc).__name__}: {exc}",
+            plugin=plugin.name,
+            hook=hook,
+        ) from exc

@@ -1,0 +1,1 @@
+"""Providers: where a pool's nodes come from (this machine, SSH hosts, EC2)."""

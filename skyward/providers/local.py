@@ -1,0 +1,218 @@
+"""The Local provider: every node is a child process on this machine.
+
+The embedded default. Nodes talk to each other over loopback; the client talks to each agent over
+its stdin/stdout pipes. When this interpreter already satisfies the image, the nodes run it
+directly; otherwise the environment is built with uv once per image hash and reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.metadata as metadata
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+import skyward
+from skyward.cluster import ClusterSpec
+from skyward.errors import BootstrapError, ConfigError
+from skyward.image import Image
+from skyward.providers.base import Log, Node
+from skyward.transport.base import AgentStream
+from skyward.transport.subprocess import spawn
+from skyward.worker import envbuild
+
+LOOPBACK = "127.0.0.1"
+
+
+def cache_dir() -> Path:
+    """Where built environments live: ``$SKYWARD_CACHE_DIR`` or ``~/.cache/skyward``."""
+    explicit = os.environ.get("SKYWARD_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "skyward"
+
+
+def worker_pins() -> tuple[str, ...]:
+    """What every built environment needs for the agent, pinned to the client's versions."""
+    return (f"cloudpickle=={metadata.version('cloudpickle')}", "packaging")
+
+
+def env_spec(image: Image) -> envbuild.EnvSpec:
+    """The build recipe for `image`, including the agent's own pins."""
+    pins = worker_pins()
+    pip = (
+        *image.pip,
+        *(
+            p
+            for p in pins
+            if canonicalize_name(Requirement(p).name)
+            not in {canonicalize_name(r.name) for r in image.requirements()}
+        ),
+    )
+    return envbuild.EnvSpec(
+        hash=image.content_hash,
+        python=image.python,
+        pip=pip,
+        indexes=tuple((i.url, i.packages, i.flat) for i in image.indexes),
+        setup=image.setup,
+        env=dict(image.env),
+    )
+
+
+class LocalNode(Node):
+    """A child process slot on this machine."""
+
+    def __init__(self, index: int, provider: Local) -> None:
+        super().__init__(index, LOOPBACK, LOOPBACK)
+        self._provider = provider
+
+    async def start_agent(self, env: Mapping[str, str]) -> AgentStream:
+        python = self._provider.python
+        if python is None:
+            raise BootstrapError("the environment was not prepared before the agent started")
+        full_env = {**os.environ, **env, "PYTHONPATH": _pythonpath(), "PYTHONUNBUFFERED": "1"}
+        return await spawn([python, "-m", "skyward.worker"], full_env, os.getcwd())
+
+
+class Local:
+    """Nodes as child processes of this machine: the embedded default provider.
+
+    Args:
+        python: interpreter the nodes run; default: this one, or a uv environment built from it
+            when the image asks for packages it lacks.
+    """
+
+    name = "local"
+
+    def __init__(self, python: str | None = None) -> None:
+        self._base_python = python
+        self.python: str | None = None
+
+    def validate(self, spec: ClusterSpec) -> None:
+        if spec.accelerator is not None:
+            raise ConfigError(
+                f"the Local provider runs nodes on this machine's CPU and cannot provide "
+                f"accelerator={str(spec.accelerator)!r}; drop `accelerator` or use sky.SSH / sky.AWS"
+            )
+
+    async def launch(self, spec: ClusterSpec) -> list[Node]:
+        return [LocalNode(i, self) for i in range(spec.nodes)]
+
+    async def prepare(self, nodes: list[Node], image: Image, log: Log) -> None:
+        _check_apt(image.apt)
+        spec = env_spec(image)
+        cache = cache_dir()
+        try:
+            if self._base_python is None and _satisfied_here(image):
+                await asyncio.to_thread(envbuild.run_setup_once, spec, cache, log)
+                self.python = sys.executable
+            else:
+                uv = _uv_binary()
+                built = await asyncio.to_thread(
+                    envbuild.build, spec, cache, uv, log, base_python=self._base_python
+                )
+                self.python = str(built)
+        except envbuild.BuildFailed as exc:
+            raise BootstrapError(
+                f"building the environment for image {image.content_hash} on this machine "
+                f"failed: {exc}\n--- last lines ---\n{exc.output}\n"
+                "Check the package names and versions in Image(pip=...).",
+                output=exc.output,
+            ) from None
+
+    async def terminate(self, nodes: list[Node]) -> None:
+        # Agents are killed by the pool with their process groups; nothing else exists.
+        return None
+
+
+def _satisfied_here(image: Image) -> bool:
+    """Whether this interpreter already has every requirement of `image` (and the Python)."""
+    if image.python and not platform.python_version().startswith(image.python):
+        return False
+    return all(_installed(req) for req in image.requirements())
+
+
+def _installed(req: Requirement, seen: frozenset[str] = frozenset()) -> bool:
+    if req.marker is not None and not req.marker.evaluate():
+        return True
+    name = canonicalize_name(req.name)
+    if name in seen:
+        return True
+    try:
+        dist = metadata.distribution(req.name)
+    except metadata.PackageNotFoundError:
+        return False
+    if req.specifier and not req.specifier.contains(dist.version, prereleases=True):
+        return False
+    for extra in req.extras:
+        for dep_text in dist.requires or ():
+            dep = Requirement(dep_text)
+            if dep.marker is not None and dep.marker.evaluate({"extra": extra}):
+                dep.marker = None
+                if not _installed(dep, seen | {name}):
+                    return False
+    return True
+
+
+def _check_apt(packages: tuple[str, ...]) -> None:
+    if not packages:
+        return
+    missing = []
+    for package in packages:
+        result = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Status}", package],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if "install ok installed" not in result.stdout:
+            missing.append(package)
+    if missing:
+        raise BootstrapError(
+            f"Image(apt=...) asks for {', '.join(missing)}, not installed on this machine; the "
+            f"Local provider never runs apt for you: install them (apt-get install "
+            f"{' '.join(missing)}) and start the pool again"
+        )
+
+
+def _uv_binary() -> str:
+    try:
+        from uv import find_uv_bin
+
+        return str(find_uv_bin())
+    except (ImportError, FileNotFoundError):
+        found = shutil.which("uv")
+        if found:
+            return found
+    raise BootstrapError("uv was not found: `pip install uv` (it builds the nodes' environments)")
+
+
+def _pythonpath() -> str:
+    """This client's own skyward first, then the directory of the script that started it."""
+    package = Path(skyward.__file__).resolve().parent
+    digest = hashlib.sha256(str(package).encode()).hexdigest()[:12]
+    shim = cache_dir() / "src" / digest
+    link = shim / "skyward"
+    if not link.exists():
+        shim.mkdir(parents=True, exist_ok=True)
+        tmp = shim / f".skyward-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(package, target_is_directory=True)
+        os.replace(tmp, link)
+    parts = [str(shim)]
+    script_dir = sys.path[0] if sys.path and sys.path[0] else os.getcwd()
+    parts.append(script_dir)
+    existing = os.environ.get("PYTHONPATH")
+    if existing:
+        parts.append(existing)
+    return os.pathsep.join(parts)

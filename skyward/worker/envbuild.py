@@ -1,0 +1,210 @@
+"""Build a node's Python environment with uv, once per image hash, under a cache directory.
+
+Runs on the node (``python -m skyward.worker.envbuild`` reads a JSON `EnvSpec` on stdin and prints
+the environment's interpreter path) and in-process for the Local provider. Standard library only:
+it runs before the environment it builds exists.
+
+Layout of the cache directory::
+
+    <cache>/envs/<hash>/            the virtual environment (built in place under a lock)
+    <cache>/envs/<hash>/.skyward-ready   written last: the environment is complete
+    <cache>/envs/<hash>.lock        flock held while building, so concurrent pools wait
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+READY_MARKER = ".skyward-ready"
+OUTPUT_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """Everything needed to build one environment; travels as JSON to remote nodes."""
+
+    hash: str
+    python: str | None = None
+    pip: tuple[str, ...] = ()
+    # [url, [package, ...], flat]; an index with packages serves only those packages
+    indexes: tuple[tuple[str, tuple[str, ...], bool], ...] = ()
+    setup: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EnvSpec:
+        data = json.loads(text)
+        data["pip"] = tuple(data["pip"])
+        data["setup"] = tuple(data["setup"])
+        data["indexes"] = tuple((u, tuple(p), f) for u, p, f in data["indexes"])
+        return cls(**data)
+
+
+class BuildFailed(Exception):
+    """A step of the build failed; `output` holds the tail of what it printed."""
+
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(message)
+        self.output = output
+
+
+def env_python(env_dir: Path) -> Path:
+    return env_dir / "bin" / "python"
+
+
+def build(
+    spec: EnvSpec,
+    cache: Path,
+    uv: str,
+    log: Callable[[str], None] = lambda line: None,
+    *,
+    base_python: str | None = None,
+) -> Path:
+    """Return the interpreter of the environment for `spec`, building it if it is not there.
+
+    `base_python` is the interpreter the environment is made from when the spec names no version.
+    """
+    envs = cache / "envs"
+    envs.mkdir(parents=True, exist_ok=True)
+    env_dir = envs / spec.hash
+    if (env_dir / READY_MARKER).exists():
+        return env_python(env_dir)
+    with _locked(envs / f"{spec.hash}.lock"):
+        if (env_dir / READY_MARKER).exists():  # another pool built it while we waited
+            return env_python(env_dir)
+        shutil.rmtree(env_dir, ignore_errors=True)
+        try:
+            _build_into(spec, env_dir, uv, log, base_python)
+        except BaseException:
+            shutil.rmtree(env_dir, ignore_errors=True)
+            raise
+        (env_dir / READY_MARKER).write_text(spec.to_json())
+    return env_python(env_dir)
+
+
+def run_setup_once(spec: EnvSpec, cache: Path, log: Callable[[str], None]) -> None:
+    """Run the image's setup commands once per image hash (for environments not built here)."""
+    if not spec.setup:
+        return
+    marks = cache / "setup"
+    marks.mkdir(parents=True, exist_ok=True)
+    done = marks / f"{spec.hash}.done"
+    with _locked(marks / f"{spec.hash}.lock"):
+        if done.exists():
+            return
+        _run_setup(spec, log)
+        done.write_text("ok\n")
+
+
+def _build_into(
+    spec: EnvSpec, env_dir: Path, uv: str, log: Callable[[str], None], base_python: str | None
+) -> None:
+    python = spec.python or base_python or sys.executable
+    _run([uv, "venv", "--quiet", "--python", python, str(env_dir)], log, "uv venv")
+    if spec.pip:
+        with tempfile.TemporaryDirectory(prefix="skyward-req-") as tmp:
+            project = Path(tmp) / "pyproject.toml"
+            project.write_text(_requirements_project(spec))
+            command = [uv, "pip", "install", "--python", str(env_python(env_dir))]
+            command += ["-r", str(project)]
+            _run(command, log, "uv pip install")
+    _run_setup(spec, log, env_dir)
+
+
+def _run_setup(spec: EnvSpec, log: Callable[[str], None], env_dir: Path | None = None) -> None:
+    env = {**os.environ, **spec.env}
+    if env_dir is not None:
+        env["VIRTUAL_ENV"] = str(env_dir)
+        env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    for command in spec.setup:
+        _run(["/bin/sh", "-c", command], log, f"setup command {command!r}", env=env)
+
+
+def _requirements_project(spec: EnvSpec) -> str:
+    """The requirements as a pyproject.toml, the one form in which uv scopes an index to packages."""
+    lines = [
+        "[project]",
+        'name = "skyward-node-environment"',
+        'version = "0"',
+        "dependencies = [" + ", ".join(json.dumps(r) for r in spec.pip) + "]",
+        "",
+    ]
+    sources: dict[str, str] = {}
+    for number, (url, packages, flat) in enumerate(spec.indexes):
+        name = f"index-{number}"
+        lines += ["[[tool.uv.index]]", f'name = "{name}"', f"url = {json.dumps(url)}"]
+        if flat:
+            lines.append('format = "flat"')
+        if packages:
+            lines.append("explicit = true")
+            sources.update(dict.fromkeys(packages, name))
+        lines.append("")
+    if sources:
+        lines.append("[tool.uv.sources]")
+        lines += [f'{pkg} = {{ index = "{index}" }}' for pkg, index in sources.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _run(
+    command: list[str],
+    log: Callable[[str], None],
+    what: str,
+    env: dict[str, str] | None = None,
+) -> None:
+    tail: list[str] = []
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        env=env,
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            log(line)
+            tail = [*tail[-(OUTPUT_TAIL_LINES - 1) :], line]
+        status = proc.wait()
+    if status != 0:
+        raise BuildFailed(f"{what} failed with exit status {status}", "\n".join(tail))
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def main() -> None:
+    """``python -m skyward.worker.envbuild CACHE UV``: build the spec read from stdin."""
+    cache, uv = Path(sys.argv[1]).expanduser(), sys.argv[2]
+    spec = EnvSpec.from_json(sys.stdin.read())
+    try:
+        python = build(spec, cache, uv, lambda line: print(line, file=sys.stderr, flush=True))
+    except BuildFailed as exc:
+        print(json.dumps({"error": str(exc), "output": exc.output}))
+        sys.exit(1)
+    print(json.dumps({"python": str(python)}))
+
+
+if __name__ == "__main__":
+    main()

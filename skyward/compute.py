@@ -25,7 +25,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _function_ids = itertools.count(1)
-_EMPTY_ARGS = cloudpickle.dumps(((), {}), PROTOCOL)
+_EMPTY_ARGS: bytes = cloudpickle.dumps(((), {}), PROTOCOL)
 
 
 class Compute(Generic[P, R]):
@@ -88,7 +88,8 @@ class PendingCall(Generic[R]):
         if not self.args and not self.kwargs:
             return _EMPTY_ARGS
         try:
-            return cloudpickle.dumps((self.args, self.kwargs), PROTOCOL)
+            blob: bytes = cloudpickle.dumps((self.args, self.kwargs), PROTOCOL)
+            return blob
         except Exception as exc:
             raise SerializationError(self._culprit(exc)) from exc
 

@@ -63,7 +63,8 @@ class RemoteError(SkywardError):
 
     def __init__(self, type_name: str, message: str, traceback: str, *, node: int) -> None:
         super().__init__(
-            f"{type_name}: {message} (raised on node {node}; the exception could not be rebuilt on the client)"
+            f"{type_name}: {message} (raised on node {node}; "
+            "the exception could not be rebuilt on the client)"
         )
         self.type_name = type_name
         self.remote_message = message

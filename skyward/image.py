@@ -72,7 +72,9 @@ class Image:
             try:
                 Requirement(spec)
             except InvalidRequirement as exc:
-                raise ConfigError(f"Image(pip=...): {spec!r} is not a valid requirement: {exc}")
+                raise ConfigError(
+                    f"Image(pip=...): {spec!r} is not a valid requirement: {exc}"
+                ) from None
 
     def __hash__(self) -> int:
         return hash(self.content_hash)

@@ -193,7 +193,8 @@ class ComputePool:
         except TimeoutError:
             raise BootstrapError(
                 self._stuck_report(
-                    f"the pool did not become ready within startup_timeout={self.startup_timeout:g} s"
+                    "the pool did not become ready within "
+                    f"startup_timeout={self.startup_timeout:g} s"
                 )
             ) from None
         asyncio.get_running_loop().create_task(self._watch_heartbeats())
@@ -428,24 +429,21 @@ class ComputePool:
 
     def _collect(self, futures: list[Future[Any]], owners: list[AgentConnection]) -> list[Any]:
         done, running = wait_futures(futures, return_when=FIRST_EXCEPTION)
-        if running:
-            failed = next(f for f in done if f.exception() is not None)
-            error = failed.exception()
-            assert error is not None
-            culprit = owners[futures.index(failed)].node
+        failed = [f for f in futures if f in done and f.exception() is not None]
+        if failed and running:
+            error = failed[0].exception()
+            culprit = owners[futures.index(failed[0])].node
             grace = 0.0 if isinstance(error, WorkerError) else self.broadcast_grace
             _, running = wait_futures(running, timeout=grace)
             if running:
                 self._break(
-                    f"node {culprit} failed while the others were still running "
-                    f"({type(error).__name__}); the others were stopped",
+                    f"node {culprit} failed ({type(error).__name__}) while the others were still "
+                    "running, and they were stopped; start a new pool",
                     owners,
                     futures,
                 )
-        for future in futures:
-            error = future.exception()
-            if error is not None:
-                raise error
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
         return [future.result() for future in futures]
 
     def _break(

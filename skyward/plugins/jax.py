@@ -31,7 +31,7 @@ _KNOWN = ("cuda12", "cuda13", "tpu", "cpu")
 
 
 def normalize_cuda(value: str | None) -> str | None:
-    """Map a `cuda` argument to ``cuda12``/``cuda13``/``tpu``/``cpu`` (None: decide from the node)."""
+    """Map a `cuda` argument to cuda12/cuda13/tpu/cpu (None: decide from the accelerator)."""
     if value is None:
         return None
     key = value.strip().lower().replace("-", "").replace("_", "")
@@ -48,7 +48,7 @@ def normalize_cuda(value: str | None) -> str | None:
 
 
 class JaxPlugin(Plugin):
-    """Installs JAX for the pool's accelerator and runs ``jax.distributed.initialize`` on every node.
+    """Installs JAX for the accelerator and runs ``jax.distributed.initialize`` on every node.
 
     Args:
         cuda: ``"cuda12"``, ``"cuda13"``, ``"tpu"``, ``"cpu"``, an older ``"cu12x"`` tag, or None to
@@ -119,7 +119,7 @@ class JaxPlugin(Plugin):
         try:
             yield
         finally:
-            jax.distributed.shutdown()
+            jax.distributed.shutdown()  # type: ignore[no-untyped-call]
 
 
 def jax(

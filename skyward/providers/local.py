@@ -102,7 +102,8 @@ class Local:
         if spec.accelerator is not None:
             raise ConfigError(
                 f"the Local provider runs nodes on this machine's CPU and cannot provide "
-                f"accelerator={str(spec.accelerator)!r}; drop `accelerator` or use sky.SSH / sky.AWS"
+                f"accelerator={str(spec.accelerator)!r}; drop `accelerator` or use sky.SSH or "
+                "sky.AWS"
             )
 
     async def launch(self, spec: ClusterSpec) -> list[Node]:
@@ -125,8 +126,7 @@ class Local:
         except envbuild.BuildFailed as exc:
             raise BootstrapError(
                 f"building the environment for image {image.content_hash} on this machine "
-                f"failed: {exc}\n--- last lines ---\n{exc.output}\n"
-                "Check the package names and versions in Image(pip=...).",
+                f"failed: {exc}\n--- last lines ---\n{exc.output}",
                 output=exc.output,
             ) from None
 

@@ -31,6 +31,7 @@ from typing import Any
 import cloudpickle
 
 from skyward import info as info_module
+from skyward.errors import SerializationError
 from skyward.transport import frames
 
 HEARTBEAT_SECONDS = 2.0
@@ -134,16 +135,13 @@ class Agent:
         try:
             blob = cloudpickle.dumps(value, frames.PROTOCOL)
         except Exception as exc:
-            message = f"the return value of the call could not be pickled: {exc}"
+            error = SerializationError(
+                f"the return value ({type(value).__name__}) could not be pickled for the trip "
+                f"back to the client: {exc}; return plain data (numbers, arrays, dicts) instead"
+            )
             self.send(
-                (
-                    frames.RAISED,
-                    call_id,
-                    "skyward.errors.SerializationError",
-                    message,
-                    traceback.format_exc(),
-                ),
-                b"",
+                (frames.RAISED, call_id, _type_name(error), str(error), traceback.format_exc()),
+                _try_pickle(error),
             )
             return
         self.send((frames.RESULT, call_id), blob)
@@ -184,7 +182,8 @@ def _type_name(exc: BaseException) -> str:
 
 def _try_pickle(exc: BaseException) -> bytes:
     try:
-        return cloudpickle.dumps(exc, frames.PROTOCOL)
+        blob: bytes = cloudpickle.dumps(exc, frames.PROTOCOL)
+        return blob
     except Exception:
         return b""
 

@@ -134,7 +134,7 @@ def _run_setup(spec: EnvSpec, log: Callable[[str], None], env_dir: Path | None =
 
 
 def _requirements_project(spec: EnvSpec) -> str:
-    """The requirements as a pyproject.toml, the one form in which uv scopes an index to packages."""
+    """The requirements as a pyproject.toml: the form in which uv scopes an index to packages."""
     lines = [
         "[project]",
         'name = "skyward-node-environment"',

@@ -42,6 +42,7 @@ __all__ = [
     "APT_PACKAGES",
     "DEFAULT_SUBNET",
     "NAME_PREFIX",
+    "ROUTE_PROTO",
     "SSHD",
     "TEST_USER",
     "KeyPair",
@@ -58,7 +59,7 @@ __all__ = [
     "netns_unavailable_reason",
     "pid_alive",
     "processes_of",
-    "remove_stale_netns_hosts",
+    "remove_stale_resources",
     "ssh_command",
 ]
 
@@ -76,6 +77,9 @@ DEFAULT_SUBNET = "10.213.0.0/24"
 
 NAME_PREFIX = "skyt"
 """Prefix of every namespace, bridge and veth name made here."""
+
+ROUTE_PROTO = "213"
+"""Routing protocol id that tags the host routes made here (``ip route show proto 213``)."""
 
 _WORKDIR_PREFIX = "skyward-sshd-"
 _POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
@@ -259,15 +263,17 @@ def processes_of(user: str, netns: str | None = None) -> list[Process]:
 
     Network namespaces share the PID namespace, so without ``netns`` this sees the user's
     processes everywhere; with ``netns`` it keeps only those inside that namespace.
+    Zombies are left out.
     """
-    proc = _run(["ps", "-u", user, "-o", "pid=,args="], check=False)
+    proc = _run(["ps", "-u", user, "-o", "pid=,stat=,args="], check=False)
     if proc.returncode not in (0, 1):  # 1: no process matched (or unknown user)
         raise RuntimeError(f"ps failed: {proc.stderr.strip()}")
     result = []
     for line in proc.stdout.splitlines():
-        pid_text, _, args = line.strip().partition(" ")
-        if pid_text.isdigit():
-            result.append(Process(int(pid_text), args.strip()))
+        parts = line.split(None, 2)
+        # Zombies are dead already; init may take a while to reap orphaned ones.
+        if len(parts) >= 2 and parts[0].isdigit() and not parts[1].startswith("Z"):
+            result.append(Process(int(parts[0]), parts[2] if len(parts) > 2 else ""))
     if netns is not None:
         inode = _netns_inode(netns)
         result = [p for p in result if _pid_in_netns(p.pid, inode)]
@@ -718,6 +724,8 @@ class SshdServer:
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        # Collect the tree while the listener is alive and unreaped (its pid cannot be
+        # reused yet, and its children have not been reparented to init).
         procs = _descendants(proc.pid)
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -729,8 +737,6 @@ class SshdServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=5)
-        # Anything a session forked while we were killing its parents.
-        _terminate(_descendants(proc.pid), grace)
 
     def restart(self, host_key: KeyPair | None = None) -> Self:
         """Stop and start again on the same address, optionally with a new host key."""
@@ -951,8 +957,8 @@ class NetnsHosts:
         self._built = True
         try:
             # The guard goes first: nothing in the test /16 may ever leave the machine.
-            _run([ip, "route", "replace", "unreachable", str(self.guard_network)])
-            _run([ip, "route", "replace", "unreachable", f"{self.unreachable_address}/32"])
+            for dst in (str(self.guard_network), f"{self.unreachable_address}/32"):
+                _run([ip, "route", "replace", "unreachable", dst, "proto", ROUTE_PROTO])
             _run([ip, "link", "add", "name", self.bridge, "type", "bridge"])
             _run([ip, "addr", "add", f"{self.bridge_address}/{self.subnet.prefixlen}",
                   "dev", self.bridge])  # fmt: skip
@@ -1008,7 +1014,8 @@ class NetnsHosts:
         _run([ip, *ns, "link", "set", "lo", "up"])
         _run([ip, *ns, "addr", "add", f"{host.address}/{self.subnet.prefixlen}", "dev", "eth0"])
         _run([ip, *ns, "link", "set", "eth0", "up"])
-        _run([ip, *ns, "route", "add", "unreachable", f"{self.unreachable_address}/32"])
+        _run([ip, *ns, "route", "add", "unreachable", f"{self.unreachable_address}/32",
+              "proto", ROUTE_PROTO])  # fmt: skip
 
     def _remove_all(self) -> None:
         """Best-effort removal of everything this instance's names may have created."""
@@ -1107,24 +1114,43 @@ class NetnsHosts:
         return path
 
 
-def remove_stale_netns_hosts() -> list[str]:
-    """Remove every ``skyt-*`` namespace and ``skyt*`` link on the machine; return names.
+def remove_stale_resources() -> list[str]:
+    """Remove everything a crashed test run of this module may have left; return names.
 
-    For a session start after a crash (random run ids do not collide, so their leftovers
-    would otherwise stay). Do not call while another test process may use NetnsHosts.
+    Kills every sshd started by :class:`SshdServer` (and its sessions), deletes every
+    ``skyt-*`` namespace (and what runs in it), every ``skyt*`` link, every host route
+    tagged with :data:`ROUTE_PROTO`, and the ``skyward-sshd-*`` temp dirs. Random run ids
+    never collide, so a crash's leftovers would otherwise stay until reboot. Call it at
+    session start only when no other test process on the machine uses this module.
     """
     removed: list[str] = []
+    for pid, cmdline in _sshd_pids().items():
+        if _WORKDIR_PREFIX in cmdline:
+            stat = _proc_stat(pid)
+            if stat is not None:
+                _terminate({**_descendants(pid), pid: stat[1]})
+                removed.append(f"sshd pid {pid}")
+    ip = _ip()
     for name in _netns_names():
         if name.startswith(f"{NAME_PREFIX}-"):
             _delete_netns(name)
-            removed.append(name)
-    out = _run([_ip(), "-o", "link", "show"], check=False).stdout
+            removed.append(f"netns {name}")
+    out = _run([ip, "-o", "link", "show"], check=False).stdout
     for line in out.splitlines():
         parts = line.split(":")
         if len(parts) < 2:
             continue
         link = parts[1].strip().split("@")[0]
-        if link.startswith(NAME_PREFIX):
-            _run([_ip(), "link", "del", link], check=False)
-            removed.append(link)
+        if link.startswith(NAME_PREFIX) and _link_exists(link):
+            _run([ip, "link", "del", link], check=False)
+            removed.append(f"link {link}")
+    routes = _run([ip, "route", "show", "proto", ROUTE_PROTO], check=False).stdout
+    for line in routes.splitlines():
+        tokens = line.split()
+        if len(tokens) >= 2 and tokens[0] == "unreachable":
+            _run([ip, "route", "del", "unreachable", tokens[1]], check=False)
+            removed.append(f"route unreachable {tokens[1]}")
+    for workdir in _LOCK_DIR.glob(f"{_WORKDIR_PREFIX}*"):
+        shutil.rmtree(workdir, ignore_errors=True)
+        removed.append(str(workdir))
     return removed

@@ -21,6 +21,7 @@ from .sshd import (
     SshUser,
     ensure_openssh_server,
     is_root,
+    kill_processes_of,
     known_hosts_line,
     netns_unavailable_reason,
     pid_alive,
@@ -406,3 +407,39 @@ def test_netns_hosts_setup_failure_cleans_up(sshd_path: Path) -> None:
     assert hosts.leftovers() == []
     out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
     assert "tfail" not in out
+
+
+def test_orphaned_remote_process_is_found_and_killed(
+    netns_hosts: NetnsHosts, user_key: KeyPair, netns_known_hosts: Path
+) -> None:
+    marker = "41.4142"
+    host = netns_hosts[2]
+    detach = f"nohup sleep {marker} >/dev/null 2>&1 &"
+    argv = ssh_command(host.address, 22, TEST_USER, user_key, netns_known_hosts, detach)
+    assert _ssh(argv).returncode == 0
+    # The session is over (sshd's side winds down a moment after the client returns),
+    # so the sleep now lives outside sshd's process tree ...
+    server = host.server
+    assert server is not None
+    assert _wait_for(lambda: not any(pid_alive(p) for p in server.session_processes()), 5)
+    assert any(f"sleep {marker}" in p.args for p in host.processes_of(TEST_USER))
+    # ... and only a per-user (or per-namespace) sweep finds it.
+    assert kill_processes_of(TEST_USER, netns=host.netns) >= 1
+    assert not any(f"sleep {marker}" in p.args for p in host.processes_of(TEST_USER))
+
+
+def test_overlapping_real_network_is_refused(sshd_path: Path) -> None:
+    if (reason := netns_unavailable_reason()) is not None:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    dummy = "skytovl-test"
+    subprocess.run(["ip", "link", "del", dummy], capture_output=True, check=False)
+    subprocess.run(["ip", "link", "add", dummy, "type", "bridge"], check=True)
+    try:
+        subprocess.run(["ip", "addr", "add", "10.214.0.1/24", "dev", dummy], check=True)
+        subprocess.run(["ip", "link", "set", dummy, "up"], check=True)
+        hosts = NetnsHosts(1, subnet="10.214.7.0/24", run_id="tovl")
+        with pytest.raises(RuntimeError, match="overlaps a real route"):
+            hosts.build()
+        assert hosts.leftovers() == []
+    finally:
+        subprocess.run(["ip", "link", "del", dummy], check=True)

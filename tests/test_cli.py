@@ -1,0 +1,34 @@
+"""The `skyward` command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skyward import __version__
+from skyward.cli import main
+
+
+def test_cache_list_and_clear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SKYWARD_CACHE_DIR", str(tmp_path))
+    assert main(["cache", "list"]) == 0
+    assert "no environments" in capsys.readouterr().out
+    env = tmp_path / "envs" / "0123456789abcdef"
+    env.mkdir(parents=True)
+    (env / "blob").write_bytes(b"x" * 2_000_000)
+    (env / ".skyward-ready").write_text("{}")
+    assert main(["cache", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert "0123456789abcdef" in listed and "2.0 MB" in listed and "ready" in listed
+    assert main(["cache", "clear"]) == 0
+    assert not env.exists()
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["--version"])
+    assert caught.value.code == 0
+    assert __version__ in capsys.readouterr().out

@@ -1,0 +1,30 @@
+"""The code stays ruff-clean, formatted and type-checked (the checks CI would otherwise skip)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed")
+def test_ruff_lint_and_format() -> None:
+    lint = _run("ruff", "check", ".")
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    fmt = _run("ruff", "format", "--check", ".")
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def test_mypy_strict_on_the_package() -> None:
+    pytest.importorskip("mypy")
+    result = _run(sys.executable, "-m", "mypy")
+    assert result.returncode == 0, result.stdout + result.stderr

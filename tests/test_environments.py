@@ -1,0 +1,104 @@
+"""Local node environments: reuse this interpreter, or build one with uv once per hash."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import skyward as sky
+from skyward.worker import envbuild
+
+
+@sky.compute
+def interpreter() -> tuple[str, str]:
+    import tomli_w  # only in the built environment
+
+    return sys.executable, tomli_w.dumps({"ok": True})
+
+
+@sky.compute
+def plain_interpreter() -> str:
+    return sys.executable
+
+
+def test_satisfied_image_reuses_this_interpreter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SKYWARD_CACHE_DIR", str(tmp_path))
+    image = sky.Image(
+        pip=["cloudpickle>=1", "packaging"], setup=[f"echo ran >> {tmp_path}/setup-ran"]
+    )
+    for _ in range(2):
+        with sky.ComputePool(nodes=1, image=image, stream_output=False) as pool:
+            assert plain_interpreter() >> pool == sys.executable
+    assert (tmp_path / "setup-ran").read_text() == "ran\n", "setup must run once per image hash"
+    assert not (tmp_path / "envs").exists()
+
+
+@pytest.mark.slow
+def test_missing_package_builds_a_uv_environment_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SKYWARD_CACHE_DIR", str(tmp_path))
+    image = sky.Image(pip=["tomli-w==1.0.0"], setup=["echo built >> $VIRTUAL_ENV/setup-log"])
+    with sky.ComputePool(nodes=2, image=image, stream_output=False) as pool:
+        results = interpreter() @ pool
+    env_dir = tmp_path / "envs" / image.content_hash
+    assert {python for python, _ in results} == {str(env_dir / "bin" / "python")}
+    assert all(text.strip() == "ok = true" for _, text in results)
+    marker = env_dir / envbuild.READY_MARKER
+    first_build = marker.stat().st_mtime_ns
+    with sky.ComputePool(nodes=1, image=image, stream_output=False) as pool:
+        assert (interpreter() >> pool)[0] == str(env_dir / "bin" / "python")
+    assert marker.stat().st_mtime_ns == first_build, "the second pool rebuilt the environment"
+    assert (env_dir / "setup-log").read_text() == "built\n"
+
+
+@pytest.mark.slow
+def test_failed_install_is_a_bootstrap_error_with_the_installer_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SKYWARD_CACHE_DIR", str(tmp_path))
+    image = sky.Image(pip=["skyward-no-such-package-3f9c==1.0"])
+    with pytest.raises(sky.BootstrapError) as caught:
+        with sky.ComputePool(nodes=1, image=image, stream_output=False):
+            pass
+    assert "skyward-no-such-package-3f9c" in str(caught.value)
+    assert "uv pip install failed" in str(caught.value)
+    assert not (tmp_path / "envs" / image.content_hash).exists(), "a half-built env was kept"
+
+
+def test_missing_apt_package_is_reported_not_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SKYWARD_CACHE_DIR", str(tmp_path))
+    with pytest.raises(sky.BootstrapError, match="skyward-no-such-deb"):
+        with sky.ComputePool(image=sky.Image(apt=["skyward-no-such-deb"]), stream_output=False):
+            pass
+
+
+def test_scoped_indexes_become_explicit_uv_sources() -> None:
+    spec = envbuild.EnvSpec(
+        hash="h",
+        pip=("jax[cuda12]", "optax"),
+        indexes=(
+            ("https://example.invalid/jax.html", ("jax", "jaxlib"), True),
+            ("https://example.invalid/simple", (), False),
+        ),
+    )
+    text = envbuild._requirements_project(spec)
+    import tomllib
+
+    project = tomllib.loads(text)
+    indexes = project["tool"]["uv"]["index"]
+    assert indexes[0]["format"] == "flat" and indexes[0]["explicit"] is True
+    assert "explicit" not in indexes[1]
+    assert project["tool"]["uv"]["sources"] == {
+        "jax": {"index": "index-0"},
+        "jaxlib": {"index": "index-0"},
+    }
+    assert project["project"]["dependencies"] == ["jax[cuda12]", "optax"]
+    assert os.path.basename(sys.executable)

@@ -1,0 +1,258 @@
+"""Failure semantics on the Local provider (DESIGN.md section 6), with real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import skyward as sky
+from tests.conftest import alive, wait_gone, worker_children
+
+
+class NeedsTwoArgs(Exception):
+    """Pickles fine but cannot be rebuilt: its __init__ wants two arguments."""
+
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(f"{a}/{b}")
+
+
+@sky.compute
+def fail_with(kind: str) -> None:
+    if kind == "value":
+        raise ValueError("bad value 42")
+    if kind == "custom":
+        raise NeedsTwoArgs("left", "right")
+    raise KeyError(kind)
+
+
+@sky.compute
+def die(how: str, node_to_die: int = 0) -> str:
+    info = sky.instance_info()
+    if info.node != node_to_die:
+        time.sleep(120)  # the survivor: stuck, as a rank in a collective would be
+        return "survived"
+    print(f"last words of node {info.node}", flush=True)
+    if how == "exit":
+        os._exit(7)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "unreachable"
+
+
+@sky.compute
+def pid() -> int:
+    return os.getpid()
+
+
+def test_user_exception_keeps_type_message_node_and_remote_traceback() -> None:
+    with sky.ComputePool(nodes=2, stream_output=False) as pool:
+        with pytest.raises(ValueError, match="bad value 42") as caught:
+            fail_with("value") >> pool
+        cause = caught.value.__cause__
+        assert cause is not None and "Traceback on node" in str(cause)
+        assert 'raise ValueError("bad value 42")' in str(cause)
+        assert any("raised on node" in note for note in caught.value.__notes__)
+        # the pool survives a user exception
+        assert pid() >> pool != os.getpid()
+
+
+def test_unrebuildable_exception_becomes_remote_error() -> None:
+    with sky.ComputePool(nodes=1, stream_output=False) as pool:
+        with pytest.raises(sky.RemoteError) as caught:
+            fail_with("custom") >> pool
+    error = caught.value
+    assert error.type_name.endswith("NeedsTwoArgs")
+    assert "left/right" in error.remote_message
+    assert "NeedsTwoArgs" in error.remote_traceback
+    assert error.node == 0
+    assert isinstance(error, sky.SkywardError)
+
+
+@pytest.mark.parametrize(
+    ("how", "status_text"), [("exit", "exit status 7"), ("kill", "killed by SIGKILL")]
+)
+def test_dead_node_fails_the_call_fast_with_status_and_last_output(
+    how: str, status_text: str
+) -> None:
+    with sky.ComputePool(nodes=1, stream_output=False) as pool:
+        started = time.monotonic()
+        with pytest.raises(sky.WorkerError) as caught:
+            die(how) >> pool
+        elapsed = time.monotonic() - started
+        error = caught.value
+        assert error.node == 0
+        assert status_text in str(error)
+        assert "last words of node 0" in str(error)
+        assert "last words of node 0" in error.output_tail
+        assert elapsed < 10, f"a dead node took {elapsed:.1f} s to report"
+        with pytest.raises(sky.PoolClosedError):
+            pid() >> pool
+
+
+def test_dead_node_in_a_broadcast_stops_the_others() -> None:
+    with sky.ComputePool(nodes=3, stream_output=False) as pool:
+        pids = pid() @ pool
+        started = time.monotonic()
+        with pytest.raises(sky.WorkerError) as caught:
+            die("exit", node_to_die=1) @ pool
+        assert time.monotonic() - started < 10
+        assert caught.value.node == 1
+        assert not wait_gone(pids, timeout=5), "the surviving nodes were not stopped"
+        with pytest.raises(sky.PoolClosedError, match="node 1 failed"):
+            pid() @ pool
+
+
+def test_user_exception_in_a_broadcast_stops_stragglers_after_grace() -> None:
+    @sky.compute
+    def one_fails() -> None:
+        if sky.instance_info().node == 0:
+            raise RuntimeError("rank 0 gave up")
+        time.sleep(120)
+
+    with sky.ComputePool(nodes=2, broadcast_grace=0.5, stream_output=False) as pool:
+        with pytest.raises(RuntimeError, match="rank 0 gave up"):
+            one_fails() @ pool
+        with pytest.raises(sky.PoolClosedError, match="node 0 failed"):
+            pid() >> pool
+
+
+def test_bad_input_fails_before_any_process_starts() -> None:
+    before = set(worker_children())
+    with pytest.raises(sky.ConfigError):
+        sky.ComputePool(nodes=0)
+    with pytest.raises(ValueError):
+        sky.ComputePool(nodes=-1)
+    with pytest.raises(ValueError, match="cuda"):
+        sky.plugins.jax(cuda="cuda11")
+    with pytest.raises(sky.ConfigError):
+        sky.ComputePool(accelerator="A100")  # Local runs on this machine's CPU
+    with pytest.raises(sky.ConfigError):
+        sky.ComputePool(plugins=["jax"])  # type: ignore[list-item]
+    assert set(worker_children()) == before
+
+
+def test_unpicklable_function_or_argument_is_named_before_sending() -> None:
+    lock = threading.Lock()
+
+    @sky.compute
+    def uses_lock() -> bool:
+        return lock.locked()
+
+    @sky.compute
+    def takes(x: object, y: object = None) -> None:
+        return None
+
+    with sky.ComputePool(nodes=1, stream_output=False) as pool:
+        with pytest.raises(sky.SerializationError, match="uses_lock"):
+            uses_lock() >> pool
+        with pytest.raises(sky.SerializationError, match="argument 1"):
+            takes(1, lock) >> pool
+        with pytest.raises(sky.SerializationError, match="argument y="):
+            takes(1, y=lock) >> pool
+        assert pid() >> pool > 0  # nothing was sent, the pool is fine
+
+
+def test_unpicklable_result_is_a_clear_error() -> None:
+    @sky.compute
+    def returns_lock() -> object:
+        return threading.Lock()
+
+    with sky.ComputePool(nodes=1, stream_output=False) as pool:
+        with pytest.raises(sky.SerializationError, match="return value"):
+            returns_lock() >> pool
+
+
+def test_failing_plugin_is_named_with_its_hook_and_node() -> None:
+    def broken(info: sky.InstanceInfo) -> None:
+        if info.node == 1:
+            raise OSError("no such device")
+
+    with pytest.raises(sky.PluginError) as caught, sky.ComputePool(
+        nodes=2, plugins=[sky.Plugin("gpu-check", around_app=broken)], stream_output=False
+    ):
+        pass
+    error = caught.value
+    assert (error.plugin, error.hook, error.node) == ("gpu-check", "around_app", 1)
+    assert "no such device" in str(error)
+
+    def bad_transform(image: sky.Image, cluster: sky.ClusterSpec) -> sky.Image:
+        raise RuntimeError("cannot shape image")
+
+    with pytest.raises(sky.PluginError, match="'shaper' failed in transform"):
+        sky.ComputePool(
+            plugins=[sky.Plugin("shaper", transform=bad_transform)], stream_output=False
+        ).__enter__()
+
+
+def test_exception_inside_the_block_tears_down() -> None:
+    with pytest.raises(ZeroDivisionError):
+        with sky.ComputePool(nodes=2, stream_output=False) as pool:
+            pids = pid() @ pool
+            1 / 0  # noqa: B018
+    assert not wait_gone(pids, timeout=5)
+
+
+CLIENT = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    import skyward as sky
+
+    @sky.compute
+    def hang():
+        child = subprocess.Popen(["sleep", "300"])
+        print("PIDS", os.getpid(), child.pid, flush=True)
+        time.sleep(300)
+
+    def slow_start(info):
+        print("PIDS", os.getpid(), flush=True)
+        time.sleep(300)
+
+    phase = sys.argv[1]
+    plugins = [sky.Plugin("slow", around_app=slow_start)] if phase == "startup" else []
+    with sky.ComputePool(nodes=2, plugins=plugins) as pool:
+        hang() @ pool
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("phase", "sig"),
+    [("call", signal.SIGINT), ("call", signal.SIGTERM), ("startup", signal.SIGINT)],
+)
+def test_signals_to_the_client_leave_no_process_behind(
+    tmp_path: Path, phase: str, sig: signal.Signals
+) -> None:
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    client = subprocess.Popen(
+        [sys.executable, str(script), phase],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert client.stdout is not None
+    pids: list[int] = []
+    deadline = time.monotonic() + 60
+    while len(pids) < (4 if phase == "call" else 2) and time.monotonic() < deadline:
+        line = client.stdout.readline()
+        if not line:
+            break
+        if "PIDS" in line:
+            pids += [int(p) for p in line.split("PIDS", 1)[1].split()]
+    assert pids, "the client never reported its nodes' pids"
+    assert all(alive(p) for p in pids)
+    client.send_signal(sig)
+    try:
+        client.wait(timeout=30)
+    finally:
+        client.kill()
+    assert client.returncode != 0
+    assert not wait_gone(pids, timeout=10), "processes left behind"

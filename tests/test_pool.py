@@ -1,0 +1,203 @@
+"""The pool's everyday behaviour on the Local provider: calls, operators, output, lifecycle."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+import skyward as sky
+
+
+@sky.compute
+def whoami(tag: str = "") -> tuple[int, int, str]:
+    info = sky.instance_info()
+    return info.node, os.getpid(), tag
+
+
+@sky.compute
+def double(x: int) -> int:
+    return 2 * x
+
+
+@sky.compute
+def shout(text: str) -> str:
+    print(text)
+    print(f"err: {text}", file=__import__("sys").stderr)
+    os.system(f"echo from-a-subprocess-{text}")
+    return text
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[sky.ComputePool]:
+    with sky.ComputePool(nodes=2, stream_output=False) as running:
+        yield running
+
+
+def test_broadcast_returns_one_result_per_node_in_node_order(pool: sky.ComputePool) -> None:
+    results = whoami("b") @ pool
+    assert [node for node, _, _ in results] == [0, 1]
+    assert len({pid for _, pid, _ in results}) == 2
+    assert all(tag == "b" for _, _, tag in results)
+    assert os.getpid() not in {pid for _, pid, _ in results}
+
+
+def test_rshift_spreads_successive_calls_over_nodes(pool: sky.ComputePool) -> None:
+    nodes = {(whoami() >> pool)[0] for _ in range(6)}
+    assert nodes == {0, 1}
+
+
+def test_and_and_gather_run_calls_concurrently_in_call_order(pool: sky.ComputePool) -> None:
+    assert (double(1) & double(2) & double(3)) >> pool == (2, 4, 6)
+    assert sky.gather(*(double(i) for i in range(10))) >> pool == tuple(2 * i for i in range(10))
+    owners = {node for node, _, _ in sky.gather(whoami(), whoami()) >> pool}
+    assert owners == {0, 1}
+
+
+def test_submit_returns_a_future_and_node_can_be_chosen(pool: sky.ComputePool) -> None:
+    future = pool.submit(whoami("f"), node=1)
+    assert future.result(timeout=30)[0] == 1
+    assert pool.run(double(21), node=0) == 42
+
+
+def test_local_runs_in_process() -> None:
+    assert double(4).local() == 8
+    assert double.local(5) == 10
+    assert (double(1) & double(2)).local() == (2, 4)
+    with pytest.raises(sky.NotOnNodeError):
+        whoami().local()
+
+
+def test_output_is_prefixed_kept_and_includes_subprocesses(pool: sky.ComputePool) -> None:
+    assert shout("hello-1") >> pool == "hello-1"
+    lines = pool.logs()
+    node_lines = [line for line in lines if "hello-1" in line]
+    assert any(line.endswith(") hello-1") for line in node_lines), lines
+    assert any("err: hello-1" in line for line in node_lines)
+    assert any("from-a-subprocess-hello-1" in line for line in node_lines)
+    assert all(line.startswith("(node ") for line in lines)
+
+
+def test_output_streams_to_the_console_with_the_node_prefix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with sky.ComputePool(nodes=1) as running:
+        shout("streamed") >> running
+    out = capsys.readouterr().out
+    assert "(node 0) streamed" in out
+    assert "(node 0) from-a-subprocess-streamed" in out
+
+
+def test_function_is_sent_and_unpickled_once_per_node(
+    pool: sky.ComputePool, tmp_path: os.PathLike[str]
+) -> None:
+    journal = os.path.join(tmp_path, "unpickled")
+
+    class Traced:
+        """A callable that notes every time a node unpickles it."""
+
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def __setstate__(self, state: dict[str, str]) -> None:
+            self.__dict__.update(state)
+            with open(self.path, "a") as handle:
+                handle.write(f"{os.getpid()}\n")
+
+        def __call__(self, x: int) -> int:
+            return x + 1
+
+    traced = sky.compute(Traced(journal))
+    assert [traced(i) >> pool for i in range(6)] == [1, 2, 3, 4, 5, 6]
+    assert traced(0) @ pool == [1, 1]
+    with open(journal) as handle:
+        pids = handle.read().split()
+    assert len(pids) == 2 and len(set(pids)) == 2, pids
+
+
+def test_large_arguments_and_results_round_trip(pool: sky.ComputePool) -> None:
+    @sky.compute
+    def echo(blob: bytes) -> bytes:
+        return blob[::-1]
+
+    data = os.urandom(5_000_000)
+    assert echo(data) >> pool == data[::-1]
+
+
+def test_instance_info_fields(pool: sky.ComputePool) -> None:
+    @sky.compute
+    def info() -> sky.InstanceInfo:
+        return sky.instance_info()
+
+    infos = info() @ pool
+    assert [i.node for i in infos] == [0, 1]
+    assert [i.is_head for i in infos] == [True, False]
+    for i in infos:
+        assert i.total_nodes == 2
+        assert i.head_addr == "127.0.0.1"
+        assert 0 < i.head_port < 65536
+        assert i.peers == ("127.0.0.1", "127.0.0.1")
+        assert i.pool_id == pool.pool_id
+        assert i.accelerator is None
+    assert infos == pool.infos
+
+
+def test_env_reaches_the_nodes() -> None:
+    @sky.compute
+    def read_env() -> tuple[str | None, str | None]:
+        return os.environ.get("FROM_IMAGE"), os.environ.get("FROM_POOL")
+
+    image = sky.Image(env={"FROM_IMAGE": "img"})
+    with sky.ComputePool(
+        nodes=1, image=image, env={"FROM_POOL": "pool"}, stream_output=False
+    ) as running:
+        assert read_env() >> running == ("img", "pool")
+
+
+def test_plugin_hooks_run_in_order_and_unwind_in_reverse(tmp_path: os.PathLike[str]) -> None:
+    import contextlib
+
+    journal = os.path.join(tmp_path, "journal")
+
+    def recorder(name: str):  # type: ignore[no-untyped-def]
+        @contextlib.contextmanager
+        def around(info: sky.InstanceInfo):  # type: ignore[no-untyped-def]
+            with open(journal, "a") as handle:
+                handle.write(f"enter {name} {info.node}\n")
+            yield
+            with open(journal, "a") as handle:
+                handle.write(f"exit {name} {info.node}\n")
+
+        return around
+
+    seen: list[str] = []
+
+    def transform(tag: str):  # type: ignore[no-untyped-def]
+        def apply(image: sky.Image, cluster: sky.ClusterSpec) -> sky.Image:
+            seen.append(tag)
+            assert cluster.nodes == 1
+            return image.with_env({"ORDER": image.env.get("ORDER", "") + tag})
+
+        return apply
+
+    @sky.compute
+    def order() -> str:
+        return os.environ["ORDER"]
+
+    plugins = [
+        sky.Plugin("a", transform=transform("a"), around_app=recorder("a")),
+        sky.Plugin("b", transform=transform("b"), around_app=recorder("b")),
+    ]
+    with sky.ComputePool(nodes=1, plugins=plugins, stream_output=False) as running:
+        assert order() >> running == "ab"
+    assert seen == ["a", "b"]
+    with open(journal) as handle:
+        assert handle.read().split("\n")[:-1] == ["enter a 0", "enter b 0", "exit b 0", "exit a 0"]
+
+
+def test_pool_cannot_be_used_after_close() -> None:
+    with sky.ComputePool(nodes=1, stream_output=False) as running:
+        pass
+    with pytest.raises(sky.PoolClosedError, match="not running"):
+        double(1) >> running

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
+from skyward.providers.environment import env_spec
 from skyward.worker import envbuild
 
 
@@ -46,7 +47,7 @@ def test_missing_package_builds_a_uv_environment_once(
     image = sky.Image(pip=["tomli-w==1.0.0"], setup=["echo built >> $VIRTUAL_ENV/setup-log"])
     with sky.ComputePool(nodes=2, image=image, stream_output=False) as pool:
         results = interpreter() @ pool
-    env_dir = tmp_path / "envs" / image.content_hash
+    env_dir = tmp_path / "envs" / env_spec(image).hash
     assert {python for python, _ in results} == {str(env_dir / "bin" / "python")}
     assert all(text.strip() == "ok = true" for _, text in results)
     marker = env_dir / envbuild.READY_MARKER
@@ -68,7 +69,7 @@ def test_failed_install_is_a_bootstrap_error_with_the_installer_output(
             pass
     assert "skyward-no-such-package-3f9c" in str(caught.value)
     assert "uv pip install failed" in str(caught.value)
-    assert not (tmp_path / "envs" / image.content_hash).exists(), "a half-built env was kept"
+    assert not (tmp_path / "envs" / env_spec(image).hash).exists(), "a half-built env was kept"
 
 
 def test_missing_apt_package_is_reported_not_installed(

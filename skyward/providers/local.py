@@ -26,6 +26,7 @@ from skyward.cluster import ClusterSpec
 from skyward.errors import BootstrapError, ConfigError
 from skyward.image import Image
 from skyward.providers.base import Log, Node
+from skyward.providers.environment import env_spec
 from skyward.transport.base import AgentStream
 from skyward.transport.subprocess import spawn
 from skyward.worker import envbuild
@@ -40,33 +41,6 @@ def cache_dir() -> Path:
         return Path(explicit).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "skyward"
-
-
-def worker_pins() -> tuple[str, ...]:
-    """What every built environment needs for the agent, pinned to the client's versions."""
-    return (f"cloudpickle=={metadata.version('cloudpickle')}", "packaging")
-
-
-def env_spec(image: Image) -> envbuild.EnvSpec:
-    """The build recipe for `image`, including the agent's own pins."""
-    pins = worker_pins()
-    pip = (
-        *image.pip,
-        *(
-            p
-            for p in pins
-            if canonicalize_name(Requirement(p).name)
-            not in {canonicalize_name(r.name) for r in image.requirements()}
-        ),
-    )
-    return envbuild.EnvSpec(
-        hash=image.content_hash,
-        python=image.python,
-        pip=pip,
-        indexes=tuple((i.url, i.packages, i.flat) for i in image.indexes),
-        setup=image.setup,
-        env=dict(image.env),
-    )
 
 
 class LocalNode(Node):

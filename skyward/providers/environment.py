@@ -1,0 +1,41 @@
+"""The build recipe shared by every provider: an `Image` plus what the agent itself needs."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as metadata
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from skyward.image import Image
+from skyward.worker import envbuild
+
+
+def worker_pins() -> tuple[str, ...]:
+    """What every built environment needs for the agent, pinned to the client's versions."""
+    return (f"cloudpickle=={metadata.version('cloudpickle')}", "packaging")
+
+
+def env_spec(image: Image) -> envbuild.EnvSpec:
+    """The build recipe for `image`, including the agent's own pins."""
+    pins = worker_pins()
+    pip = (
+        *image.pip,
+        *(
+            p
+            for p in pins
+            if canonicalize_name(Requirement(p).name)
+            not in {canonicalize_name(r.name) for r in image.requirements()}
+        ),
+    )
+    # The agent's pins are part of the key: a client with another cloudpickle gets a fresh env.
+    key = hashlib.sha256(f"{image.content_hash}|{'|'.join(pins)}".encode()).hexdigest()[:16]
+    return envbuild.EnvSpec(
+        hash=key,
+        python=image.python,
+        pip=pip,
+        indexes=tuple((i.url, i.packages, i.flat) for i in image.indexes),
+        setup=image.setup,
+        env=dict(image.env),
+    )

@@ -186,6 +186,7 @@ class AgentConnection:
                     f"node {self.node} was stopped: {reason}",
                     node=self.node,
                     output_tail=tuple(list(self.lines)[-TAIL_LINES:]),
+                    stopped=True,
                 )
             )
         self.stream.kill()
@@ -205,6 +206,9 @@ class AgentConnection:
                 f"[skyward] node {self.node} did not stop within {timeout:g} s; killing it"
             )
         self.stream.kill()
+        with contextlib.suppress(Exception):
+            self.stream.stdin.close()
+            await asyncio.wait_for(self.stream.wait(), timeout=2)
         for task in (self._frame_task, self._output_task):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -51,11 +51,13 @@ class WorkerError(SkywardError):
         node: int,
         exit_status: int | None = None,
         output_tail: tuple[str, ...] = (),
+        stopped: bool = False,
     ) -> None:
         super().__init__(message)
         self.node = node
         self.exit_status = exit_status
         self.output_tail = output_tail
+        self.stopped = stopped  # True: skyward stopped this node because another one failed
 
 
 class RemoteError(SkywardError):

@@ -429,36 +429,41 @@ class ComputePool:
 
     def _collect(self, futures: list[Future[Any]], owners: list[AgentConnection]) -> list[Any]:
         done, running = wait_futures(futures, return_when=FIRST_EXCEPTION)
-        failed = [f for f in futures if f in done and f.exception() is not None]
-        if failed and running:
-            error = failed[0].exception()
-            culprit = owners[futures.index(failed[0])].node
+        first = next((f for f in futures if f in done and f.exception() is not None), None)
+        if first is not None and running:
+            error = first.exception()
             grace = 0.0 if isinstance(error, WorkerError) else self.broadcast_grace
             _, running = wait_futures(running, timeout=grace)
             if running:
                 self._break(
-                    f"node {culprit} failed ({type(error).__name__}) while the others were still "
-                    "running, and they were stopped; start a new pool",
-                    owners,
-                    futures,
+                    f"node {owners[futures.index(first)].node} failed ({type(error).__name__}) "
+                    "while the others were still running, and they were stopped; start a new pool",
+                    [conn for conn, f in zip(owners, futures, strict=True) if not f.done()],
                 )
-        if failed:
-            raise failed[0].exception()  # type: ignore[misc]
-        return [future.result() for future in futures]
+        # A dead node is the root cause of what the others then report (a collective that lost
+        # its peer, or being stopped), so its error is the one raised.
+        failed = sorted(
+            (f.exception() for f in futures if f.done() and f.exception() is not None),
+            key=_blame_rank,
+        )
+        if not failed:
+            return [future.result() for future in futures]
+        root = failed[0]
+        if isinstance(root, WorkerError) and not root.stopped and len(owners) > 1:
+            # The survivors of a broadcast that lost a rank hold a broken collective state.
+            self._break(f"node {root.node} died during a broadcast; start a new pool", owners)
+        raise root
 
-    def _break(
-        self, reason: str, owners: list[AgentConnection], futures: list[Future[Any]]
-    ) -> None:
+    def _break(self, reason: str, stop: list[AgentConnection]) -> None:
         assert self._loop is not None
-        self._broken = reason
-        stuck = [conn for conn, future in zip(owners, futures, strict=True) if not future.done()]
+        self._broken = self._broken or reason
 
         def abort_all() -> None:
-            for conn in stuck:
+            for conn in stop:
                 conn.abort(reason)
 
         self._loop.call_soon_threadsafe(abort_all)
-        wait_futures(futures, timeout=5)
+        wait_futures([f for conn in stop for f in list(conn.pending.values())], timeout=5)
 
     # -- output ----------------------------------------------------------------------------
 
@@ -474,6 +479,12 @@ class ComputePool:
 
     def __iter__(self) -> Iterator[InstanceInfo]:
         return iter(self.infos)
+
+
+def _blame_rank(error: BaseException | None) -> int:
+    if isinstance(error, WorkerError):
+        return 2 if error.stopped else 0
+    return 1
 
 
 def _run_hook(plugin: Plugin, hook: str, fn: Any, *args: Any) -> Any:

@@ -174,8 +174,11 @@ def test_failing_plugin_is_named_with_its_hook_and_node() -> None:
         if info.node == 1:
             raise OSError("no such device")
 
-    with pytest.raises(sky.PluginError) as caught, sky.ComputePool(
-        nodes=2, plugins=[sky.Plugin("gpu-check", around_app=broken)], stream_output=False
+    with (
+        pytest.raises(sky.PluginError) as caught,
+        sky.ComputePool(
+            nodes=2, plugins=[sky.Plugin("gpu-check", around_app=broken)], stream_output=False
+        ),
     ):
         pass
     error = caught.value
@@ -256,3 +259,35 @@ def test_signals_to_the_client_leave_no_process_behind(
         client.kill()
     assert client.returncode != 0
     assert not wait_gone(pids, timeout=10), "processes left behind"
+
+
+@pytest.mark.slow
+def test_rank_dying_during_a_jax_collective_does_not_leave_the_other_blocked() -> None:
+    @sky.compute
+    def allreduce_then_die() -> float:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        info = sky.instance_info()
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        sharding = NamedSharding(mesh, P("data"))
+        total = jax.jit(jnp.sum)
+        local = np.ones(1, dtype=np.float32)
+        first = float(total(jax.make_array_from_process_local_data(sharding, local)))
+        if info.node == 1:
+            os._exit(5)
+        # node 0 enters the next collective alone: without skyward it would wait for JAX's
+        # heartbeat timeout (100 s by default)
+        return first + float(total(jax.make_array_from_process_local_data(sharding, local)))
+
+    with sky.ComputePool(nodes=2, plugins=[sky.plugins.jax()], stream_output=False) as pool:
+        pids = pid() @ pool
+        started = time.monotonic()
+        with pytest.raises(sky.WorkerError) as caught:
+            allreduce_then_die() @ pool
+        assert time.monotonic() - started < 20
+        assert caught.value.node == 1 and "exit status 5" in str(caught.value)
+        assert not wait_gone(pids, timeout=5)

@@ -7,7 +7,7 @@ import socket
 import statistics
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -41,8 +41,7 @@ def _ssh(argv: list[str], timeout: float = 20.0) -> subprocess.CompletedProcess[
     )
 
 
-def _wait_for(predicate: object, timeout: float = 10.0) -> bool:
-    assert callable(predicate)
+def _wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _call_ids = itertools.count(1)
+READY_STAGE = "running a call"
 
 
 class ComputePool:
@@ -231,16 +232,26 @@ class ComputePool:
             conn.send((frames.HELLO, info, {}), plugins_blob)
         await asyncio.gather(*(self._expect(c, frames.READY) for c in self._conns))
         for conn in self._conns:
-            conn.stage = "running a call"
+            conn.stage = READY_STAGE
 
     async def _expect(self, conn: AgentConnection, kind: int) -> frames.Meta:
         """Wait for a startup message from one agent, following its progress on the way."""
         while True:
             meta = await conn.control.get()
             if meta is None:
-                raise conn.dead or WorkerError(
+                error = conn.dead or WorkerError(
                     f"node {conn.node} ended during startup", node=conn.node
                 )
+                plugin = conn.stage.split("'")[1] if conn.stage.startswith("in plugin") else None
+                others = self._laggards(conn, plugin)
+                if others:
+                    error = WorkerError(
+                        "\n".join([str(error), *others]),
+                        node=error.node,
+                        exit_status=error.exit_status,
+                        output_tail=error.output_tail,
+                    )
+                raise error
             if meta[0] == kind:
                 return meta
             if meta[0] == frames.PROGRESS:
@@ -250,25 +261,31 @@ class ComputePool:
 
     def _hook_failed(self, conn: AgentConnection, meta: frames.Meta) -> PluginError:
         _, plugin, hook, type_name, message, remote_tb = meta
-        laggards = [
-            c
-            for c in self._conns
-            if c is not conn and f"{plugin!r}" not in c.stage and c.stage != "running a call"
-        ]
         lines = [f"plugin {plugin!r} failed in {hook} on node {conn.node}: {type_name}: {message}"]
-        for other in laggards:
-            lines.append(
-                f"node {other.node} never reached plugin {plugin!r}: it was {other.stage}; "
-                f"its last output:"
-            )
-            lines += [f"    {line}" for line in list(other.lines)[-10:]] or ["    (nothing)"]
+        lines += self._laggards(conn, plugin)
         lines.append(f"remote traceback of node {conn.node}:\n{remote_tb.rstrip()}")
         return PluginError("\n".join(lines), plugin=plugin, hook=hook, node=conn.node)
+
+    def _laggards(self, failed: AgentConnection, plugin: str | None) -> list[str]:
+        """Where the other nodes were when `failed` failed in `plugin`: often the real culprit."""
+        lines = []
+        for other in self._conns:
+            if other is failed or other.stage == READY_STAGE:
+                continue
+            if plugin is not None and f"{plugin!r}" not in other.stage:
+                lines.append(
+                    f"node {other.node} never reached plugin {plugin!r}: it was "
+                    f"{other.stage}; its last output:"
+                )
+            else:
+                lines.append(f"node {other.node} was {other.stage}; its last output:")
+            lines += [f"    {line}" for line in list(other.lines)[-10:]] or ["    (nothing)"]
+        return lines
 
     def _stuck_report(self, headline: str) -> str:
         lines = [headline + ":"]
         for conn in self._conns:
-            if conn.stage != "running a call":
+            if conn.stage != READY_STAGE:
                 lines.append(f"node {conn.node} is {conn.stage}; its last output:")
                 lines += [f"    {line}" for line in list(conn.lines)[-10:]] or ["    (nothing)"]
         lines.append("Raise startup_timeout if the nodes only need more time.")
@@ -448,7 +465,7 @@ class ComputePool:
         )
         if not failed:
             return [future.result() for future in futures]
-        root = failed[0]
+        root: BaseException = failed[0]  # type: ignore[assignment]
         if isinstance(root, WorkerError) and not root.stopped and len(owners) > 1:
             # The survivors of a broadcast that lost a rank hold a broken collective state.
             self._break(f"node {root.node} died during a broadcast; start a new pool", owners)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pickle
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -48,38 +49,67 @@ class AgentConnection:
         self._on_output = on_output
         self._on_death = on_death
         self._stopping = False
+        self._lock = threading.Lock()
+        # A stream that can be written from any thread saves the trip through the event loop,
+        # which is most of a small call's round trip.
+        self._direct: Callable[[bytes, bytes | memoryview], None] | None = getattr(
+            stream, "threadsafe_write", None
+        )
         self._output_task = asyncio.create_task(self._read_output())
         self._frame_task = asyncio.create_task(self._read_frames())
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send(self, meta: frames.Meta, payload: bytes | memoryview = b"") -> None:
-        head, body = frames.encode(meta, payload)
-        self.stream.stdin.write(head)
-        if body:
-            self.stream.stdin.write(body)
+    def _write(self, head: bytes, body: bytes | memoryview) -> None:
+        if self._direct is not None:
+            self._direct(head, body)
+        else:
+            self.stream.stdin.write(head)
+            if body:
+                self.stream.stdin.write(body)
 
-    def send_call(
+    def send(self, meta: frames.Meta, payload: bytes | memoryview = b"") -> None:
+        """Write one frame (on the loop thread)."""
+        self._write(*frames.encode(meta, payload))
+
+    def submit_call(
         self,
+        loop: asyncio.AbstractEventLoop,
         call_id: int,
         fn_id: int,
         fn_bytes: bytes,
         payload: bytes,
         future: Future[Any],
     ) -> None:
-        if self.dead is not None:
-            future.set_exception(self.dead)
-            return
-        if not future.set_running_or_notify_cancel():
-            return
-        first_time = fn_id not in self.sent_functions
-        self.sent_functions.add(fn_id)
-        self.pending[call_id] = future
+        """Send a call from the caller's thread; its result will resolve `future`."""
+        with self._lock:
+            if self.dead is not None:
+                future.set_exception(self.dead)
+                return
+            if not future.set_running_or_notify_cancel():
+                return
+            first_time = fn_id not in self.sent_functions
+            self.sent_functions.add(fn_id)
+            self.pending[call_id] = future
+            head, body = frames.encode(
+                (frames.CALL, call_id, fn_id, fn_bytes if first_time else None), payload
+            )
+            if self._direct is None:
+                loop.call_soon_threadsafe(self._write_call, call_id, head, body)
+                return
+            try:
+                self._direct(head, body)
+            except OSError as exc:
+                self.pending.pop(call_id, None)
+                future.set_exception(self._error(f"could not send the call: {exc}"))
+
+    def _write_call(self, call_id: int, head: bytes, body: bytes | memoryview) -> None:
         try:
-            self.send((frames.CALL, call_id, fn_id, fn_bytes if first_time else None), payload)
+            self._write(head, body)
         except (ConnectionError, RuntimeError) as exc:
-            self.pending.pop(call_id, None)
-            future.set_exception(self._error(f"could not send the call: {exc}"))
+            future = self.pending.pop(call_id, None)
+            if future is not None and not future.done():
+                future.set_exception(self._error(f"could not send the call: {exc}"))
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -169,10 +199,11 @@ class AgentConnection:
 
     def mark_dead(self, error: WorkerError) -> None:
         """Fail every call this node holds with `error` and tell the pool."""
-        if self.dead is not None:
-            return
-        self.dead = error
-        pending, self.pending = self.pending, {}
+        with self._lock:
+            if self.dead is not None:
+                return
+            self.dead = error
+            pending, self.pending = self.pending, {}
         for future in pending.values():
             if not future.done():
                 future.set_exception(error)

@@ -394,9 +394,7 @@ class ComputePool:
         assert self._loop is not None
         future: Future[Any] = Future()
         fn_id, fn_bytes = call.function.serialized()
-        self._loop.call_soon_threadsafe(
-            conn.send_call, next(_call_ids), fn_id, fn_bytes, payload, future
-        )
+        conn.submit_call(self._loop, next(_call_ids), fn_id, fn_bytes, payload, future)
         return future
 
     def submit(self, call: PendingCall[T], node: int | None = None) -> Future[T]:

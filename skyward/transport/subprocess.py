@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import signal
+import threading
 from collections.abc import Mapping
 
 from skyward.transport.frames import AsyncReader
@@ -23,6 +25,21 @@ class SubprocessStream:
         self.stdout: AsyncReader = process.stdout
         self.stderr = process.stderr
         self.pid = process.pid
+        pipe = process.stdin.transport.get_extra_info("pipe")
+        self._stdin_fd: int = pipe.fileno()
+        self._write_lock = threading.Lock()
+
+    def threadsafe_write(self, *chunks: bytes | memoryview) -> None:
+        """Write to the agent's stdin from any thread (blocks while the pipe is full)."""
+        with self._write_lock:
+            for chunk in chunks:
+                view = memoryview(chunk)
+                while view:
+                    try:
+                        view = view[os.write(self._stdin_fd, view) :]
+                    except BlockingIOError:
+                        # asyncio made the pipe non-blocking; wait until it drains
+                        select.select([], [self._stdin_fd], [], 1.0)
 
     async def wait(self) -> int | None:
         return await self._process.wait()

@@ -21,6 +21,7 @@ from skyward.transport import frames
 from skyward.transport.base import AgentStream
 
 TAIL_LINES = 20
+OUTPUT_CHUNK = 1 << 16
 KEPT_LINES = 100_000
 # How long to wait for the rest of a dead node's output before reporting its death.
 OUTPUT_DRAIN_SECONDS = 0.3
@@ -156,14 +157,22 @@ class AgentConnection:
 
     async def _read_output(self) -> None:
         reader = self.stream.stderr
+        partial = b""
         while True:
             try:
-                raw = await reader.readline()
-            except (ConnectionError, asyncio.LimitOverrunError, ValueError):
-                continue
-            if not raw:
+                chunk = await reader.read(OUTPUT_CHUNK)
+            except (ConnectionError, OSError):
+                chunk = b""
+            if not chunk:
+                if partial:
+                    self._output_line(partial.decode(errors="replace"))
                 return
-            self._output_line(raw.decode(errors="replace").rstrip("\r\n"))
+            *lines, partial = (partial + chunk).split(b"\n")
+            if len(partial) > OUTPUT_CHUNK:  # a very long line without a newline: show it now
+                lines.append(partial)
+                partial = b""
+            for raw in lines:
+                self._output_line(raw.decode(errors="replace").rstrip("\r"))
 
     def _output_line(self, line: str) -> None:
         self.lines.append(line)

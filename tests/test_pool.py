@@ -201,3 +201,30 @@ def test_pool_cannot_be_used_after_close() -> None:
         pass
     with pytest.raises(sky.PoolClosedError, match="not running"):
         double(1) >> running
+
+
+def test_results_only_cloudpickle_can_carry_come_back(pool: sky.ComputePool) -> None:
+    @sky.compute
+    def make() -> object:
+        class Point:
+            def __init__(self, x: int) -> None:
+                self.x = x
+
+        return Point(3), (lambda y: y * 10)
+
+    point, fn = make() >> pool
+    assert point.x == 3 and fn(2) == 20
+
+
+def test_very_long_lines_are_kept(pool: sky.ComputePool) -> None:
+    @sky.compute
+    def noisy() -> None:
+        import sys
+
+        sys.stdout.write("x" * 200_000 + "\n")
+        sys.stdout.write("no newline at the end")
+        sys.stdout.flush()
+
+    noisy() >> pool
+    lines = pool.logs()
+    assert sum(line.count("x") for line in lines) >= 200_000

@@ -19,10 +19,12 @@ class Writer(Protocol):
     def close(self) -> None: ...
 
 
-class LineReader(Protocol):
-    """The node's output (what the user's code printed, fds 1 and 2)."""
+class ChunkReader(Protocol):
+    """The node's output (what the user's code printed, fds 1 and 2), as it arrives."""
 
-    async def readline(self) -> bytes: ...
+    async def read(self, n: int) -> bytes:
+        """Up to `n` bytes; b"" at the end."""
+        ...
 
 
 class AgentStream(Protocol):
@@ -33,7 +35,7 @@ class AgentStream(Protocol):
     @property
     def stdout(self) -> AsyncReader: ...
     @property
-    def stderr(self) -> LineReader: ...
+    def stderr(self) -> ChunkReader: ...
 
     async def wait(self) -> int | None:
         """Wait for the agent to end; its exit status (negative: killed by that signal)."""

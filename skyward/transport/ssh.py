@@ -249,8 +249,10 @@ class SSHHost:
         proc = await self.start(command)
         tail: list[str] = []
         try:
-            proc.process.stdin.write(input)
-            proc.process.stdin.write_eof()
+            # The command may exit without reading its input (e.g. it failed at once).
+            with contextlib.suppress(OSError, asyncssh.Error):
+                proc.process.stdin.write(input)
+                proc.process.stdin.write_eof()
 
             async def pump() -> None:
                 while line := await proc.process.stderr.readline():

@@ -133,7 +133,7 @@ class Agent:
                 raise
             return
         try:
-            blob = cloudpickle.dumps(value, frames.PROTOCOL)
+            blob = _dumps(value)
         except Exception as exc:
             error = SerializationError(
                 f"the return value ({type(value).__name__}) could not be pickled for the trip "
@@ -178,6 +178,16 @@ class Agent:
 def _type_name(exc: BaseException) -> str:
     cls = type(exc)
     return f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__name__
+
+
+def _dumps(value: Any) -> bytes:
+    """Pickle a result: the standard pickler first (several times faster on plain data), then
+    cloudpickle for what only it can carry (lambdas, classes defined inside the function)."""
+    try:
+        return pickle.dumps(value, frames.PROTOCOL)
+    except Exception:
+        blob: bytes = cloudpickle.dumps(value, frames.PROTOCOL)
+        return blob
 
 
 def _try_pickle(exc: BaseException) -> bytes:

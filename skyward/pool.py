@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future
 from concurrent.futures import wait as wait_futures
 from types import FrameType, TracebackType
@@ -122,6 +122,7 @@ class ComputePool:
         self._broken: str | None = None
         self._cursor = itertools.count()
         self._previous_sigterm: Any = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -198,7 +199,7 @@ class ComputePool:
                     f"startup_timeout={self.startup_timeout:g} s"
                 )
             ) from None
-        asyncio.get_running_loop().create_task(self._watch_heartbeats())
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._watch_heartbeats())
         self.console.status(f"{self.pool_id}: ready ({self.spec.nodes} node(s))")
 
     async def _handshake(self, plugins_blob: bytes) -> None:
@@ -491,9 +492,6 @@ class ComputePool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._conns else "new"
         return f"<ComputePool {self.pool_id} {self.spec.provider} nodes={self.spec.nodes} {state}>"
-
-    def __iter__(self) -> Iterator[InstanceInfo]:
-        return iter(self.infos)
 
 
 def _blame_rank(error: BaseException | None) -> int:

@@ -291,3 +291,15 @@ def test_rank_dying_during_a_jax_collective_does_not_leave_the_other_blocked() -
         assert time.monotonic() - started < 20
         assert caught.value.node == 1 and "exit status 5" in str(caught.value)
         assert not wait_gone(pids, timeout=5)
+
+
+def test_a_silent_node_is_declared_dead_after_the_heartbeat_timeout() -> None:
+    @sky.compute
+    def freeze() -> None:
+        os.kill(os.getpid(), signal.SIGSTOP)  # no more heartbeats, as on a hung host
+
+    with sky.ComputePool(nodes=1, heartbeat_timeout=1.5, stream_output=False) as pool:
+        started = time.monotonic()
+        with pytest.raises(sky.WorkerError, match="heartbeat_timeout"):
+            freeze() >> pool
+        assert time.monotonic() - started < 15

@@ -127,7 +127,7 @@ class AgentConnection:
                 elif kind != frames.HEARTBEAT:
                     self.control.put_nowait(meta)
         except Exception as exc:
-            if not frames.is_eof(exc):
+            if not _is_eof(exc):
                 self._output_line(f"[skyward] broken stream from the agent: {exc!r}")
         await self._ended()
 
@@ -256,6 +256,11 @@ class AgentConnection:
 
     def stream_closed(self) -> bool:
         return self._frame_task.done()
+
+
+def _is_eof(exc: BaseException) -> bool:
+    """True for the exceptions a stream raises when its other end has gone away."""
+    return isinstance(exc, asyncio.IncompleteReadError | ConnectionError | BrokenPipeError)
 
 
 def describe_status(status: int | None) -> str:

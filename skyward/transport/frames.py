@@ -10,7 +10,6 @@ This module is shared by the client and the worker agent, so it imports only the
 
 from __future__ import annotations
 
-import asyncio
 import os
 import pickle
 import struct
@@ -100,8 +99,3 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
-
-
-def is_eof(exc: BaseException) -> bool:
-    """True for the exceptions a stream raises when its other end has gone away."""
-    return isinstance(exc, asyncio.IncompleteReadError | ConnectionError | BrokenPipeError)

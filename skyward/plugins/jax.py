@@ -105,7 +105,11 @@ class JaxPlugin(Plugin):
         os.environ["JAX_COORDINATOR_ADDRESS"] = coordinator
         os.environ["JAX_NUM_PROCESSES"] = str(info.total_nodes)
         os.environ["JAX_PROCESS_ID"] = str(info.node)
-        if not self.initialize or info.total_nodes == 1:
+        if not self.initialize:
+            _teach_jax_the_environment()
+            yield
+            return
+        if info.total_nodes == 1:
             yield
             return
         import jax
@@ -133,3 +137,46 @@ def jax(
     return JaxPlugin(
         cuda, version=version, initialize=initialize, initialization_timeout=initialization_timeout
     )
+
+
+_taught = False
+
+
+def _teach_jax_the_environment() -> None:
+    """Make a bare ``jax.distributed.initialize()`` read the JAX_* variables exported above.
+
+    JAX reads only ``JAX_COORDINATOR_ADDRESS`` by itself; the process count and id come from a
+    cluster environment it detects (SLURM, MPI, ...). Registering one for skyward lets launcher
+    scripts call ``initialize()`` with no arguments. The hook is JAX-internal, so its absence in
+    some JAX release only means those scripts must pass the variables themselves.
+    """
+    global _taught
+    if _taught:
+        return
+    try:
+        from jax._src import clusters
+    except ImportError:
+        return
+
+    class SkywardCluster(clusters.ClusterEnv):  # type: ignore[no-untyped-call]  # registers itself
+        name = "skyward"
+
+        @classmethod
+        def is_env_present(cls) -> bool:
+            return "JAX_NUM_PROCESSES" in os.environ and "JAX_PROCESS_ID" in os.environ
+
+        @classmethod
+        def get_coordinator_address(
+            cls, timeout_secs: int | None, override_coordinator_port: str | None = None
+        ) -> str:
+            return os.environ["JAX_COORDINATOR_ADDRESS"]
+
+        @classmethod
+        def get_process_count(cls) -> int:
+            return int(os.environ["JAX_NUM_PROCESSES"])
+
+        @classmethod
+        def get_process_id(cls) -> int:
+            return int(os.environ["JAX_PROCESS_ID"])
+
+    _taught = SkywardCluster is not None

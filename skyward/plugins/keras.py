@@ -9,6 +9,7 @@ Keras to initialize the distributed runtime itself.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 from collections.abc import Iterator
@@ -72,9 +73,21 @@ class KerasPlugin(Plugin):
                 num_processes=info.total_nodes,
                 process_id=info.node,
             )
+        else:
+            # Keras's own initialize() agrees one random seed across processes, so unseeded
+            # models start identical on every node; do the same when JAX was set up for it.
+            keras.utils.set_random_seed(_shared_seed(info.pool_id))
         devices = keras.distribution.list_devices()
-        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+        # Each node feeds its own batches (numpy arrays or its own dataset): Keras must not
+        # try to shard the input itself, which it can only do for a tf.data.Dataset.
+        distribution = keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False)
+        keras.distribution.set_distribution(distribution)
         yield
+
+
+def _shared_seed(pool_id: str) -> int:
+    """A seed every node of the pool derives alike, and another pool does not."""
+    return int.from_bytes(hashlib.sha256(pool_id.encode()).digest()[:4], "big")
 
 
 def _jax_distributed_ready() -> bool:

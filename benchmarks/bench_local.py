@@ -24,16 +24,21 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import cloudpickle
 
-import skyward as sky
+from skyward.compute import compute, gather
+from skyward.plugins import Plugin
+from skyward.plugins import jax as jax_plugin
+from skyward.pool import ComputePool
 
 NAMES = ("rtt", "gather", "broadcast", "bulk", "jax")
 PIPE_SIZE = 1 << 20  # the agent enlarges its control pipes to this; the floors use the same
 BULK_BYTES = 100_000_000
 HEADER = struct.Struct("!Q")
-CALL, RESULT = 2, 14  # the skyward message kinds the floor messages imitate
+Op: TypeAlias = Callable[[], object]  # one timed operation
+CALL = 2  # skyward's message kind for a call; the floor's replies imitate RESULT (14)
 
 # A child process for the floors: frames are an 8-byte length then a body. "echo" unpickles each
 # message and answers with a small pickled reply; "sink" reads the whole body and answers its
@@ -65,12 +70,12 @@ RAW_CHILD = textwrap.dedent(
 # -- the functions the pools run --------------------------------------------------------------
 
 
-@sky.compute
+@compute
 def noop() -> None:
     return None
 
 
-@sky.compute
+@compute
 def nbytes(data: bytes) -> int:
     return len(data)
 
@@ -85,12 +90,14 @@ def sharded_sum() -> float:
 
     mesh = Mesh(np.array(jax.devices()), ("x",))
     local = np.full((jax.local_device_count(),), float(jax.process_index() + 1), np.float32)
-    shards = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local)
-    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(shards)
+    by_process = NamedSharding(mesh, P("x"))  # type: ignore[no-untyped-call]
+    replicated = NamedSharding(mesh, P())  # type: ignore[no-untyped-call]
+    shards = jax.make_array_from_process_local_data(by_process, local)  # type: ignore[no-untyped-call]
+    total = jax.jit(jnp.sum, out_shardings=replicated)(shards)
     return float(total)
 
 
-sharded_sum_remote = sky.compute(sharded_sum)
+sharded_sum_remote = compute(sharded_sum)
 
 # The hand-launched JAX baseline runs the very same function source.
 JAX_CHILD = (
@@ -119,6 +126,7 @@ class Row:
     ratio: float  # how many times worse than the floor (>= 1 means slower)
     target: str
     passed: bool
+    detail: str = ""  # the spread of both samples, printed under the row
 
 
 @dataclass
@@ -135,7 +143,9 @@ class Settings:
 FULL = Settings(
     calls=2000, warmup=300, batch=1000, batches=10, broadcasts=1000, bulk_runs=5, jax_runs=3
 )
-QUICK = Settings(calls=500, warmup=100, batch=1000, batches=3, broadcasts=200, bulk_runs=2, jax_runs=1)
+QUICK = Settings(
+    calls=500, warmup=100, batch=1000, batches=3, broadcasts=200, bulk_runs=2, jax_runs=1
+)
 
 
 def us(ns: float) -> str:
@@ -150,13 +160,38 @@ def per_s(rate: float) -> str:
     return f"{rate:,.0f} calls/s"
 
 
-def timed(fn: Callable[[], object], count: int) -> list[int]:
+def spread(samples: list[int] | list[float], fmt: Callable[[float], str]) -> str:
+    """p10 / median / p90 of a sample (every value when there are only a few)."""
+    ordered = sorted(samples)
+    if len(ordered) <= 5:
+        return "[" + ", ".join(fmt(x) for x in ordered) + "]"
+    deciles = statistics.quantiles(ordered, n=10)
+    return f"p10 {fmt(deciles[0])} / p50 {fmt(statistics.median(ordered))} / p90 {fmt(deciles[-1])}"
+
+
+def timed(fn: Op, count: int) -> list[int]:
     """`count` timings of `fn()`, in nanoseconds."""
     samples = []
     for _ in range(count):
         start = time.perf_counter_ns()
         fn()
         samples.append(time.perf_counter_ns() - start)
+    return samples
+
+
+def interleaved(ops: list[Op], count: int, warmup: int, blocks: int) -> list[list[int]]:
+    """`count` timings of each op after `warmup` untimed runs, taken in alternating blocks.
+
+    A floor and its figure are sampled turn about, so whatever else the machine is doing at a
+    given moment weighs on both alike and their ratio stays meaningful.
+    """
+    for op in ops:
+        timed(op, warmup)
+    samples: list[list[int]] = [[] for _ in ops]
+    per_block = -(-count // blocks)
+    while len(samples[0]) < count:
+        for op, sample in zip(ops, samples, strict=True):
+            sample += timed(op, min(per_block, count - len(sample)))
     return samples
 
 
@@ -189,7 +224,8 @@ class RawChild:
 
     def receive(self) -> bytes:
         (n,) = HEADER.unpack(self._up.read(HEADER.size))
-        return self._up.read(n)
+        body: bytes = self._up.read(n)
+        return body
 
     def close(self) -> None:
         os.close(self._down_w)
@@ -198,9 +234,10 @@ class RawChild:
 
 
 @contextlib.contextmanager
-def raw_children(count: int, mode: str) -> Iterator[list[RawChild]]:
-    children = [RawChild(mode) for _ in range(count)]
+def raw_children(count: int, mode: str = "echo") -> Iterator[list[RawChild]]:
+    children: list[RawChild] = []
     try:
+        children += (RawChild(mode) for _ in range(count))
         yield children
     finally:
         for child in children:
@@ -209,43 +246,49 @@ def raw_children(count: int, mode: str) -> Iterator[list[RawChild]]:
 
 def raw_message(call_id: int) -> bytes:
     """What a no-op call carries, cloudpickled as skyward does: kind, ids, no function, args."""
-    return cloudpickle.dumps((CALL, call_id, 1, None, ((), {})), 5)
+    blob: bytes = cloudpickle.dumps((CALL, call_id, 1, None, ((), {})), 5)
+    return blob
 
 
-def raw_round_trips(s: Settings) -> list[int]:
-    with raw_children(1, "echo") as (child,):
+def raw_round_trip(child: RawChild) -> Op:
+    def once() -> None:
+        child.send(raw_message(7))
+        pickle.loads(child.receive())
 
-        def once() -> None:
-            child.send(raw_message(7))
+    return once
+
+
+def raw_pipelined(children: list[RawChild], batch: int) -> Op:
+    """`batch` messages written round-robin to the children, then every reply read."""
+
+    def once() -> None:
+        for i in range(batch):
+            children[i % len(children)].send(raw_message(i))
+        for i in range(batch):
+            pickle.loads(children[i % len(children)].receive())
+
+    return once
+
+
+def raw_broadcast(children: list[RawChild]) -> Op:
+    """One message pickled once and written to every child, then every reply read."""
+
+    def once() -> None:
+        message = raw_message(7)
+        for child in children:
+            child.send(message)
+        for child in children:
             pickle.loads(child.receive())
 
-        timed(once, s.warmup)
-        return timed(once, s.calls)
+    return once
 
 
-def raw_pipelined(s: Settings, nodes: int) -> list[float]:
-    """Throughputs (calls/s) of batches written to `nodes` children, then all replies read."""
-    with raw_children(nodes, "echo") as children:
+def raw_bulk(child: RawChild, payload: bytes) -> Op:
+    def once() -> None:
+        child.send(payload)
+        assert HEADER.unpack(child.receive())[0] == len(payload)
 
-        def batch() -> None:
-            for i in range(s.batch):
-                children[i % nodes].send(raw_message(i))
-            for i in range(s.batch):
-                pickle.loads(children[i % nodes].receive())
-
-        timed(batch, 2)
-        return [s.batch * 1e9 / ns for ns in timed(batch, s.batches)]
-
-
-def raw_bulk(s: Settings, payload: bytes) -> list[int]:
-    with raw_children(1, "sink") as (child,):
-
-        def once() -> None:
-            child.send(payload)
-            assert HEADER.unpack(child.receive())[0] == len(payload)
-
-        timed(once, 1)
-        return timed(once, s.bulk_runs)
+    return once
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -257,54 +300,43 @@ def _write_all(fd: int, data: bytes) -> None:
 # -- the skyward figures ----------------------------------------------------------------------
 
 
-def pool(nodes: int, **kwargs: object) -> sky.ComputePool:
-    return sky.ComputePool(nodes=nodes, stream_output=False, **kwargs)  # type: ignore[arg-type]
+def pool(nodes: int, plugins: tuple[Plugin, ...] = ()) -> ComputePool:
+    """A Local pool (the default provider), as the issue specifies: no output streaming."""
+    return ComputePool(nodes=nodes, plugins=plugins, stream_output=False)
 
 
-def sky_round_trips(s: Settings) -> list[int]:
-    with pool(1) as p:
+def sky_round_trip(p: ComputePool) -> Op:
+    def once() -> None:
+        noop() >> p
 
-        def once() -> None:
-            noop() >> p
-
-        timed(once, s.warmup)
-        return timed(once, s.calls)
+    return once
 
 
-def sky_gather(s: Settings) -> list[float]:
-    with pool(2) as p:
+def sky_gather(p: ComputePool, batch: int) -> Op:
+    def once() -> None:
+        results = gather(*(noop() for _ in range(batch))) >> p
+        assert len(results) == batch
 
-        def batch() -> None:
-            results = sky.gather(*(noop() for _ in range(s.batch))) >> p
-            assert len(results) == s.batch
-
-        timed(batch, 2)
-        return [s.batch * 1e9 / ns for ns in timed(batch, s.batches)]
+    return once
 
 
-def sky_broadcast(s: Settings) -> list[int]:
-    with pool(8) as p:
+def sky_broadcast(p: ComputePool) -> Op:
+    def once() -> None:
+        noop() @ p
 
-        def once() -> None:
-            noop() @ p
-
-        timed(once, s.warmup)
-        return timed(once, s.broadcasts)
+    return once
 
 
-def sky_bulk(s: Settings, payload: bytes) -> list[int]:
-    with pool(1) as p:
+def sky_bulk(p: ComputePool, payload: bytes) -> Op:
+    def once() -> None:
+        assert nbytes(payload) >> p == len(payload)
 
-        def once() -> None:
-            assert nbytes(payload) >> p == len(payload)
-
-        timed(once, 1)
-        return timed(once, s.bulk_runs)
+    return once
 
 
 def sky_jax_once() -> int:
     start = time.perf_counter_ns()
-    with pool(2, plugins=[sky.plugins.jax()]) as p:
+    with pool(2, plugins=(jax_plugin(),)) as p:
         assert sharded_sum_remote() @ p == [3.0, 3.0]
         elapsed = time.perf_counter_ns() - start
     return elapsed
@@ -343,10 +375,12 @@ def _result_line(proc: subprocess.Popen[str]) -> str:
 # -- the figures, each with its floor and target ---------------------------------------------
 
 
-def bench_rtt(s: Settings, cache: dict[str, float]) -> Row:
-    floor = statistics.median(raw_round_trips(s))
-    figure = statistics.median(sky_round_trips(s))
-    cache["rtt"] = figure
+def bench_rtt(s: Settings) -> Row:
+    with raw_children(1) as (child,), pool(1) as p:
+        raw, pooled = interleaved(
+            [raw_round_trip(child), sky_round_trip(p)], s.calls, s.warmup, blocks=10
+        )
+    floor, figure = statistics.median(raw), statistics.median(pooled)
     ratio = figure / floor
     return Row(
         "rtt: noop() >> pool, 1 node (median)",
@@ -355,12 +389,21 @@ def bench_rtt(s: Settings, cache: dict[str, float]) -> Row:
         ratio,
         "<= 100 us and <= 4x",
         figure <= 100_000 and ratio <= 4,
+        f"skyward {spread(pooled, us)}; raw {spread(raw, us)}; n={len(pooled)} each",
     )
 
 
-def bench_gather(s: Settings, cache: dict[str, float]) -> Row:
-    floor = statistics.median(raw_pipelined(s, 2))
-    figure = statistics.median(sky_gather(s))
+def bench_gather(s: Settings) -> Row:
+    with raw_children(2) as children, pool(2) as p:
+        raw_ns, pooled_ns = interleaved(
+            [raw_pipelined(children, s.batch), sky_gather(p, s.batch)],
+            s.batches,
+            warmup=2,
+            blocks=s.batches,
+        )
+    raw = [s.batch * 1e9 / ns for ns in raw_ns]
+    pooled = [s.batch * 1e9 / ns for ns in pooled_ns]
+    floor, figure = statistics.median(raw), statistics.median(pooled)
     return Row(
         f"gather: {s.batch} noops, 2 nodes",
         per_s(figure),
@@ -368,14 +411,19 @@ def bench_gather(s: Settings, cache: dict[str, float]) -> Row:
         floor / figure,
         ">= 20,000 calls/s",
         figure >= 20_000,
+        f"skyward {spread(pooled, per_s)}; raw {spread(raw, per_s)}; {len(pooled)} batches each",
     )
 
 
-def bench_broadcast(s: Settings, cache: dict[str, float]) -> Row:
-    if "rtt" not in cache:
-        cache["rtt"] = statistics.median(sky_round_trips(s))
-    floor = cache["rtt"]
-    figure = statistics.median(sky_broadcast(s))
+def bench_broadcast(s: Settings) -> Row:
+    with raw_children(8) as children, pool(1) as one, pool(8) as eight:
+        single, pooled, raw = interleaved(
+            [sky_round_trip(one), sky_broadcast(eight), raw_broadcast(children)],
+            s.broadcasts,
+            s.warmup,
+            blocks=10,
+        )
+    floor, figure = statistics.median(single), statistics.median(pooled)
     ratio = figure / floor
     return Row(
         "broadcast: noop() @ pool, 8 nodes",
@@ -384,13 +432,18 @@ def bench_broadcast(s: Settings, cache: dict[str, float]) -> Row:
         ratio,
         "<= 2x",
         ratio <= 2,
+        f"skyward {spread(pooled, us)}; 1-node >> {spread(single, us)}; n={len(pooled)} each; "
+        f"for scale, a raw pipe broadcast to 8 children: {spread(raw, us)}",
     )
 
 
-def bench_bulk(s: Settings, cache: dict[str, float]) -> Row:
+def bench_bulk(s: Settings) -> Row:
     payload = bytes(BULK_BYTES)
-    floor = statistics.median(raw_bulk(s, payload))
-    figure = statistics.median(sky_bulk(s, payload))
+    with raw_children(1, "sink") as (child,), pool(1) as p:
+        raw, pooled = interleaved(
+            [raw_bulk(child, payload), sky_bulk(p, payload)], s.bulk_runs, 1, s.bulk_runs
+        )
+    floor, figure = statistics.median(raw), statistics.median(pooled)
     ratio = figure / floor
     return Row(
         "bulk: 100 MB bytes arg, 1 node",
@@ -399,17 +452,21 @@ def bench_bulk(s: Settings, cache: dict[str, float]) -> Row:
         ratio,
         "<= 1.5x",
         ratio <= 1.5,
+        f"skyward {spread(pooled, ms)}; raw {spread(raw, ms)}",
     )
 
 
-def bench_jax(s: Settings, cache: dict[str, float]) -> Row:
+def bench_jax(s: Settings) -> Row:
     # Warm the page cache so neither side pays for the first import of jax from disk.
     subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], check=True)
     hand: list[int] = []
     pooled: list[int] = []
-    for _ in range(s.jax_runs):  # interleaved, so drift hits both sides alike
+    for run in range(s.jax_runs):  # interleaved, each going first in turn
+        if run % 2:
+            pooled.append(sky_jax_once())
         hand.append(hand_jax_once())
-        pooled.append(sky_jax_once())
+        if not run % 2:
+            pooled.append(sky_jax_once())
     floor, figure = statistics.median(hand), statistics.median(pooled)
     ratio = figure / floor
     return Row(
@@ -419,10 +476,11 @@ def bench_jax(s: Settings, cache: dict[str, float]) -> Row:
         ratio,
         "<= 1.2x",
         ratio <= 1.2,
+        f"skyward {spread(pooled, ms)}; hand-launched {spread(hand, ms)}",
     )
 
 
-BENCHES: dict[str, Callable[[Settings, dict[str, float]], Row]] = {
+BENCHES: dict[str, Callable[[Settings], Row]] = {
     "rtt": bench_rtt,
     "gather": bench_gather,
     "broadcast": bench_broadcast,
@@ -444,8 +502,14 @@ def machine() -> str:
     )
     return (
         f"machine: {usable} usable cores of {os.cpu_count()} ({cpu}), {platform.system()} "
-        f"{platform.release()}\npython {platform.python_version()}, {versions}"
+        f"{platform.release()}\npython {platform.python_version()}, {versions}\n{load()}"
     )
+
+
+def load() -> str:
+    """The load average: other work on the machine makes every figure here noisier."""
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
 
 
 def _version(name: str) -> str:
@@ -471,14 +535,16 @@ def main() -> None:
 
     print(machine())
     print(f"mode: {'quick' if args.quick else 'full'}; {settings}\n")
-    header = f"{'figure':<38} {'value':>16}  {'floor (same run)':<26} {'ratio':>7}  {'target':<20} "
+    header = (
+        f"{'figure':<38} {'value':>16}  {'floor (same run)':<26} {'ratio':>7}  {'target':<20} "
+        "result"
+    )
     print(header)
     print("-" * len(header))
-    cache: dict[str, float] = {}
     began = time.perf_counter_ns()
     for name in chosen:
         try:
-            row = BENCHES[name](settings, cache)
+            row = BENCHES[name](settings)
         except Exception as exc:  # a report: say what broke and go on with the next figure
             print(f"{name:<38} ERROR {type(exc).__name__}: {exc}", flush=True)
             continue
@@ -488,7 +554,9 @@ def main() -> None:
             f"{row.target:<20} {verdict}",
             flush=True,
         )
-    print(f"\ntotal {ms(time.perf_counter_ns() - began)}")
+        if row.detail:
+            print(f"    {row.detail}", flush=True)
+    print(f"\ntotal {ms(time.perf_counter_ns() - began)}; {load()}")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from skyward.plugins.base import Plugin
     from skyward.pool import ComputePool
     from skyward.providers.local import Local
+    from skyward.providers.ssh import SSH
 
 __all__ = sorted(_EXPORTS)
 

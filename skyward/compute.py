@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import site
+import sys
+import sysconfig
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 import cloudpickle
@@ -25,6 +29,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _function_ids = itertools.count(1)
+_by_value: set[str] = set()
 _EMPTY_ARGS: bytes = cloudpickle.dumps(((), {}), PROTOCOL)
 
 
@@ -56,6 +61,7 @@ class Compute(Generic[P, R]):
         if self._pickled is None:
             with self._lock:
                 if self._pickled is None:
+                    _ship_by_value(self.fn)
                     try:
                         self._pickled = cloudpickle.dumps(self.fn, PROTOCOL)
                     except Exception as exc:
@@ -121,7 +127,7 @@ class PendingCall(Generic[R]):
         return Gather(self) & other
 
     def __repr__(self) -> str:
-        return f"<pending call {_name(self.function.fn)}(...)>"
+        return f"<pending call of {_name(self.function.fn)}>"
 
 
 class Gather:
@@ -160,6 +166,35 @@ def compute(fn: Callable[P, R]) -> Compute[P, R]:
 def gather(*calls: PendingCall[Any]) -> Gather:
     """Group calls to run concurrently across a pool's nodes: ``sky.gather(a, b) >> pool``."""
     return Gather(*calls)
+
+
+def _installed_roots() -> tuple[Path, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    roots.update(site.getsitepackages())
+    roots.add(site.getusersitepackages())
+    return tuple(Path(root).resolve() for root in roots)
+
+
+def _ship_by_value(fn: Callable[..., Any]) -> None:
+    """Send the user's own modules by value: other machines cannot import them.
+
+    cloudpickle pickles functions of importable modules by reference, which works on this
+    machine but fails on an SSH or cloud node that lacks the user's project. Installed
+    packages (site-packages, the standard library) stay by reference.
+    """
+    top = (getattr(fn, "__module__", None) or "__main__").split(".")[0]
+    if top in ("__main__", "skyward") or top in _by_value:
+        return
+    module = sys.modules.get(top)
+    origin = getattr(module, "__file__", None)
+    if module is None or origin is None:
+        return
+    path = Path(origin).resolve()
+    if any(path.is_relative_to(root) for root in _installed_roots()):
+        return
+    cloudpickle.register_pickle_by_value(module)
+    _by_value.add(top)
 
 
 def _name(fn: Callable[..., Any]) -> str:

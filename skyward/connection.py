@@ -180,7 +180,9 @@ class AgentConnection:
 
     async def _ended(self) -> None:
         """The control stream closed: collect the exit status and the last output."""
-        with contextlib.suppress(asyncio.TimeoutError):
+        # A transport may end the output stream with its own error (a lost SSH connection);
+        # whatever it was, the node is gone and must be reported.
+        with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(self._output_task), OUTPUT_DRAIN_SECONDS)
         try:
             self.exit_status = await asyncio.wait_for(self.stream.wait(), OUTPUT_DRAIN_SECONDS)
@@ -217,6 +219,11 @@ class AgentConnection:
             if not future.done():
                 future.set_exception(error)
         self._on_death(self, error)
+
+    def fail(self, reason: str) -> None:
+        """Declare this node dead for `reason` (it went silent) and cut it off."""
+        self.mark_dead(self._error(reason))
+        self.stream.kill()
 
     def abort(self, reason: str) -> None:
         """Stop this node now (another node failed, or the pool is going away)."""
@@ -298,8 +305,9 @@ def rebuild_exception(
         if not payload:
             raise ValueError("no pickled exception")
         exc = pickle.loads(payload)
-        if not isinstance(exc, BaseException):
-            raise TypeError("not an exception")
+        if not isinstance(exc, Exception):
+            # SystemExit or KeyboardInterrupt from a node must not end the client's program
+            raise TypeError("not an ordinary exception")
     except Exception:
         exc = RemoteError(type_name, message, remote_tb, node=node)
     exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback on node {node}:\n{remote_tb.rstrip()}\n"""')

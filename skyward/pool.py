@@ -155,7 +155,7 @@ class ComputePool:
             for plugin in self.plugins:
                 hook = _run_hook(plugin, "around_client", plugin.around_client, self)
                 if hook is not None:
-                    self._client_hooks.enter_context(hook)
+                    self._client_hooks.enter_context(_NamedHook(plugin.name, hook))
             self._run(self._start(plugins_blob))
         except BaseException:
             self.close(graceful=False)
@@ -254,6 +254,8 @@ class ComputePool:
                     )
                 raise error
             if meta[0] == kind:
+                if kind == frames.READY:
+                    conn.stage = READY_STAGE
                 return meta
             if meta[0] == frames.PROGRESS:
                 conn.stage = f"in plugin {meta[1]!r} {meta[2]}"
@@ -308,7 +310,7 @@ class ComputePool:
             for conn in self._conns:
                 silent = now - conn.last_seen
                 if conn.dead is None and silent > self.heartbeat_timeout:
-                    conn.abort(
+                    conn.fail(
                         f"no word from it for {silent:.0f} s (heartbeat_timeout="
                         f"{self.heartbeat_timeout:g} s): the node or its network is down"
                     )
@@ -428,10 +430,14 @@ class ComputePool:
         if dead:
             raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
         futures = [self._send(conn, call, payload) for conn in self._conns]
-        return self._collect(futures, list(self._conns))
+        return self._collect(futures, list(self._conns), spmd=True)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
-        """Run several calls at once, spread over the nodes; results in call order."""
+        """Run several calls at once, spread over the nodes; results in call order.
+
+        The calls are independent: one failing does not stop the others. Once all have ended,
+        the first failure is raised (a node's death before a user exception).
+        """
         self._check_open()
         payloads = [call.serialized_args() for call in calls]
         live = self._live()
@@ -441,9 +447,22 @@ class ComputePool:
             self._send(conn, call, payload)
             for conn, call, payload in zip(owners, calls, payloads, strict=True)
         ]
-        return tuple(self._collect(futures, owners))
+        return tuple(self._collect(futures, owners, spmd=False))
 
-    def _collect(self, futures: list[Future[Any]], owners: list[AgentConnection]) -> list[Any]:
+    def _collect(
+        self, futures: list[Future[Any]], owners: list[AgentConnection], spmd: bool
+    ) -> list[Any]:
+        """Wait for every future; raise the root failure.
+
+        `spmd` (a broadcast): the calls depend on each other, so a failure stops the rest.
+        Otherwise (a gather) the calls are independent and all run to their end.
+        """
+        if not spmd:
+            wait_futures(futures)
+            failed = sorted((f.exception() for f in futures if f.exception()), key=_blame_rank)
+            if failed:
+                raise failed[0]  # type: ignore[misc]
+            return [future.result() for future in futures]
         done, running = wait_futures(futures, return_when=FIRST_EXCEPTION)
         first = next((f for f in futures if f in done and f.exception() is not None), None)
         if first is not None and running:
@@ -492,6 +511,47 @@ class ComputePool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._conns else "new"
         return f"<ComputePool {self.pool_id} {self.spec.provider} nodes={self.spec.nodes} {state}>"
+
+
+class _NamedHook(contextlib.AbstractContextManager[Any]):
+    """A plugin's `around_client` context whose failures name the plugin."""
+
+    def __init__(self, plugin: str, inner: contextlib.AbstractContextManager[Any]) -> None:
+        self._plugin = plugin
+        self._inner = inner
+
+    def __enter__(self) -> Any:
+        try:
+            return self._inner.__enter__()
+        except SkywardError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"plugin {self._plugin!r} failed entering around_client: "
+                f"{type(exc).__name__}: {exc}",
+                plugin=self._plugin,
+                hook="around_client",
+            ) from exc
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            return self._inner.__exit__(exc_type, exc, tb)
+        except SkywardError:
+            raise
+        except Exception as error:
+            if error is exc:
+                raise
+            raise PluginError(
+                f"plugin {self._plugin!r} failed leaving around_client: "
+                f"{type(error).__name__}: {error}",
+                plugin=self._plugin,
+                hook="around_client",
+            ) from error
 
 
 def _blame_rank(error: BaseException | None) -> int:

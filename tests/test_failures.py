@@ -227,7 +227,13 @@ CLIENT = textwrap.dedent(
 
 @pytest.mark.parametrize(
     ("phase", "sig"),
-    [("call", signal.SIGINT), ("call", signal.SIGTERM), ("startup", signal.SIGINT)],
+    [
+        ("call", signal.SIGINT),
+        ("call", signal.SIGTERM),
+        ("startup", signal.SIGINT),
+        # the client dies without unwinding: the agents find their stream closed and go
+        ("call", signal.SIGKILL),
+    ],
 )
 def test_signals_to_the_client_leave_no_process_behind(
     tmp_path: Path, phase: str, sig: signal.Signals
@@ -303,3 +309,42 @@ def test_a_silent_node_is_declared_dead_after_the_heartbeat_timeout() -> None:
         with pytest.raises(sky.WorkerError, match="heartbeat_timeout"):
             freeze() >> pool
         assert time.monotonic() - started < 15
+
+
+def test_sys_exit_in_a_call_fails_that_call_only() -> None:
+    @sky.compute
+    def bail() -> None:
+        raise SystemExit(3)
+
+    with sky.ComputePool(nodes=1, stream_output=False) as pool:
+        with pytest.raises(sky.RemoteError, match="SystemExit"):
+            bail() >> pool
+        assert pid() >> pool > 0
+
+
+def test_a_failing_call_in_a_gather_does_not_stop_the_others() -> None:
+    @sky.compute
+    def slow_ok(seconds: float) -> str:
+        time.sleep(seconds)
+        return "ok"
+
+    with sky.ComputePool(nodes=2, broadcast_grace=0.1, stream_output=False) as pool:
+        with pytest.raises(ValueError, match="bad value"):
+            sky.gather(fail_with("value"), slow_ok(1.0)) >> pool
+        assert (slow_ok(0) & slow_ok(0)) >> pool == ("ok", "ok")
+
+
+def test_around_client_failures_name_the_plugin() -> None:
+    import contextlib
+
+    @contextlib.contextmanager
+    def tracker(pool: sky.ComputePool):  # type: ignore[no-untyped-def]
+        raise ConnectionError("tracker server down")
+        yield
+
+    with pytest.raises(sky.PluginError, match="'tracker' failed entering around_client") as caught:
+        with sky.ComputePool(
+            plugins=[sky.Plugin("tracker", around_client=tracker)], stream_output=False
+        ):
+            pass
+    assert caught.value.hook == "around_client"

@@ -228,3 +228,23 @@ def test_very_long_lines_are_kept(pool: sky.ComputePool) -> None:
     noisy() >> pool
     lines = pool.logs()
     assert sum(line.count("x") for line in lines) >= 200_000
+
+
+def test_functions_from_the_users_own_modules_travel_by_value(
+    tmp_path: os.PathLike[str],
+) -> None:
+    import importlib
+    import sys
+
+    project = os.path.join(tmp_path, "myproject_3c1")
+    os.makedirs(project)
+    with open(os.path.join(project, "__init__.py"), "w") as handle:
+        handle.write("SCALE = 3\n\ndef scaled(x):\n    return SCALE * x\n")
+    sys.path.append(str(tmp_path))  # importable here only: the nodes never see this path
+    try:
+        module = importlib.import_module("myproject_3c1")
+        with sky.ComputePool(nodes=1, stream_output=False) as running:
+            assert sky.compute(module.scaled)(5) >> running == 15
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("myproject_3c1", None)

@@ -99,7 +99,8 @@ class Local:
                 self.python = str(built)
         except envbuild.BuildFailed as exc:
             raise BootstrapError(
-                f"building the environment for image {image.content_hash} on this machine "
+                f"building the environment {spec.hash} (cache {cache / 'envs' / spec.hash}) "
+                "on this machine "
                 f"failed: {exc}\n--- last lines ---\n{exc.output}",
                 output=exc.output,
             ) from None

@@ -330,6 +330,31 @@ class _Stdin:
             self._writer.write_eof()
 
 
+class _Reader:
+    """A channel reader on which a lost connection reads as end of stream, as a pipe would."""
+
+    def __init__(self, reader: asyncssh.SSHReader[bytes]) -> None:
+        self._reader = reader
+
+    async def readexactly(self, n: int) -> bytes:
+        try:
+            return await self._reader.readexactly(n)
+        except (OSError, asyncssh.Error):
+            raise asyncio.IncompleteReadError(b"", n) from None
+
+    async def readline(self) -> bytes:
+        try:
+            return await self._reader.readline()
+        except (OSError, asyncssh.Error):
+            return b""
+
+    async def read(self, n: int = -1) -> bytes:
+        try:
+            return await self._reader.read(n)
+        except (OSError, asyncssh.Error):
+            return b""
+
+
 class RemoteProcess:
     """A command running on a host; an `AgentStream` when the command is the agent."""
 
@@ -338,8 +363,8 @@ class RemoteProcess:
         self.process = process
         self.pid = pid
         self.stdin = _Stdin(process.stdin)
-        self.stdout: AsyncReader = process.stdout
-        self.stderr = process.stderr
+        self.stdout: AsyncReader = _Reader(process.stdout)
+        self.stderr = _Reader(process.stderr)
 
     async def wait(self) -> int | None:
         try:

@@ -128,9 +128,9 @@ class Agent:
             value = fn(*args, **kwargs)
         except BaseException as exc:
             tb = traceback.format_exc()
+            # sys.exit() or KeyboardInterrupt in the user's code fails that call only; the agent
+            # keeps serving.
             self.send((frames.RAISED, call_id, _type_name(exc), str(exc), tb), _try_pickle(exc))
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise
             return
         try:
             blob = _dumps(value)
@@ -216,7 +216,9 @@ def _exit_hard(status: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     if os.getpgrp() == os.getpid():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # Spare this thread the SIGTERM sent to the group (signal.signal works only in the main
+        # thread, and this may be the reader thread finding the client gone).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         with contextlib.suppress(ProcessLookupError):
             os.killpg(0, signal.SIGTERM)
     os._exit(status)

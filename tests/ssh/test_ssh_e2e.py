@@ -1,0 +1,128 @@
+"""End to end over network-namespace hosts: JAX across 3 nodes, Keras on 2, env reuse."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+import skyward as sky
+from skyward.transport.ssh import SSHHost
+from tests.ssh.conftest import Hosts, Server
+
+pytestmark = [pytest.mark.ssh]
+
+
+@sky.compute
+def sharded_sum(n: int) -> tuple[int, int, float, str]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    info = sky.instance_info()
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    sharding = NamedSharding(mesh, PartitionSpec("data"))
+    x = jax.make_array_from_callback(
+        (n,), sharding, lambda idx: np.arange(n, dtype=np.float32)[idx]
+    )
+    total = jax.jit(jnp.sum)(x)
+    return info.node, jax.process_count(), float(total), info.head_addr
+
+
+@sky.compute
+def keras_fit() -> tuple[list[float], list[list[float]]]:
+    """Each node fits on its own rows; data parallelism must end with one shared model."""
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(7)
+    # Each node already feeds its own rows (see tests/test_keras.py for the plugin bug).
+    keras.distribution.distribution().auto_shard_dataset = False
+    rng = np.random.default_rng(sky.instance_info().node)
+    x = rng.normal(size=(128, 4)).astype("float32")
+    y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]], dtype="float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    weights = [np.asarray(w).ravel().tolist() for w in model.get_weights()]
+    return [float(v) for v in history.history["loss"]], weights
+
+
+@sky.compute
+def where() -> str:
+    return sky.instance_info().head_addr
+
+
+@pytest.mark.slow
+def test_jax_sharded_sum_across_three_namespace_hosts(netns_hosts: Hosts) -> None:
+    with sky.ComputePool(
+        provider=netns_hosts.provider(3), nodes=3, plugins=[sky.plugins.jax()]
+    ) as pool:
+        results = sharded_sum(3 * 1024) @ pool
+    head = netns_hosts.net.addresses[0]
+    expected = float(sum(range(3 * 1024)))
+    assert [r[0] for r in results] == [0, 1, 2]
+    assert all(r[1] == 3 and r[2] == expected and r[3] == head for r in results)
+
+
+@pytest.mark.slow
+def test_keras_data_parallel_fit_on_two_namespace_hosts(netns_hosts: Hosts) -> None:
+    with sky.ComputePool(
+        provider=netns_hosts.provider(2),
+        nodes=2,
+        plugins=[sky.plugins.jax(), sky.plugins.keras(backend="jax")],
+    ) as pool:
+        (loss_a, weights_a), (loss_b, weights_b) = keras_fit() @ pool
+    assert weights_a == weights_b and loss_a == loss_b  # one model, one global loss
+    assert loss_a[-1] < 0.5 * loss_a[0], loss_a
+
+
+def test_head_addr_is_the_first_hosts_address(netns_hosts: Hosts) -> None:
+    with sky.ComputePool(provider=netns_hosts.provider(3), nodes=3, stream_output=False) as pool:
+        assert where() @ pool == [netns_hosts.net.addresses[0]] * 3
+
+
+def test_second_pool_builds_nothing(
+    netns_hosts: Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Setup commands append to a file: they must run once per image, whatever the pools.
+    marker = tmp_path / f"setup-{uuid.uuid4().hex[:8]}"
+    image = sky.Image(setup=[f"echo ran >> {marker}"])
+    commands: list[str] = []
+    real_run = SSHHost.run
+
+    async def counting_run(self: SSHHost, command: str, *args: object, **kw: object) -> object:
+        commands.append(f"{self} {command[:40]}")
+        return await real_run(self, command, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SSHHost, "run", counting_run)
+    for _ in range(2):
+        commands.clear()
+        with sky.ComputePool(
+            provider=netns_hosts.provider(3), nodes=3, image=image, stream_output=False
+        ) as pool:
+            assert len(where() @ pool) == 3
+    # The hosts share this machine's disk, so the first pool's hosts race to build; one wins.
+    assert marker.read_text() == "ran\n"
+    assert len(commands) == 3, f"second pool ran more than one check per host: {commands}"
+
+
+@pytest.mark.slow
+def test_uv_environment_is_built_once_and_reused(local_sshd: Server) -> None:
+    """As skyward-test with the system python3: the agent's pins are not there, so uv builds."""
+    image = sky.Image(env={"SKYWARD_E2E": "1"}, pip=["six"])
+    for _ in range(2):
+        provider = local_sshd.provider(user="skyward-test")
+        with sky.ComputePool(provider=provider, nodes=1, image=image, stream_output=False) as pool:
+            python = interpreter() >> pool
+    assert "/.cache/skyward/envs/" in python and python != sys.executable
+
+
+@sky.compute
+def interpreter() -> str:
+    import six  # noqa: F401  (installed by the image)
+
+    return sys.executable

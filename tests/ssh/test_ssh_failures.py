@@ -1,0 +1,232 @@
+"""Failures and bad input of the SSH provider, each against real sshd processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import asyncssh
+import pytest
+
+import skyward as sky
+from skyward.transport.ssh import HostKeyError, HostUnreachableError, SSHAuthError
+from tests.ssh.conftest import Server, processes_with, wait_until
+from tests.support import sshd
+
+pytestmark = pytest.mark.ssh
+
+
+@sky.compute
+def node_pid() -> int:
+    return os.getpid()
+
+
+@sky.compute
+def nap(seconds: float) -> int:
+    time.sleep(seconds)
+    return sky.instance_info().node
+
+
+def fingerprint(public_line: str) -> str:
+    return str(asyncssh.import_public_key(public_line).get_fingerprint("sha256"))
+
+
+def start(provider: sky.SSH, nodes: int = 1, **kwargs: object) -> sky.ComputePool:
+    return sky.ComputePool(provider=provider, nodes=nodes, stream_output=False, **kwargs)  # type: ignore[arg-type]
+
+
+def launch(provider: sky.SSH, nodes: int = 1, **kwargs: object) -> None:
+    """Start a pool and leave at once (for tests where starting must fail)."""
+    with start(provider, nodes, **kwargs):
+        pass
+
+
+# -- bad input: fails before connecting -----------------------------------------------------------
+
+
+def test_more_nodes_than_hosts_is_a_config_error() -> None:
+    with pytest.raises(sky.ConfigError, match=re.escape("nodes=3 but sky.SSH was given 2 host")):
+        sky.ComputePool(provider=sky.SSH(["a", "b"]), nodes=3)
+
+
+@pytest.mark.parametrize("host", ["user@@host", "host:99999", "host:", "us er@host", ""])
+def test_malformed_host_is_a_config_error(host: str) -> None:
+    with pytest.raises(sky.ConfigError):
+        sky.SSH([host])
+
+
+def test_missing_key_and_known_hosts_files_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(sky.ConfigError, match="key file"):
+        sky.SSH(["h"], key=tmp_path / "nope")
+    with pytest.raises(sky.ConfigError, match="known_hosts file"):
+        sky.SSH(["h"], known_hosts=tmp_path / "nope")
+
+
+def test_host_string_forms() -> None:
+    provider = sky.SSH(["a", "bob@b:2222", "[::1]:23"], user="ann", port=2200)
+    assert provider.hosts == ["ann@a:2200", "bob@b:2222", "ann@[::1]:23"]
+
+
+# -- connecting -----------------------------------------------------------------------------------
+
+
+def test_wrong_key_is_an_authentication_error(local_sshd: Server, tmp_path: Path) -> None:
+    stranger = sshd.KeyPair.generate(tmp_path)
+    with pytest.raises(SSHAuthError, match=re.escape("127.0.0.1")) as caught:
+        launch(local_sshd.provider(key=str(stranger.private_path)))
+    assert isinstance(caught.value, sky.ProvisionError)
+    assert str(local_sshd.port) in caught.value.host
+
+
+def test_wrong_user_is_an_authentication_error(local_sshd: Server) -> None:
+    with pytest.raises(SSHAuthError, match=f"nosuchuser@127.0.0.1:{local_sshd.port}"):
+        launch(local_sshd.provider(user="nosuchuser"))
+
+
+def test_unknown_host_key_names_host_and_fingerprint(local_sshd: Server, tmp_path: Path) -> None:
+    other = sshd.KeyPair.generate(tmp_path, "other")
+    lines = [sshd.known_hosts_line("10.9.9.9", 22, other.public_line)]
+    with pytest.raises(HostKeyError, match="unknown") as caught:
+        launch(local_sshd.provider(known_hosts=lines))
+    expected = fingerprint(local_sshd.sshd.host_public_key)
+    assert caught.value.fingerprint == expected
+    assert expected in str(caught.value) and f"127.0.0.1:{local_sshd.port}" in str(caught.value)
+
+
+def test_changed_host_key_names_host_and_fingerprint(local_sshd: Server, tmp_path: Path) -> None:
+    other = sshd.KeyPair.generate(tmp_path, "other")
+    lines = [local_sshd.sshd.known_hosts_line(other.public_line)]
+    with pytest.raises(HostKeyError, match="CHANGED") as caught:
+        launch(local_sshd.provider(known_hosts=lines))
+    assert fingerprint(local_sshd.sshd.host_public_key) in str(caught.value)
+
+
+def test_refused_connection_fails_fast_naming_the_host() -> None:
+    port = sshd.free_port()
+    began = time.monotonic()
+    with pytest.raises(HostUnreachableError, match=f"127.0.0.1:{port}"):
+        launch(sky.SSH([f"127.0.0.1:{port}"], known_hosts=[], connect_timeout=5))
+    assert time.monotonic() - began < 5
+
+
+def test_silent_host_fails_within_the_connect_timeout() -> None:
+    # Accepts TCP (kernel backlog) but never sends an SSH banner.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        began = time.monotonic()
+        with pytest.raises(HostUnreachableError, match=f"127.0.0.1:{port}.*1 s"):
+            launch(sky.SSH([f"127.0.0.1:{port}"], known_hosts=[], connect_timeout=1))
+        assert time.monotonic() - began < 5
+
+
+def test_one_bad_host_fails_the_launch_and_names_it(local_sshd: Server) -> None:
+    port = sshd.free_port()
+    provider = sky.SSH(
+        [local_sshd.host(), f"root@127.0.0.1:{port}"],
+        key=str(local_sshd.key.private_path),
+        known_hosts=str(local_sshd.known_hosts),
+        python=sys.executable,
+    )
+    with pytest.raises(sky.ProvisionError, match=f"127.0.0.1:{port}"):
+        launch(provider, nodes=2)
+
+
+# -- bootstrap ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_failed_package_install_is_a_bootstrap_error_with_the_tail(local_sshd: Server) -> None:
+    image = sky.Image(pip=[f"skyward-no-such-package-{uuid.uuid4().hex[:8]}"])
+    with pytest.raises(sky.BootstrapError) as caught:
+        launch(local_sshd.provider(user=sshd.TEST_USER), image=image)
+    message = str(caught.value)
+    assert f"skyward-test@127.0.0.1:{local_sshd.port}" in message
+    assert "last lines" in message and "skyward-no-such-package" in caught.value.output
+
+
+@pytest.mark.slow
+def test_failed_uv_install_is_a_bootstrap_error_with_pips_output(local_sshd: Server) -> None:
+    image = sky.Image(pip=[f"skyward-no-such-package-{uuid.uuid4().hex[:8]}"])
+    provider = local_sshd.provider(user=sshd.TEST_USER, uv_version="0.0.0.dev424242")
+    expected = re.escape("installing uv==0.0.0.dev424242")
+    with pytest.raises(sky.BootstrapError, match=expected) as caught:
+        launch(provider, image=image)
+    assert f"127.0.0.1:{local_sshd.port}" in str(caught.value)
+    assert "uv==0.0.0.dev424242" in caught.value.output
+
+
+def test_missing_python_is_a_bootstrap_error(local_sshd: Server) -> None:
+    with pytest.raises(sky.BootstrapError, match=re.escape("python3.99 was not found")):
+        launch(local_sshd.provider(python="python3.99"))
+
+
+# -- dying mid-call -------------------------------------------------------------------------------
+
+
+def test_sshd_killed_mid_call_fails_the_call_and_stops_the_others(
+    local_sshd: Server, own_sshd: Server
+) -> None:
+    provider = sky.SSH(
+        [local_sshd.host(), own_sshd.host()],
+        key=str(local_sshd.key.private_path),
+        known_hosts=[local_sshd.sshd.known_hosts_line(), own_sshd.sshd.known_hosts_line()],
+        python=sys.executable,
+    )
+    with start(provider, nodes=2) as pool:
+        pids = node_pid() @ pool
+        threading.Timer(1.0, own_sshd.sshd.stop).start()
+        began = time.monotonic()
+        with pytest.raises(sky.WorkerError) as caught:
+            nap(60) @ pool
+        assert time.monotonic() - began < 30
+        assert caught.value.node == 1 and "node 1" in str(caught.value)
+    assert wait_until(lambda: not any(sshd.pid_alive(p) for p in pids), 10)
+
+
+def test_agent_killed_mid_call_is_a_worker_error(local_sshd: Server) -> None:
+    with start(local_sshd.provider(count=2), nodes=2) as pool:
+        pids = node_pid() @ pool
+        threading.Timer(1.0, os.kill, (pids[0], signal.SIGKILL)).start()
+        with pytest.raises(sky.WorkerError) as caught:
+            nap(60) @ pool
+        assert caught.value.node == 0 and "node 0" in str(caught.value)
+    assert wait_until(lambda: not any(sshd.pid_alive(p) for p in pids), 10)
+
+
+# -- Ctrl-C ---------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_during_bootstrap_leaves_no_remote_process(local_sshd: Server) -> None:
+    token = f"skyward-ctrl-c-{uuid.uuid4().hex[:8]}"
+    script = textwrap.dedent(f"""
+        import sys
+        import skyward as sky
+        provider = sky.SSH([{local_sshd.host()!r}] * 2, key={str(local_sshd.key.private_path)!r},
+                           known_hosts={str(local_sshd.known_hosts)!r}, python=sys.executable)
+        image = sky.Image(setup=["sleep 300 # {token}"])
+        with sky.ComputePool(provider=provider, nodes=2, image=image):
+            pass
+    """)
+    client = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
+    try:
+        assert wait_until(lambda: len(processes_with(f"sleep 300 # {token}")) >= 1, 60), (
+            "the setup command never started"
+        )
+        client.send_signal(signal.SIGINT)
+        assert client.wait(30) != 0
+    finally:
+        client.kill()
+    assert wait_until(lambda: not processes_with(token), 10), processes_with(token)
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    assert token not in out

@@ -1,4 +1,8 @@
-"""The ``skyward`` command: versions, and the environments cached on this machine."""
+"""The ``skyward`` command: versions, cached environments, and skyward's EC2 resources.
+
+``skyward ls`` lists everything tagged ``skyward:pool`` in a region; ``skyward down POOL`` (or
+``--all``) removes it: the orphan sweep for pools whose client died before its teardown.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from skyward import __version__
 from skyward.providers.local import cache_dir
@@ -39,6 +44,50 @@ def _cache_clear(cache: Path) -> int:
     return 0
 
 
+def _aws_session(region: str | None, profile: str | None) -> Any:
+    import boto3
+
+    return boto3.session.Session(region_name=region, profile_name=profile)
+
+
+def _aws(args: argparse.Namespace) -> Any:
+    from skyward.providers.aws import AWS
+
+    return AWS(session=_aws_session(args.region, args.profile))
+
+
+def _aws_ls(args: argparse.Namespace) -> int:
+    from skyward.providers.aws import resources
+
+    pools = resources.find(_aws(args).client("ec2"))
+    if not pools:
+        print("no skyward resources in this region")
+    for pool in sorted(pools.values(), key=lambda p: p.pool_id):
+        when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
+        print(f"{pool.pool_id}  created {when} by {pool.created_by or '?'}")
+        for line in pool.describe():
+            print(f"    {line}")
+    return 0
+
+
+def _aws_down(args: argparse.Namespace) -> int:
+    from skyward.errors import SkywardError
+
+    if not args.all and not args.pool:
+        print("skyward down: name a POOL (see `skyward ls`) or pass --all", file=sys.stderr)
+        return 2
+    try:
+        removed = _aws(args).cleanup(older_than=0, pool=None if args.all else args.pool)
+    except SkywardError as exc:
+        print(f"skyward down: {exc}", file=sys.stderr)
+        return 1
+    for line in removed:
+        print(f"removed {line}")
+    if not removed:
+        print("nothing to remove")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = argparse.ArgumentParser(prog="skyward", description=__doc__)
@@ -46,7 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     cache = commands.add_parser("cache", help="node environments built on this machine")
     cache.add_argument("action", choices=["list", "clear"])
+    for name, text in (("ls", "list skyward's EC2 resources"), ("down", "remove them")):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("--region", help="AWS region (default: the standard resolution)")
+        sub.add_argument("--profile", help="AWS profile")
+        if name == "down":
+            sub.add_argument("pool", nargs="?", help="the pool id (see `skyward ls`)")
+            sub.add_argument("--all", action="store_true", help="every skyward pool")
     args = parser.parse_args(argv)
+    if args.command == "ls":
+        return _aws_ls(args)
+    if args.command == "down":
+        return _aws_down(args)
     if args.command == "cache":
         where = cache_dir()
         return _cache_list(where) if args.action == "list" else _cache_clear(where)

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 import cloudpickle
 
 from skyward.errors import SerializationError
-from skyward.transport.frames import PROTOCOL
+from skyward.transport.frames import PROTOCOL, Buffer
+from skyward.transport.pickling import cloud_dumps
 
 if TYPE_CHECKING:
     from skyward.pool import ComputePool
@@ -30,7 +31,7 @@ R = TypeVar("R")
 
 _function_ids = itertools.count(1)
 _by_value: set[str] = set()
-_EMPTY_ARGS: bytes = cloudpickle.dumps(((), {}), PROTOCOL)
+_EMPTY_ARGS: list[Buffer] = [bytes(segment) for segment in cloud_dumps(((), {}))]
 
 
 class Compute(Generic[P, R]):
@@ -88,14 +89,14 @@ class PendingCall(Generic[R]):
         self.args = args
         self.kwargs = kwargs
 
-    def serialized_args(self) -> bytes:
-        """The pickled ``(args, kwargs)``; raises `SerializationError` naming the culprit."""
+    def serialized_args(self) -> list[Buffer]:
+        """The pickled ``(args, kwargs)`` as wire segments (large buffers out of band); raises
+        `SerializationError` naming the culprit."""
         self.function.serialized()
         if not self.args and not self.kwargs:
             return _EMPTY_ARGS
         try:
-            blob: bytes = cloudpickle.dumps((self.args, self.kwargs), PROTOCOL)
-            return blob
+            return cloud_dumps((self.args, self.kwargs))
         except Exception as exc:
             raise SerializationError(self._culprit(exc)) from exc
 

@@ -1,14 +1,15 @@
-"""`AgentConnection`: the client's side of one node's agent, living on the pool's event loop.
+"""`AgentConnection`: the client's side of one node's agent.
 
-It reads frames and resolves call futures, forwards the node's output to the console and keeps
-it, and turns the agent's death into a `WorkerError` for every call the node held.
+It decodes the frames the agent sends and resolves call futures, splits the node's output into
+lines for the console and keeps them, and turns the agent's death into a `WorkerError` for every
+call the node held. Bytes arrive through callbacks on the pool's event loop; calls are written
+from the caller's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import pickle
 import threading
 import time
 from collections import deque
@@ -16,19 +17,47 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from skyward.errors import RemoteError, WorkerError
+from skyward.errors import PoolClosedError, RemoteError, WorkerError
 from skyward.transport import frames
 from skyward.transport.base import AgentStream
 
 TAIL_LINES = 20
-OUTPUT_CHUNK = 1 << 16
 KEPT_LINES = 100_000
+OUTPUT_CHUNK = 1 << 16
 # How long to wait for the rest of a dead node's output before reporting its death.
 OUTPUT_DRAIN_SECONDS = 0.3
 
 
+class CallFrames:
+    """One call's frame, encoded at most twice (with and without the function's bytes) however
+    many nodes it goes to: a broadcast writes the same bytes to every node."""
+
+    __slots__ = ("_with_fn", "_without_fn", "call_id", "fn_bytes", "fn_id", "segments")
+
+    def __init__(
+        self, call_id: int, fn_id: int, fn_bytes: bytes, segments: list[frames.Buffer]
+    ) -> None:
+        self.call_id = call_id
+        self.fn_id = fn_id
+        self.fn_bytes = fn_bytes
+        self.segments = segments
+        self._with_fn: list[frames.Buffer] | None = None
+        self._without_fn: list[frames.Buffer] | None = None
+
+    def chunks(self, first_time: bool) -> list[frames.Buffer]:
+        if first_time:
+            if self._with_fn is None:
+                with_fn = (frames.CALL, self.call_id, self.fn_id, self.fn_bytes)
+                self._with_fn = frames.encode(with_fn, self.segments)
+            return self._with_fn
+        if self._without_fn is None:
+            without_fn = (frames.CALL, self.call_id, self.fn_id, None)
+            self._without_fn = frames.encode(without_fn, self.segments)
+        return self._without_fn
+
+
 class AgentConnection:
-    """One node's agent as the pool sees it. All methods run on the pool's event loop."""
+    """One node's agent as the pool sees it."""
 
     def __init__(
         self,
@@ -51,142 +80,121 @@ class AgentConnection:
         self._on_death = on_death
         self._stopping = False
         self._lock = threading.Lock()
-        # A stream that can be written from any thread saves the trip through the event loop,
-        # which is most of a small call's round trip.
-        self._direct: Callable[[bytes, bytes | memoryview], None] | None = getattr(
-            stream, "threadsafe_write", None
-        )
-        self._output_task = asyncio.create_task(self._read_output())
-        self._frame_task = asyncio.create_task(self._read_frames())
+        self._decoder = frames.FrameDecoder(self._on_frame)
+        self._partial_line = b""
+        self._output_done = asyncio.Event()
+        self._ended_task: asyncio.Task[None] | None = None
+        self._control_closed = asyncio.Event()
+        stream.start(self._on_control_bytes, self._on_output_bytes)
 
     # -- sending ---------------------------------------------------------------------------
 
-    def _write(self, head: bytes, body: bytes | memoryview) -> None:
-        if self._direct is not None:
-            self._direct(head, body)
-        else:
-            self.stream.stdin.write(head)
-            if body:
-                self.stream.stdin.write(body)
+    def send(self, meta: frames.Meta, segments: frames.Segments = ()) -> None:
+        """Write one control frame."""
+        self.stream.write(frames.encode(meta, segments))
 
-    def send(self, meta: frames.Meta, payload: bytes | memoryview = b"") -> None:
-        """Write one frame (on the loop thread)."""
-        self._write(*frames.encode(meta, payload))
-
-    def submit_call(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        call_id: int,
-        fn_id: int,
-        fn_bytes: bytes,
-        payload: bytes,
-        future: Future[Any],
-    ) -> None:
-        """Send a call from the caller's thread; its result will resolve `future`."""
+    def submit(self, calls: list[tuple[CallFrames, Future[Any]]]) -> None:
+        """Send calls from the caller's thread, in one write; their results resolve the futures."""
+        chunks: list[frames.Buffer] = []
         with self._lock:
-            if self.dead is not None:
-                future.set_exception(self.dead)
-                return
-            if not future.set_running_or_notify_cancel():
-                return
-            first_time = fn_id not in self.sent_functions
-            self.sent_functions.add(fn_id)
-            self.pending[call_id] = future
-            head, body = frames.encode(
-                (frames.CALL, call_id, fn_id, fn_bytes if first_time else None), payload
-            )
-            if self._direct is None:
-                loop.call_soon_threadsafe(self._write_call, call_id, head, body)
+            for call, future in calls:
+                if self.dead is not None:
+                    future.set_exception(self.dead)
+                    continue
+                if not future.set_running_or_notify_cancel():
+                    continue
+                first_time = call.fn_id not in self.sent_functions
+                self.sent_functions.add(call.fn_id)
+                self.pending[call.call_id] = future
+                chunks += call.chunks(first_time)
+            if not chunks:
                 return
             try:
-                self._direct(head, body)
+                self.stream.write(_coalesce(chunks))
             except OSError as exc:
-                self.pending.pop(call_id, None)
-                future.set_exception(self._error(f"could not send the call: {exc}"))
+                error = self._error(f"could not send to node {self.node}: {exc}")
+                for call, future in calls:
+                    if self.pending.pop(call.call_id, None) is future:
+                        future.set_exception(error)
 
-    def _write_call(self, call_id: int, head: bytes, body: bytes | memoryview) -> None:
+    # -- receiving (on the event loop) ---------------------------------------------------
+
+    def _on_control_bytes(self, data: bytes) -> None:
+        if not data:
+            self._control_ended()
+            return
+        self.last_seen = time.monotonic()
         try:
-            self._write(head, body)
-        except (ConnectionError, RuntimeError) as exc:
-            future = self.pending.pop(call_id, None)
-            if future is not None and not future.done():
-                future.set_exception(self._error(f"could not send the call: {exc}"))
-
-    # -- receiving -------------------------------------------------------------------------
-
-    async def _read_frames(self) -> None:
-        try:
-            while True:
-                meta, payload = await frames.read_frame(self.stream.stdout)
-                self.last_seen = time.monotonic()
-                kind = meta[0]
-                if kind == frames.RESULT:
-                    self._resolve(meta[1], payload)
-                elif kind == frames.RAISED:
-                    self._reject(meta, payload)
-                elif kind != frames.HEARTBEAT:
-                    self.control.put_nowait(meta)
+            self._decoder.feed(data)
         except Exception as exc:
-            if not _is_eof(exc):
-                self._output_line(f"[skyward] broken stream from the agent: {exc!r}")
-        await self._ended()
+            self._output_line(
+                f"[skyward] broken stream from the agent of node {self.node}: {exc!r}"
+            )
+            self.stream.kill()
 
-    def _resolve(self, call_id: int, payload: bytes) -> None:
+    def _on_frame(self, meta: frames.Meta, segments: list[frames.Buffer]) -> None:
+        kind = meta[0]
+        if kind == frames.RESULT:
+            self._resolve(meta[1], segments)
+        elif kind == frames.RAISED:
+            self._reject(meta, segments)
+        elif kind != frames.HEARTBEAT:
+            self.control.put_nowait(meta)
+
+    def _resolve(self, call_id: int, segments: list[frames.Buffer]) -> None:
         future = self.pending.pop(call_id, None)
         if future is None:
             return
         try:
-            future.set_result(pickle.loads(payload))
+            future.set_result(frames.loads(segments))
         except Exception as exc:
             future.set_exception(
                 RemoteError(
                     type(exc).__name__,
-                    f"the result could not be unpickled: {exc}",
+                    f"the result could not be unpickled on the client: {exc}",
                     "",
                     node=self.node,
                 )
             )
 
-    def _reject(self, meta: frames.Meta, payload: bytes) -> None:
+    def _reject(self, meta: frames.Meta, segments: list[frames.Buffer]) -> None:
         _, call_id, type_name, message, remote_tb = meta
         future = self.pending.pop(call_id, None)
         if future is not None:
             future.set_exception(
-                rebuild_exception(type_name, message, remote_tb, payload, self.node)
+                rebuild_exception(type_name, message, remote_tb, segments, self.node)
             )
 
-    async def _read_output(self) -> None:
-        reader = self.stream.stderr
-        partial = b""
-        while True:
-            try:
-                chunk = await reader.read(OUTPUT_CHUNK)
-            except (ConnectionError, OSError):
-                chunk = b""
-            if not chunk:
-                if partial:
-                    self._output_line(partial.decode(errors="replace"))
-                return
-            *lines, partial = (partial + chunk).split(b"\n")
-            if len(partial) > OUTPUT_CHUNK:  # a very long line without a newline: show it now
-                lines.append(partial)
-                partial = b""
-            for raw in lines:
-                self._output_line(raw.decode(errors="replace").rstrip("\r"))
+    def _on_output_bytes(self, data: bytes) -> None:
+        if not data:
+            if self._partial_line:
+                self._output_line(self._partial_line.decode(errors="replace"))
+                self._partial_line = b""
+            self._output_done.set()
+            return
+        *lines, self._partial_line = (self._partial_line + data).split(b"\n")
+        if len(self._partial_line) > OUTPUT_CHUNK:  # a very long line without a newline: show it
+            lines.append(self._partial_line)
+            self._partial_line = b""
+        for raw in lines:
+            self._output_line(raw.decode(errors="replace").rstrip("\r"))
 
     def _output_line(self, line: str) -> None:
         self.lines.append(line)
         self._on_output(self.node, line)
 
+    def _control_ended(self) -> None:
+        self._control_closed.set()
+        if self._ended_task is None:
+            self._ended_task = asyncio.get_running_loop().create_task(self._ended())
+
     async def _ended(self) -> None:
         """The control stream closed: collect the exit status and the last output."""
-        # A transport may end the output stream with its own error (a lost SSH connection);
-        # whatever it was, the node is gone and must be reported.
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(self._output_task), OUTPUT_DRAIN_SECONDS)
+            await asyncio.wait_for(self._output_done.wait(), OUTPUT_DRAIN_SECONDS)
         try:
             self.exit_status = await asyncio.wait_for(self.stream.wait(), OUTPUT_DRAIN_SECONDS)
-        except (TimeoutError, Exception):
+        except Exception:
             self.exit_status = None
         self.stream.kill()
         self.control.put_nowait(None)
@@ -243,31 +251,46 @@ class AgentConnection:
         self._stopping = True
         if self.dead is None and not self.stream_closed():
             with contextlib.suppress(Exception):
-                for call_id in list(self.pending):
-                    self.send((frames.CANCEL, call_id))
                 self.send((frames.SHUTDOWN,))
         try:
-            await asyncio.wait_for(asyncio.shield(self._frame_task), timeout)
+            await asyncio.wait_for(self._control_closed.wait(), timeout)
         except TimeoutError:
             self._output_line(
                 f"[skyward] node {self.node} did not stop within {timeout:g} s; killing it"
             )
         self.stream.kill()
+        self.stream.close_input()
         with contextlib.suppress(Exception):
-            self.stream.stdin.close()
             await asyncio.wait_for(self.stream.wait(), timeout=2)
-        for task in (self._frame_task, self._output_task):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._ended_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._ended_task, timeout=2)
+        with self._lock:
+            pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(PoolClosedError("the pool closed before this call ended"))
 
     def stream_closed(self) -> bool:
-        return self._frame_task.done()
+        """Whether the agent's control stream has ended."""
+        return self._ended_task is not None
 
 
-def _is_eof(exc: BaseException) -> bool:
-    """True for the exceptions a stream raises when its other end has gone away."""
-    return isinstance(exc, asyncio.IncompleteReadError | ConnectionError | BrokenPipeError)
+def _coalesce(chunks: list[frames.Buffer]) -> list[frames.Buffer]:
+    """Join runs of small chunks, so several calls to one node cost one write."""
+    out: list[frames.Buffer] = []
+    small = bytearray()
+    for chunk in chunks:
+        if memoryview(chunk).nbytes < OUTPUT_CHUNK:
+            small += chunk
+            continue
+        if small:
+            out.append(small)
+            small = bytearray()
+        out.append(chunk)
+    if small:
+        out.append(small)
+    return out
 
 
 def describe_status(status: int | None) -> str:
@@ -297,14 +320,14 @@ class RemoteTraceback(Exception):
 
 
 def rebuild_exception(
-    type_name: str, message: str, remote_tb: str, payload: bytes, node: int
+    type_name: str, message: str, remote_tb: str, segments: list[frames.Buffer], node: int
 ) -> BaseException:
     """The node's exception as itself, with the remote traceback as its cause."""
     exc: BaseException
     try:
-        if not payload:
+        if not segments:
             raise ValueError("no pickled exception")
-        exc = pickle.loads(payload)
+        exc = frames.loads(segments)
         if not isinstance(exc, Exception):
             # SystemExit or KeyboardInterrupt from a node must not end the client's program
             raise TypeError("not an ordinary exception")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import cloudpickle
 
 from skyward.cluster import Accelerator, ClusterSpec
-from skyward.connection import AgentConnection
+from skyward.connection import AgentConnection, CallFrames
 from skyward.console import Console
 from skyward.errors import (
     BootstrapError,
@@ -39,6 +39,7 @@ from skyward.info import InstanceInfo
 from skyward.plugins.base import Plugin
 from skyward.providers.base import Node, Provider
 from skyward.transport import frames
+from skyward.transport.frames import Buffer
 
 if TYPE_CHECKING:
     from skyward.compute import PendingCall
@@ -230,7 +231,7 @@ class ComputePool:
         ]
         for conn, info in zip(self._conns, self.infos, strict=True):
             conn.stage = "setting up plugins"
-            conn.send((frames.HELLO, info, {}), plugins_blob)
+            conn.send((frames.HELLO, info, {}), [plugins_blob])
         await asyncio.gather(*(self._expect(c, frames.READY) for c in self._conns))
         for conn in self._conns:
             conn.stage = READY_STAGE
@@ -393,12 +394,9 @@ class ComputePool:
             raise PoolClosedError("every node of the pool has died; start a new pool")
         return live
 
-    def _send(self, conn: AgentConnection, call: PendingCall[Any], payload: bytes) -> Future[Any]:
-        assert self._loop is not None
-        future: Future[Any] = Future()
+    def _frames(self, call: PendingCall[Any], segments: list[Buffer]) -> CallFrames:
         fn_id, fn_bytes = call.function.serialized()
-        conn.submit_call(self._loop, next(_call_ids), fn_id, fn_bytes, payload, future)
-        return future
+        return CallFrames(next(_call_ids), fn_id, fn_bytes, segments)
 
     def submit(self, call: PendingCall[T], node: int | None = None) -> Future[T]:
         """Start `call` on one node (the next in turn, or `node`) and return its future."""
@@ -411,7 +409,9 @@ class ComputePool:
             if not 0 <= node < len(self._conns):
                 raise ConfigError(f"node must be in 0..{len(self._conns) - 1}, got {node}")
             conn = self._conns[node]
-        return self._send(conn, call, payload)
+        future: Future[T] = Future()
+        conn.submit([(self._frames(call, payload), future)])
+        return future
 
     def run(self, call: PendingCall[T], node: int | None = None) -> T:
         """Run `call` on one node and return its result (what ``call >> pool`` does)."""
@@ -429,7 +429,10 @@ class ComputePool:
         dead = [conn.node for conn in self._conns if conn.dead is not None]
         if dead:
             raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
-        futures = [self._send(conn, call, payload) for conn in self._conns]
+        frames_ = self._frames(call, payload)  # encoded once, written to every node
+        futures: list[Future[Any]] = [Future() for _ in self._conns]
+        for conn, future in zip(self._conns, futures, strict=True):
+            conn.submit([(frames_, future)])
         return self._collect(futures, list(self._conns), spmd=True)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
@@ -443,10 +446,13 @@ class ComputePool:
         live = self._live()
         start = next(self._cursor)
         owners = [live[(start + i) % len(live)] for i in range(len(calls))]
-        futures = [
-            self._send(conn, call, payload)
-            for conn, call, payload in zip(owners, calls, payloads, strict=True)
-        ]
+        futures: list[Future[Any]] = [Future() for _ in calls]
+        batches: dict[int, list[tuple[CallFrames, Future[Any]]]] = {}
+        for conn, call, payload, future in zip(owners, calls, payloads, futures, strict=True):
+            batches.setdefault(conn.node, []).append((self._frames(call, payload), future))
+        for conn in live:  # one write per node, however many calls it takes
+            if conn.node in batches:
+                conn.submit(batches[conn.node])
         return tuple(self._collect(futures, owners, spmd=False))
 
     def _collect(

@@ -1,41 +1,37 @@
-"""What the pool needs from a running agent: its three byte streams, its exit, and a kill switch.
+"""What the pool needs from a running agent: a way to write to it, its bytes as they arrive, its
+exit, and a kill switch.
 
-An asyncio subprocess and an asyncssh process both fit this shape, so the pool talks to a local
-child and to a remote node the same way.
+The stream pushes what it reads into callbacks (no reader task between the bytes and the frame
+decoder: that hop was most of a small call's round trip), so a local pipe and an SSH channel look
+the same to the pool.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from skyward.transport.frames import AsyncReader
+from skyward.transport.frames import Buffer
 
-
-class Writer(Protocol):
-    """The agent's control input."""
-
-    def write(self, data: bytes | memoryview) -> None: ...
-    async def drain(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class ChunkReader(Protocol):
-    """The node's output (what the user's code printed, fds 1 and 2), as it arrives."""
-
-    async def read(self, n: int) -> bytes:
-        """Up to `n` bytes; b"" at the end."""
-        ...
+Receiver = Callable[[bytes], None]
 
 
 class AgentStream(Protocol):
-    """A started agent: control frames in on `stdin`, out on `stdout`; output on `stderr`."""
+    """A started agent: control frames in through `write`, out through `start`'s callbacks."""
 
-    @property
-    def stdin(self) -> Writer: ...
-    @property
-    def stdout(self) -> AsyncReader: ...
-    @property
-    def stderr(self) -> ChunkReader: ...
+    def start(self, on_control: Receiver, on_output: Receiver) -> None:
+        """Deliver what the agent sends, on the event loop: its control bytes to `on_control`,
+        its output (fds 1 and 2) to `on_output`, each as it arrives and ``b""`` once at its end.
+        Called once, from the event loop."""
+        ...
+
+    def write(self, chunks: Sequence[Buffer]) -> None:
+        """Send `chunks` to the agent's control input, in order; callable from any thread."""
+        ...
+
+    def close_input(self) -> None:
+        """End the agent's control input (it then exits); the output keeps flowing."""
+        ...
 
     async def wait(self) -> int | None:
         """Wait for the agent to end; its exit status (negative: killed by that signal)."""

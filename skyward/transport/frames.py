@@ -1,9 +1,11 @@
 """The frame codec and the messages of the client <-> agent wire.
 
-A frame is a 12-byte header (``!IQ``: metadata length, payload length), a small pickled
-metadata tuple whose first item is the message kind, and a raw payload. Large objects (call
-arguments, results) travel in the payload, which is written and read as it is, never pickled a
-second time: a broadcast writes the same payload bytes to every node.
+A frame is an 8-byte header (``!II``: metadata length, segment count), one ``!Q`` length per
+segment, a small pickled metadata tuple whose first item is the message kind, then the segments
+as raw bytes. Large objects travel in segments, written and read as they are: call arguments and
+results are pickled with protocol 5, their large buffers (numpy arrays, big ``bytes``) kept out of
+band as segments of their own, so a 100 MB argument is never copied into a pickle stream, and a
+broadcast writes the same segment objects to every node.
 
 This module is shared by the client and the worker agent, so it imports only the standard library.
 """
@@ -13,53 +15,101 @@ from __future__ import annotations
 import os
 import pickle
 import struct
-from typing import Any, BinaryIO, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, BinaryIO
 
-HEADER = struct.Struct("!IQ")
+HEADER = struct.Struct("!II")
+LENGTH = struct.Struct("!Q")
 PROTOCOL = 5
 
 # client -> agent
-HELLO = 1  # (HELLO, InstanceInfo, env: dict[str, str]); payload: pickled plugins
-CALL = 2  # (CALL, call_id, fn_id, fn_bytes | None); payload: pickled (args, kwargs)
-CANCEL = 3  # (CANCEL, call_id)
-SHUTDOWN = 4  # (SHUTDOWN,)
+HELLO = 1  # (HELLO, InstanceInfo, env: dict[str, str]); segments: pickled plugins
+CALL = 2  # (CALL, call_id, fn_id, fn_bytes | None); segments: pickled (args, kwargs), buffers
+SHUTDOWN = 4  # (SHUTDOWN,): finish the calls already sent, unwind the plugins, exit
 
 # agent -> client
 STARTED = 10  # (STARTED, pid, hostname, free_port, python_version, skyward_version)
 PROGRESS = 11  # (PROGRESS, plugin_name, hook)
 READY = 12  # (READY,)
-HOOK_FAILED = 13  # (HOOK_FAILED, plugin, hook, type_name, message, traceback); payload: exc
-RESULT = 14  # (RESULT, call_id); payload: pickled value
-RAISED = 15  # (RAISED, call_id, type_name, message, traceback); payload: pickled exc or b""
+HOOK_FAILED = 13  # (HOOK_FAILED, plugin, hook, type_name, message, traceback); segments: exc
+RESULT = 14  # (RESULT, call_id); segments: pickled value, buffers
+RAISED = 15  # (RAISED, call_id, type_name, message, traceback); segments: pickled exc, if any
 HEARTBEAT = 16  # (HEARTBEAT,)
 
 Meta = tuple[Any, ...]
+Buffer = bytes | bytearray | memoryview
+Segments = Sequence[Buffer]
 
+# Below this size a segment is copied into the frame's first write: a syscall costs more.
 _COALESCE_LIMIT = 1 << 16
+# Objects this large travel out of band (their own segment) instead of inside the pickle.
+OUT_OF_BAND_MIN = 1 << 16
 
 
 class FrameError(Exception):
     """The byte stream does not hold a valid frame (truncated, or not a skyward agent)."""
 
 
-def encode(meta: Meta, payload: bytes | memoryview = b"") -> tuple[bytes, bytes | memoryview]:
-    """Return the two byte strings to write for one frame: header + metadata, then payload."""
+def encode(meta: Meta, segments: Segments = ()) -> list[Buffer]:
+    """The byte strings to write, in order, for one frame (small segments coalesced)."""
     blob = pickle.dumps(meta, PROTOCOL)
-    return HEADER.pack(len(blob), len(payload)) + blob, payload
+    head = bytearray(HEADER.pack(len(blob), len(segments)))
+    for segment in segments:
+        head += LENGTH.pack(memoryview(segment).nbytes)
+    head += blob
+    chunks: list[Buffer] = [head]
+    for segment in segments:
+        if memoryview(segment).nbytes < _COALESCE_LIMIT and isinstance(chunks[-1], bytearray):
+            chunks[-1] += segment
+        else:
+            chunks.append(segment)
+    return chunks
 
 
-class AsyncReader(Protocol):
-    """What `read_frame` needs from a stream: asyncio's StreamReader and asyncssh's SSHReader."""
+class _Lifted:
+    """A large ``bytes`` that pickles out of band and unpickles as plain ``bytes`` again.
 
-    async def readexactly(self, n: int) -> bytes: ...
+    The pickler never consults hooks for built-in types, so such an object is wrapped before
+    pickling (see `lift`) rather than recognised during it.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return bytes, (pickle.PickleBuffer(self.data),)
 
 
-async def read_frame(reader: AsyncReader) -> tuple[Meta, bytes]:
-    """Read one frame from an asyncio-style reader (raises `asyncio.IncompleteReadError` at EOF)."""
-    meta_len, payload_len = HEADER.unpack(await reader.readexactly(HEADER.size))
-    meta = pickle.loads(await reader.readexactly(meta_len))
-    payload = await reader.readexactly(payload_len) if payload_len else b""
-    return meta, payload
+def lift(value: Any, depth: int = 2) -> Any:
+    """`value` with large ``bytes`` near its top (arguments, a returned tuple or dict) wrapped
+    to travel out of band; numpy arrays travel out of band by themselves, at any depth."""
+    kind = type(value)
+    if kind is bytes:
+        return _Lifted(value) if len(value) >= OUT_OF_BAND_MIN else value
+    if depth == 0:
+        return value
+    if kind is tuple or kind is list:
+        return kind(lift(item, depth - 1) for item in value)
+    if kind is dict:
+        return {key: lift(item, depth - 1) for key, item in value.items()}
+    return value
+
+
+def dumps(value: Any, pickler: type[pickle.Pickler] = pickle.Pickler) -> list[Buffer]:
+    """Pickle `value` as segments: the pickle stream, then its out-of-band buffers."""
+    import io
+
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    pickler(stream, PROTOCOL, buffer_callback=buffers.append).dump(lift(value))
+    return [stream.getbuffer(), *(b.raw() for b in buffers)]
+
+
+def loads(segments: Sequence[Buffer]) -> Any:
+    """Inverse of `dumps`."""
+    return pickle.loads(segments[0], buffers=segments[1:])
 
 
 class SyncChannel:
@@ -68,34 +118,99 @@ class SyncChannel:
     def __init__(self, fd_in: int, fd_out: int) -> None:
         self._in: BinaryIO = os.fdopen(fd_in, "rb", buffering=1 << 16)
         self._out_fd = fd_out
+        self.fileno_in = fd_in
 
-    def read(self) -> tuple[Meta, bytes] | None:
-        """Read one frame; None when the stream has closed."""
-        header = self._in.read(HEADER.size)
-        if len(header) < HEADER.size:
-            if header:
-                raise FrameError("stream closed in the middle of a frame header")
-            return None
-        meta_len, payload_len = HEADER.unpack(header)
-        meta_bytes = self._in.read(meta_len)
-        payload = self._in.read(payload_len) if payload_len else b""
-        if len(meta_bytes) < meta_len or len(payload) < payload_len:
+    def _read_exactly(self, n: int) -> bytes:
+        data = self._in.read(n)
+        if len(data) < n:
             raise FrameError("stream closed in the middle of a frame")
-        return pickle.loads(meta_bytes), payload
+        return data
 
-    def write(self, meta: Meta, payload: bytes | memoryview = b"") -> None:
+    def read(self) -> tuple[Meta, list[bytes]] | None:
+        """Read one frame; None when the stream has closed between frames."""
+        header = self._in.read(HEADER.size)
+        if not header:
+            return None
+        if len(header) < HEADER.size:
+            raise FrameError("stream closed in the middle of a frame header")
+        meta_len, count = HEADER.unpack(header)
+        lengths = struct.unpack(f"!{count}Q", self._read_exactly(8 * count)) if count else ()
+        meta = pickle.loads(self._read_exactly(meta_len))
+        # each segment its own bytes object: an out-of-band ``bytes`` argument is then rebuilt
+        # as that very object, with no copy
+        return meta, [self._read_exactly(n) if n else b"" for n in lengths]
+
+    def write(self, meta: Meta, segments: Segments = ()) -> None:
         """Write one frame. Not thread-safe: callers serialize writes."""
-        head, body = encode(meta, payload)
-        if len(body) < _COALESCE_LIMIT:
-            # one write for small frames: a syscall costs more than copying a few kilobytes
-            _write_all(self._out_fd, head + body)
-        else:
-            _write_all(self._out_fd, head)
-            _write_all(self._out_fd, body)
+        for chunk in encode(meta, segments):
+            write_all(self._out_fd, chunk)
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
+def write_all(fd: int, data: Buffer) -> None:
+    """Write all of `data` to a blocking file descriptor."""
+    view = memoryview(data).cast("B")
     while view:
-        written = os.write(fd, view)
-        view = view[written:]
+        view = view[os.write(fd, view) :]
+
+
+class FrameDecoder:
+    """Turns a byte stream, fed in chunks of any size, into frames (the client's side).
+
+    A large segment is gathered into a buffer of its final size as its bytes arrive, so it is
+    copied once, whatever the chunking.
+    """
+
+    def __init__(self, on_frame: Callable[[Meta, list[Buffer]], None]) -> None:
+        self._on_frame = on_frame
+        self._buf = bytearray()
+        self._meta: Meta | None = None
+        self._lengths: list[int] = []
+        self._segments: list[Buffer] = []
+        self._partial: bytearray | None = None  # the segment being filled
+        self._filled = 0
+
+    def feed(self, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            if self._partial is not None:
+                take = min(len(view), len(self._partial) - self._filled)
+                self._partial[self._filled : self._filled + take] = view[:take]
+                self._filled += take
+                view = view[take:]
+                if self._filled == len(self._partial):
+                    self._segments.append(self._partial)
+                    self._partial = None
+                    self._advance()
+                continue
+            self._buf += view
+            view = view[len(view) :]
+            self._advance()
+
+    def _advance(self) -> None:
+        """Consume what the buffer holds: a header, metadata, whole segments."""
+        while True:
+            if self._meta is None:
+                if len(self._buf) < HEADER.size:
+                    return
+                meta_len, count = HEADER.unpack_from(self._buf)
+                need = HEADER.size + 8 * count + meta_len
+                if len(self._buf) < need:
+                    return
+                self._lengths = list(struct.unpack_from(f"!{count}Q", self._buf, HEADER.size))
+                self._meta = pickle.loads(self._buf[HEADER.size + 8 * count : need])
+                del self._buf[:need]
+                self._segments = []
+            if len(self._segments) < len(self._lengths):
+                size = self._lengths[len(self._segments)]
+                if len(self._buf) >= size:
+                    self._segments.append(bytes(self._buf[:size]))
+                    del self._buf[:size]
+                    continue
+                self._partial = bytearray(size)
+                self._partial[: len(self._buf)] = self._buf
+                self._filled = len(self._buf)
+                self._buf.clear()
+                return
+            meta, segments = self._meta, self._segments
+            self._meta, self._segments, self._lengths = None, [], []
+            self._on_frame(meta, segments)

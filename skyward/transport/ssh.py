@@ -21,8 +21,10 @@ from typing import Any
 import asyncssh
 
 from skyward.errors import ConfigError, ProvisionError
-from skyward.transport.frames import AsyncReader
+from skyward.transport.base import Receiver
+from skyward.transport.frames import Buffer
 
+_READ_SIZE = 1 << 16
 PID_MARKER = b"SKYWARD-PID "
 OUTPUT_TAIL_LINES = 40
 _STREAM_LIMIT = 1 << 20
@@ -313,46 +315,14 @@ async def _read_pid(stdout: asyncssh.SSHReader[bytes]) -> int:
             return int(line[len(PID_MARKER) :].strip())
 
 
-class _Stdin:
-    """The agent's control input; `close` sends EOF (the agent then exits) but keeps the channel."""
-
-    def __init__(self, writer: asyncssh.SSHWriter[bytes]) -> None:
-        self._writer = writer
-
-    def write(self, data: bytes | memoryview) -> None:
-        self._writer.write(bytes(data))
-
-    async def drain(self) -> None:
-        await self._writer.drain()
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._writer.write_eof()
-
-
-class _Reader:
-    """A channel reader on which a lost connection reads as end of stream, as a pipe would."""
-
-    def __init__(self, reader: asyncssh.SSHReader[bytes]) -> None:
-        self._reader = reader
-
-    async def readexactly(self, n: int) -> bytes:
-        try:
-            return await self._reader.readexactly(n)
-        except (OSError, asyncssh.Error):
-            raise asyncio.IncompleteReadError(b"", n) from None
-
-    async def readline(self) -> bytes:
-        try:
-            return await self._reader.readline()
-        except (OSError, asyncssh.Error):
-            return b""
-
-    async def read(self, n: int = -1) -> bytes:
-        try:
-            return await self._reader.read(n)
-        except (OSError, asyncssh.Error):
-            return b""
+async def _pump(reader: asyncssh.SSHReader[bytes], receiver: Receiver) -> None:
+    """Feed a channel's bytes to `receiver`; a lost connection reads as the end, as a pipe's."""
+    try:
+        while chunk := await reader.read(_READ_SIZE):
+            receiver(chunk)
+    except (OSError, asyncssh.Error):
+        pass
+    receiver(b"")
 
 
 class RemoteProcess:
@@ -362,9 +332,33 @@ class RemoteProcess:
         self.host = host
         self.process = process
         self.pid = pid
-        self.stdin = _Stdin(process.stdin)
-        self.stdout: AsyncReader = _Reader(process.stdout)
-        self.stderr = _Reader(process.stderr)
+        self._loop = asyncio.get_running_loop()
+        self._pumps: list[asyncio.Task[None]] = []
+
+    def start(self, on_control: Receiver, on_output: Receiver) -> None:
+        self._pumps = [
+            self._loop.create_task(_pump(self.process.stdout, on_control)),
+            self._loop.create_task(_pump(self.process.stderr, on_output)),
+        ]
+
+    def write(self, chunks: Sequence[Buffer]) -> None:
+        # asyncssh channels belong to the loop; going through call_soon_threadsafe from every
+        # thread (the loop's own included) keeps all writes in one order.
+        data = [bytes(chunk) for chunk in chunks]
+        self._loop.call_soon_threadsafe(self._write_now, data)
+
+    def _write_now(self, data: list[bytes]) -> None:
+        with contextlib.suppress(OSError, asyncssh.Error):
+            for chunk in data:
+                self.process.stdin.write(chunk)
+
+    def close_input(self) -> None:
+        """Send EOF (the agent then exits) but keep the channel, so its output still arrives."""
+        self._loop.call_soon_threadsafe(self._eof)
+
+    def _eof(self) -> None:
+        with contextlib.suppress(OSError, asyncssh.Error):
+            self.process.stdin.write_eof()
 
     async def wait(self) -> int | None:
         try:

@@ -5,9 +5,9 @@ descriptors and points fds 1 and 2 at the node's output stream (the process's st
 nothing a user's code prints, from Python, C or a subprocess, can corrupt a frame; and because
 that output never passes through the agent's own memory, its last lines survive a hard kill.
 
-Threads: the main thread runs calls one at a time in arrival order (user code often expects the
-main thread); a reader thread takes frames off the stream; a heartbeat thread tells the client
-the node is alive while a long call runs.
+Threads: the main thread reads frames and runs each call as it arrives (user code often expects
+the main thread, and no hand-off between threads stands between a call and its result); a
+watcher thread sends heartbeats while a long call runs and notices when the client is gone.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import io
 import os
 import pickle
 import platform
-import queue
+import select
 import signal
 import socket
 import sys
@@ -28,32 +28,26 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
-
 from skyward import info as info_module
 from skyward.errors import SerializationError
-from skyward.transport import frames
+from skyward.transport import frames, pickling
 
 HEARTBEAT_SECONDS = 2.0
 # After the client disappears, how long a graceful exit (plugin hooks unwinding) may take.
 ORPHAN_GRACE_SECONDS = 3.0
 
-_Call = tuple[int, Callable[..., Any] | None, bytes]
-
 
 class Agent:
-    """The agent's state: the stream, the function cache and the call queue."""
+    """The agent's state: the stream and the function cache."""
 
     def __init__(self, channel: frames.SyncChannel) -> None:
         self._channel = channel
         self._write_lock = threading.Lock()
         self._functions: dict[int, Callable[..., Any]] = {}
-        self._calls: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-        self._cancelled: set[int] = set()
 
-    def send(self, meta: frames.Meta, payload: bytes = b"") -> None:
+    def send(self, meta: frames.Meta, segments: frames.Segments = ()) -> None:
         with self._write_lock:
-            self._channel.write(meta, payload)
+            self._channel.write(meta, segments)
 
     def run(self) -> int:
         version = _skyward_version()
@@ -70,18 +64,17 @@ class Agent:
         hello = self._channel.read()
         if hello is None:
             return 0
-        (kind, instance, env), payload = hello[0][:3], hello[1]
+        (kind, instance, env), segments = hello[0][:3], hello[1]
         if kind != frames.HELLO:
             raise frames.FrameError(f"expected HELLO, got message kind {kind}")
         os.environ.update(env)
         info_module.set_current(instance)
+        threading.Thread(target=self._watch, name="skyward-watcher", daemon=True).start()
         with contextlib.ExitStack() as hooks:
-            if not self._enter_plugins(hooks, pickle.loads(payload), instance):
+            if not self._enter_plugins(hooks, frames.loads(segments), instance):
                 return 3
             self.send((frames.READY,))
-            threading.Thread(target=self._read_loop, name="skyward-reader", daemon=True).start()
-            threading.Thread(target=self._heartbeat, name="skyward-heartbeat", daemon=True).start()
-            self._call_loop()
+            self._serve()
         return 0
 
     def _enter_plugins(
@@ -104,36 +97,42 @@ class Agent:
                         str(exc),
                         traceback.format_exc(),
                     ),
-                    _try_pickle(exc),
+                    pickling.try_dumps(exc),
                 )
                 return False
         return True
 
-    def _call_loop(self) -> None:
-        while (item := self._calls.get()) is not None:
-            call_id, fn_id, fn_bytes, payload = item
-            if call_id in self._cancelled:
-                self._cancelled.discard(call_id)
-                continue
-            self._run_call(call_id, fn_id, fn_bytes, payload)
+    def _serve(self) -> None:
+        """Run calls in arrival order until SHUTDOWN or the end of the stream."""
+        while (frame := self._channel.read()) is not None:
+            meta, segments = frame
+            if meta[0] == frames.CALL:
+                self._run_call(meta[1], meta[2], meta[3], segments)
+            elif meta[0] == frames.SHUTDOWN:
+                return
 
-    def _run_call(self, call_id: int, fn_id: int, fn_bytes: bytes | None, payload: bytes) -> None:
+    def _run_call(
+        self, call_id: int, fn_id: int, fn_bytes: bytes | None, segments: list[bytes]
+    ) -> None:
         try:
             fn = self._functions.get(fn_id)
             if fn is None:
                 if fn_bytes is None:
                     raise RuntimeError(f"function {fn_id} was never sent to this node")
                 fn = self._functions[fn_id] = pickle.loads(fn_bytes)
-            args, kwargs = pickle.loads(payload)
+            args, kwargs = frames.loads(segments)
+            del segments  # a large argument is freed as soon as the function lets go of it
             value = fn(*args, **kwargs)
         except BaseException as exc:
             tb = traceback.format_exc()
             # sys.exit() or KeyboardInterrupt in the user's code fails that call only; the agent
             # keeps serving.
-            self.send((frames.RAISED, call_id, _type_name(exc), str(exc), tb), _try_pickle(exc))
+            self.send(
+                (frames.RAISED, call_id, _type_name(exc), str(exc), tb), pickling.try_dumps(exc)
+            )
             return
         try:
-            blob = _dumps(value)
+            result = pickling.fast_dumps(value)
         except Exception as exc:
             error = SerializationError(
                 f"the return value ({type(value).__name__}) could not be pickled for the trip "
@@ -141,61 +140,34 @@ class Agent:
             )
             self.send(
                 (frames.RAISED, call_id, _type_name(error), str(error), traceback.format_exc()),
-                _try_pickle(error),
+                pickling.try_dumps(error),
             )
             return
-        self.send((frames.RESULT, call_id), blob)
+        self.send((frames.RESULT, call_id), result)
 
-    def _read_loop(self) -> None:
-        try:
-            while (frame := self._channel.read()) is not None:
-                meta, payload = frame
-                kind = meta[0]
-                if kind == frames.CALL:
-                    self._calls.put((meta[1], meta[2], meta[3], payload))
-                elif kind == frames.CANCEL:
-                    self._cancelled.add(meta[1])
-                elif kind == frames.SHUTDOWN:
-                    self._calls.put(None)
-                    return
-        except Exception:
-            traceback.print_exc()
-        # The client is gone: never wait for it. Unwind gracefully if the main thread is idle,
-        # and cut everything down if it is stuck in a call.
-        self._calls.put(None)
-        time.sleep(ORPHAN_GRACE_SECONDS)
-        _exit_hard(1)
+    def _watch(self) -> None:
+        """Heartbeats while calls run; and a hard exit when the client has gone away.
 
-    def _heartbeat(self) -> None:
+        The client's end closing shows as POLLHUP on the control input without reading from it,
+        so this works while the main thread is stuck in a call. An idle main thread sees the end
+        of the stream itself and unwinds the plugins; this thread gives it a grace period.
+        """
+        poller = select.poll()
+        poller.register(self._channel.fileno_in, 0)  # 0: only hang-ups and errors wake us
         while True:
-            time.sleep(HEARTBEAT_SECONDS)
+            if poller.poll(HEARTBEAT_SECONDS * 1000):
+                break
             try:
                 self.send((frames.HEARTBEAT,))
             except OSError:
-                return
+                break
+        time.sleep(ORPHAN_GRACE_SECONDS)
+        _exit_hard(1)
 
 
 def _type_name(exc: BaseException) -> str:
     cls = type(exc)
     return f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__name__
-
-
-def _dumps(value: Any) -> bytes:
-    """Pickle a result: the standard pickler first (several times faster on plain data), then
-    cloudpickle for what only it can carry (lambdas, classes defined inside the function)."""
-    try:
-        return pickle.dumps(value, frames.PROTOCOL)
-    except Exception:
-        blob: bytes = cloudpickle.dumps(value, frames.PROTOCOL)
-        return blob
-
-
-def _try_pickle(exc: BaseException) -> bytes:
-    try:
-        blob: bytes = cloudpickle.dumps(exc, frames.PROTOCOL)
-        return blob
-    except Exception:
-        return b""
 
 
 def _free_port() -> int:

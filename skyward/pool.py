@@ -312,7 +312,7 @@ class ComputePool:
                 silent = now - conn.last_seen
                 if conn.dead is None and silent > self.heartbeat_timeout:
                     conn.fail(
-                        f"no word from it for {silent:.0f} s (heartbeat_timeout="
+                        f"node {conn.node} sent no word for {silent:.0f} s (heartbeat_timeout="
                         f"{self.heartbeat_timeout:g} s): the node or its network is down"
                     )
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -114,6 +116,8 @@ class JaxPlugin(Plugin):
             return
         import jax
 
+        if not info.is_head:
+            _wait_for_coordinator(info.head_addr, info.head_port, self.initialization_timeout)
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=info.total_nodes,
@@ -137,6 +141,22 @@ def jax(
     return JaxPlugin(
         cuda, version=version, initialize=initialize, initialization_timeout=initialization_timeout
     )
+
+
+def _wait_for_coordinator(host: str, port: int, timeout: float) -> None:
+    """Return once the head's coordinator accepts connections (or `timeout` passed).
+
+    A process that dials the coordinator before it listens is refused, and gRPC then waits about
+    a second before trying again: on a pool whose nodes import JAX at slightly different speeds
+    that second is most of the start-up. Knocking first costs a few milliseconds.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.02)
 
 
 _taught = False

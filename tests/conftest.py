@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
+import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -56,3 +61,18 @@ def no_leftover_agents() -> Iterable[None]:
     yield
     left = wait_gone(worker_children(), timeout=10)
     assert not left, f"agent processes left behind: {left}"
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@functools.cache
+def import_example(filename: str) -> ModuleType:
+    """Import a script from examples/ (its functions travel to the nodes by value)."""
+    path = EXAMPLES / filename
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

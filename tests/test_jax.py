@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import os
 import re
 import subprocess
@@ -16,13 +15,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import cloudpickle
 import numpy as np
 import pytest
 
 import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.plugins.jax import JAX_RELEASES, LIBTPU_RELEASES
+from tests.conftest import import_example, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "jax_data_parallel.py"
@@ -30,24 +29,6 @@ JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state != "Z"
-
-
-def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """Wait until none of `pids` is alive; return those still alive at the deadline."""
-    deadline = time.monotonic() + timeout
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [pid for pid in pids if alive(pid)]
 
 
 def cluster(accelerator: str | None = None, nodes: int = 2) -> ClusterSpec:
@@ -71,17 +52,8 @@ def pool2() -> Iterator[sky.ComputePool]:
         yield pool
 
 
-@functools.cache
 def load_example() -> ModuleType:
-    """Import examples/jax_data_parallel.py; its functions travel to the nodes by value."""
-    spec = importlib.util.spec_from_file_location("jax_data_parallel", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    # examples/ is not importable on the nodes: ship the module's code with the function.
-    cloudpickle.register_pickle_by_value(module)
-    return module
+    return import_example("jax_data_parallel.py")
 
 
 # -- the transform hook (no processes) -----------------------------------------------------------

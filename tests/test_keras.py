@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 import os
 import re
 import subprocess
@@ -15,12 +13,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import cloudpickle
 import numpy as np
 import pytest
 
 import skyward as sky
 from skyward.cluster import ClusterSpec
+from tests.conftest import import_example
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "keras_fit.py"
@@ -44,16 +42,8 @@ def pool() -> Iterator[sky.ComputePool]:
             yield started
 
 
-@functools.cache
 def load_example() -> ModuleType:
-    """Import examples/keras_fit.py; its functions travel to the nodes by value."""
-    spec = importlib.util.spec_from_file_location("keras_fit", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    cloudpickle.register_pickle_by_value(module)
-    return module
+    return import_example("keras_fit.py")
 
 
 # -- unit tests (no processes) -------------------------------------------------------------------

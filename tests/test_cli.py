@@ -32,3 +32,11 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert caught.value.code == 0
     assert __version__ in capsys.readouterr().out
+
+
+def test_down_needs_a_pool_or_all(capsys: pytest.CaptureFixture[str]) -> None:
+    # Refused before any AWS call: a bare `skyward down` must never mean "everything".
+    assert main(["down"]) == 2
+    assert "--all" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["ls", "--bogus"])

@@ -1,0 +1,393 @@
+"""Fixtures for the AWS provider: moto (in process, or as a real server on 127.0.0.1), narrow
+stubs for the calls moto does not implement, and an "EC2" of network-namespace sshd hosts.
+
+Safety: moto only listens on 127.0.0.1; every subnet the tests give EC2 lies in 10.213.0.0/16,
+which `tests.support.sshd.NetnsHosts` routes as ``unreachable`` except for the namespace hosts it
+builds, and the provider always runs with ``use_private_ips=True``: no test can open a connection
+to an address moto made up.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.awsrequest import AWSResponse
+
+import skyward as sky
+from skyward.providers.aws import resources
+from tests.support import sshd
+
+REGION = "us-east-1"
+MOTO_AMI = "ami-1e749f67"  # one of moto's built-in public images (an Ubuntu)
+API_SUBNET = "10.213.9.0/24"  # no hosts: everything here is unreachable
+E2E_SUBNET = "10.213.8.0/24"  # the namespace hosts of `ec2_hosts`
+
+
+@pytest.fixture(autouse=True)
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake credentials, a fixed region, and no way to reach a real AWS endpoint or IMDS."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/skyward-test")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/skyward-test")
+
+
+# -- stubs for what moto lacks -----------------------------------------------------------------
+
+
+@dataclass
+class Stubs:
+    """Narrow before-call stubs: only the named operations are answered here, all else is moto.
+
+    moto implements no placement groups (create/describe/delete raise NotImplementedError) and
+    has none of the public SSM AMI parameters under /aws/service/ (and refuses to create them).
+    """
+
+    placement_groups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ssm_names: list[str] = field(default_factory=list)
+    fail: dict[str, tuple[str, str]] = field(default_factory=dict)  # operation -> (code, msg)
+
+    def install(self, session: boto3.session.Session) -> boto3.session.Session:
+        events = session.events
+        events.register("before-call.ec2.CreatePlacementGroup", self._create_pg)
+        events.register("before-call.ec2.DescribePlacementGroups", self._describe_pg)
+        events.register("before-call.ec2.DeletePlacementGroup", self._delete_pg)
+        events.register("before-call.ssm.GetParameter", self._get_parameter)
+        events.register("before-call.ec2", self._failures)
+        return session
+
+    @staticmethod
+    def _ok(parsed: dict[str, Any], status: int = 200) -> tuple[AWSResponse, dict[str, Any]]:
+        parsed.setdefault("ResponseMetadata", {"HTTPStatusCode": status})
+        return AWSResponse("https://stub.invalid/", status, {}, None), parsed
+
+    # before-call sees the serialized request: EC2's query-string fields, SSM's JSON body.
+    def _create_pg(self, params: dict[str, Any], **_: Any) -> Any:
+        body = params["body"]
+        tags = [
+            {"Key": body[k], "Value": body[k[:-3] + "Value"]}
+            for k in sorted(body)
+            if k.startswith("TagSpecification.") and k.endswith(".Key")
+        ]
+        name = body["GroupName"]
+        self.placement_groups[name] = {
+            "GroupName": name,
+            "Strategy": params.get("Strategy"),
+            "State": "available",
+            "Tags": tags,
+        }
+        return self._ok({"PlacementGroup": self.placement_groups[name]})
+
+    def _describe_pg(self, params: dict[str, Any], **_: Any) -> Any:
+        body = params["body"]
+        filters = [
+            {
+                "Name": body[k],
+                "Values": [v for kk, v in body.items() if kk.startswith(k[:-4] + "Value.")],
+            }
+            for k in body
+            if k.startswith("Filter.") and k.endswith(".Name")
+        ]
+        groups = list(self.placement_groups.values())
+        for flt in filters:
+            if flt["Name"] == "tag-key":
+                groups = [g for g in groups if any(t["Key"] in flt["Values"] for t in g["Tags"])]
+            elif flt["Name"].startswith("tag:"):
+                key = flt["Name"][4:]
+                groups = [
+                    g
+                    for g in groups
+                    if any(t["Key"] == key and t["Value"] in flt["Values"] for t in g["Tags"])
+                ]
+        return self._ok({"PlacementGroups": groups})
+
+    def _delete_pg(self, params: dict[str, Any], **_: Any) -> Any:
+        self.placement_groups.pop(params["body"]["GroupName"], None)
+        return self._ok({})
+
+    def _get_parameter(self, params: dict[str, Any], **_: Any) -> Any:
+        name = json.loads(params["body"])["Name"]
+        if not name.startswith("/aws/service/"):
+            return None  # moto answers
+        self.ssm_names.append(name)
+        return self._ok({"Parameter": {"Name": name, "Type": "String", "Value": MOTO_AMI}})
+
+    def _failures(self, model: Any, **_: Any) -> Any:
+        failure = self.fail.get(model.name)
+        if failure is None:
+            return None
+        code, message = failure
+        return self._ok({"Error": {"Code": code, "Message": message}}, status=500)
+
+
+@pytest.fixture
+def stubs() -> Stubs:
+    return Stubs()
+
+
+def new_session(stubs: Stubs) -> boto3.session.Session:
+    return stubs.install(boto3.session.Session(region_name=REGION))
+
+
+# -- the unreachable test network --------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def guard_network() -> Iterator[sshd.NetnsHosts]:
+    """The unreachable route over 10.213.0.0/16 (and one host-less namespace) for API tests."""
+    if not sshd.is_root():
+        pytest.skip("AWS provider tests route the test subnet as unreachable; that needs root")
+    reason = sshd.netns_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with sshd.NetnsHosts(1, subnet=API_SUBNET, start_sshd=False) as net:
+        yield net
+
+
+def make_vpc(ec2: Any, cidr: str) -> str:
+    """A VPC on 10.213.0.0/16 with one subnet `cidr`; returns the subnet id."""
+    vpc = ec2.create_vpc(CidrBlock="10.213.0.0/16")["Vpc"]["VpcId"]
+    return str(ec2.create_subnet(VpcId=vpc, CidrBlock=cidr)["Subnet"]["SubnetId"])
+
+
+def leftovers(ec2: Any, pool_id: str | None = None) -> list[str]:
+    """Everything tagged by skyward (or by `pool_id`) that still exists."""
+    return [line for pool in resources.find(ec2, pool_id).values() for line in pool.describe()]
+
+
+def join_skyward_threads(timeout: float = 60) -> None:
+    """Wait for teardown threads that outlive a cancelled pool."""
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread.name.startswith("skyward-aws-"):
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+# -- moto as a real server ---------------------------------------------------------------------
+
+
+@dataclass
+class MotoServer:
+    url: str
+    process: subprocess.Popen[bytes]
+
+    def reset(self) -> None:
+        request = urllib.request.Request(f"{self.url}/moto-api/reset", method="POST")
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    """``python -m moto.server`` on 127.0.0.1, a separate process, for the whole session."""
+    port = sshd.free_port()
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+        server = MotoServer(f"http://127.0.0.1:{port}", process)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    server.reset()
+                    break
+                except OSError as exc:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        log.seek(0)
+                        raise RuntimeError(
+                            f"moto server did not start: {log.read()[-2000:]!r}"
+                        ) from exc
+                    time.sleep(0.1)
+            yield server
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            process.wait(10)
+
+
+# -- EC2 instances that are real sshd hosts ----------------------------------------------------
+
+
+class _FirstAddressHosts(sshd.NetnsHosts):
+    # moto hands out a fresh subnet's addresses from .4 up (EC2 reserves .0-.3), so the
+    # namespaces sit exactly where moto's instances claim to be.
+    HOST_OFFSET = 4
+
+
+@dataclass
+class Ec2Hosts:
+    """Plays the part of EC2's boot for instances moto reports on the namespace subnet.
+
+    For each new instance it runs the provider's real user-data script inside the matching
+    namespace (against a scratch root, with a fake ``poweroff`` first on PATH), restarts that
+    host's sshd with the host key the script installed, and authorizes the pool's key pair the
+    way cloud-init would. Instances that moto reports terminated lose their sshd.
+    """
+
+    net: sshd.NetnsHosts
+    ec2: Any
+    subnet_id: str
+    workdir: Path
+    install_host_key: bool = True
+    booted: dict[str, str] = field(default_factory=dict)  # instance id -> address
+    errors: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def host(self, address: str) -> sshd.NetnsHost:
+        for host in self.net.hosts:
+            if host.address == address:
+                return host
+        raise AssertionError(f"moto reported {address}, which is not a namespace host")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ec2-sim", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self._step()
+            except Exception as exc:
+                self.errors.append(repr(exc))
+
+    def _step(self) -> None:
+        reply = self.ec2.describe_instances(
+            Filters=[{"Name": "subnet-id", "Values": [self.subnet_id]}]
+        )
+        for reservation in reply["Reservations"]:
+            for instance in reservation["Instances"]:
+                iid, state = instance["InstanceId"], instance["State"]["Name"]
+                address = instance.get("PrivateIpAddress")
+                if state == "running" and iid not in self.booted and address:
+                    self._boot(instance)
+                    self.booted[iid] = address
+                elif state == "terminated" and iid in self.booted:
+                    server = self.host(self.booted.pop(iid)).server
+                    if server is not None:
+                        server.stop()
+
+    def _boot(self, instance: dict[str, Any]) -> None:
+        host = self.host(instance["PrivateIpAddress"])
+        assert host.server is not None
+        iid = instance["InstanceId"]
+        data = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
+        script = base64.b64decode(data["UserData"]["Value"]).decode()
+        pair = self.ec2.describe_key_pairs(KeyNames=[instance["KeyName"]], IncludePublicKey=True)
+        public_key = pair["KeyPairs"][0]["PublicKey"].strip()
+        root = self.workdir / iid
+        (root / "bin").mkdir(parents=True)
+        poweroff = root / "bin" / "poweroff"
+        poweroff.write_text(f"#!/bin/sh\ntouch {root}/powered-off\n")
+        poweroff.chmod(0o755)
+        (root / "user-data.sh").write_text(script)
+        host.run(
+            "env",
+            f"SKYWARD_ROOT={root}",
+            f"PATH={root / 'bin'}:{os.environ['PATH']}",
+            "bash",
+            str(root / "user-data.sh"),
+        )
+        server = host.server
+        server.set_authorized_keys([public_key])
+        if self.install_host_key:
+            private = root / "etc/ssh/ssh_host_ed25519_key"
+            public = private.with_suffix(".pub")
+            server.restart(sshd.KeyPair(private, public, public.read_text().strip()))
+        else:
+            server.restart()
+
+
+@pytest.fixture
+def ec2_hosts(
+    moto_server: MotoServer,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> Iterator[Callable[..., Ec2Hosts]]:
+    """Three namespace "instances" behind the moto server; call with install_host_key=..."""
+    if not sshd.is_root():
+        pytest.skip("needs root (network namespaces and sshd)")
+    reason = sshd.netns_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    sshd.ensure_openssh_server()
+    moto_server.reset()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.url)
+    made: list[Ec2Hosts] = []
+    net = _FirstAddressHosts(3, subnet=E2E_SUBNET)
+    # Each namespace gets its own /etc/hosts (bind-mounted by `ip netns exec`) that maps the
+    # shared hostname to its own address, as on separate machines: gloo binds to that address.
+    folders = [Path("/etc/netns") / host.netns for host in net.hosts]
+    for host, folder in zip(net.hosts, folders, strict=True):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts").write_text(
+            f"127.0.0.1 localhost\n{host.address} {socket.gethostname()}\n"
+        )
+    with contextlib.ExitStack() as cleanup:
+        for folder in folders:
+            cleanup.callback(shutil.rmtree, folder, True)
+        cleanup.enter_context(net)
+
+        def make(install_host_key: bool = True) -> Ec2Hosts:
+            ec2 = boto3.client("ec2", region_name=REGION)
+            sim = Ec2Hosts(net, ec2, make_vpc(ec2, E2E_SUBNET), tmp_path, install_host_key)
+            sim.start()
+            made.append(sim)
+            return sim
+
+        try:
+            yield make
+        finally:
+            for sim in made:
+                sim.stop()
+                assert not sim.errors, sim.errors
+        # Closing the namespaces also ends the watchdogs the user data started inside them.
+
+
+def aws_for(sim: Ec2Hosts, stubs: Stubs, **kwargs: Any) -> sky.AWS:
+    """The provider as the E2E tests use it: private addresses on the namespace subnet."""
+    options: dict[str, Any] = {
+        "subnet_id": sim.subnet_id,
+        "use_private_ips": True,
+        "ami": MOTO_AMI,
+        "user": "root",
+        "python": sys.executable,  # already has everything; no package downloads
+        "poll_interval": 0.1,
+        "boot_timeout": 30.0,
+        "connect_timeout": 3.0,
+        "session": new_session(stubs),
+    }
+    options.update(kwargs)
+    return sky.AWS(**options)

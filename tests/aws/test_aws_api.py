@@ -1,0 +1,381 @@
+"""API-level tests of the AWS provider against moto in process (`mock_aws`).
+
+The SSH half of a launch cannot succeed here: the subnet is routed unreachable (see conftest), so
+these tests see every EC2 resource a launch creates and prove that each exit path removes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+
+import skyward as sky
+from skyward.cluster import Accelerator, ClusterSpec
+from skyward.errors import ConfigError, ProvisionError
+from skyward.providers.aws import instance_types, userdata
+from skyward.providers.aws.provider import describe_loss
+from skyward.providers.aws.resources import POOL_TAG, pool_tags
+from tests.aws.conftest import (
+    MOTO_AMI,
+    REGION,
+    Stubs,
+    join_skyward_threads,
+    leftovers,
+    make_vpc,
+    new_session,
+)
+
+KNOWN = ("T4", "A10G", "L4", "L40S", "A100", "A100-80GB", "H100", "H200")
+
+
+@pytest.fixture
+def ec2(stubs: Stubs) -> Iterator[Any]:
+    with mock_aws():
+        yield new_session(stubs).client("ec2")
+
+
+@pytest.fixture
+def subnet(ec2: Any, guard_network: object) -> str:
+    return make_vpc(ec2, "10.213.9.0/24")
+
+
+def provider(stubs: Stubs, subnet: str, **kwargs: Any) -> sky.AWS:
+    options: dict[str, Any] = {
+        "subnet_id": subnet,
+        "use_private_ips": True,
+        "ami": MOTO_AMI,
+        "poll_interval": 0.01,
+        "boot_timeout": 0.5,
+        "connect_timeout": 0.5,
+        "session": new_session(stubs),
+    }
+    options.update(kwargs)
+    return sky.AWS(**options)
+
+
+def spec(nodes: int, accelerator: str | None = None, pool_id: str = "t-0001") -> ClusterSpec:
+    acc = Accelerator.parse(accelerator) if accelerator else None
+    return ClusterSpec(nodes=nodes, pool_id=pool_id, accelerator=acc, provider="aws")
+
+
+def snapshot_on(session: boto3.session.Session, ec2: Any, event: str) -> dict[str, Any]:
+    """Record what exists right after `event` (another client, so the hook does not nest)."""
+    seen: dict[str, Any] = {}
+
+    def hook(**_: Any) -> None:
+        reservations = ec2.describe_instances(
+            Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}]
+        )["Reservations"]
+        seen["instances"] = [i for r in reservations for i in r["Instances"]]
+        seen["groups"] = ec2.describe_security_groups(
+            Filters=[{"Name": "tag-key", "Values": [POOL_TAG]}]
+        )["SecurityGroups"]
+        seen["keys"] = ec2.describe_key_pairs(Filters=[{"Name": "tag-key", "Values": [POOL_TAG]}])[
+            "KeyPairs"
+        ]
+        first = seen["instances"][0]["InstanceId"]
+        seen["user_data"] = base64.b64decode(
+            ec2.describe_instance_attribute(InstanceId=first, Attribute="userData")["UserData"][
+                "Value"
+            ]
+        ).decode()
+        seen["shutdown"] = ec2.describe_instance_attribute(
+            InstanceId=first, Attribute="instanceInitiatedShutdownBehavior"
+        )["InstanceInitiatedShutdownBehavior"]["Value"]
+
+    session.events.register(event, hook)
+    return seen
+
+
+def count_calls(session: boto3.session.Session) -> list[str]:
+    calls: list[str] = []
+    session.events.register("before-call.*.*", lambda model, **_: calls.append(model.name))
+    return calls
+
+
+# -- validation: nothing is created --------------------------------------------------------------
+
+
+def test_unknown_accelerator_fails_before_any_call(ec2: Any, stubs: Stubs) -> None:
+    session = new_session(stubs)
+    calls = count_calls(session)
+    with pytest.raises(ConfigError) as caught:
+        sky.ComputePool(provider=sky.AWS(session=session), accelerator="B200", nodes=2)
+    assert isinstance(caught.value, ValueError)
+    for name in KNOWN:
+        assert name in str(caught.value)
+    with pytest.raises(ConfigError, match="no EC2 instance type has 16 A100"):
+        sky.AWS(session=session).validate(spec(1, "A100:16"))
+    assert calls == []
+    assert leftovers(ec2) == []
+
+
+def test_missing_credentials_fail_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(ConfigError, match="no AWS credentials"):
+        sky.AWS(region=REGION).validate(spec(1))
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "expected"),
+    [
+        (None, "m6i.large"),
+        ("T4", "g4dn.xlarge"),
+        ("T4:4", "g4dn.12xlarge"),
+        ("A10G", "g5.xlarge"),
+        ("L4:8", "g6.48xlarge"),
+        ("L40S", "g6e.xlarge"),
+        ("A100", "p4d.24xlarge"),
+        ("A100:8", "p4d.24xlarge"),
+        ("A100-80GB", "p4de.24xlarge"),
+        ("H100", "p5.4xlarge"),
+        ("H100:8", "p5.48xlarge"),
+        ("H200", "p5en.48xlarge"),
+    ],
+)
+def test_accelerators_map_to_types_ec2_agrees_with(
+    ec2: Any, accelerator: str | None, expected: str
+) -> None:
+    acc = Accelerator.parse(accelerator) if accelerator else None
+    choice = instance_types.choose(acc, None)
+    assert choice.instance_type == expected
+    info = ec2.describe_instance_types(InstanceTypes=[expected])["InstanceTypes"][0]
+    instance_types.check(choice, info)  # moto carries EC2's real GPU table
+
+
+def test_instance_type_override_is_checked_against_ec2(ec2: Any) -> None:
+    choice = instance_types.choose(Accelerator.parse("A100-80GB"), "p4d.24xlarge")
+    info = ec2.describe_instance_types(InstanceTypes=["p4d.24xlarge"])["InstanceTypes"][0]
+    with pytest.raises(ConfigError, match="8 x A100"):
+        instance_types.check(choice, info)  # 40 GB A100s are not A100-80GB
+
+
+def test_jax_plugin_picks_cuda_from_the_accelerator() -> None:
+    plugin = sky.plugins.jax()
+    assert plugin.flavour(spec(1, "A100")) == "cuda12"
+    assert plugin.flavour(spec(1)) == "cpu"
+
+
+# -- launch: the exact resources, and nothing left on any failure ---------------------------------
+
+
+def test_launch_creates_exactly_this_and_a_failed_bootstrap_leaves_nothing(
+    ec2: Any, subnet: str, stubs: Stubs
+) -> None:
+    aws = provider(stubs, subnet, spot=True, placement_group=True, idle_timeout=123)
+    seen = snapshot_on(aws.session(), ec2, "after-call.ec2.RunInstances")
+    calls = count_calls(aws.session())
+    aws.validate(spec(4, "A100"))
+    with pytest.raises(ProvisionError, match="did not accept the verified SSH login"):
+        asyncio.run(aws.launch(spec(4, "A100")))
+
+    instances = seen["instances"]
+    assert len(instances) == 4 and calls.count("RunInstances") == 1
+    for instance in instances:
+        assert instance["InstanceType"] == "p4d.24xlarge"
+        assert instance["ImageId"] == MOTO_AMI
+        assert instance["InstanceLifecycle"] == "spot"
+        assert instance["SubnetId"] == subnet
+        assert instance["KeyName"] == "skyward-t-0001"
+        tags = {t["Key"]: t["Value"] for t in instance["Tags"]}
+        assert tags[POOL_TAG] == "t-0001" and "skyward:created-by" in tags
+    assert len({i["Placement"]["AvailabilityZone"] for i in instances}) == 1
+    assert seen["shutdown"] == "terminate"
+    (group,) = seen["groups"]
+    rules = group["IpPermissions"]
+    ssh = next(r for r in rules if r["IpProtocol"] == "tcp")
+    assert (ssh["FromPort"], ssh["ToPort"]) == (22, 22)
+    assert [r["CidrIp"] for r in ssh["IpRanges"]] == ["10.213.0.0/16"]  # the VPC: private IPs
+    inside = next(r for r in rules if r["IpProtocol"] == "-1")
+    assert [p["GroupId"] for p in inside["UserIdGroupPairs"]] == [group["GroupId"]]
+    assert len(rules) == 2
+    (key,) = seen["keys"]
+    assert key["KeyName"] == "skyward-t-0001" and key["KeyType"] == "ed25519"
+    script = seen["user_data"]
+    assert script.startswith("#!/bin/bash\n")
+    assert "BEGIN OPENSSH PRIVATE KEY" in script and "ssh-ed25519 AAAA" in script
+    assert "skyward-watchdog 123 " in script
+    pg = stubs.placement_groups  # the stub saw the cluster placement group created and deleted
+    assert calls.count("CreatePlacementGroup") == 1 and calls.count("DeletePlacementGroup") == 1
+    assert pg == {}
+
+    assert leftovers(ec2) == []
+    states = {
+        i["State"]["Name"] for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]
+    }
+    assert states == {"terminated"}
+
+
+def test_capacity_error_leaves_nothing_and_says_why(ec2: Any, subnet: str, stubs: Stubs) -> None:
+    stubs.fail["RunInstances"] = (
+        "InsufficientInstanceCapacity",
+        "We currently do not have sufficient p4d.24xlarge capacity in the AZ you requested",
+    )
+    aws = provider(stubs, subnet)
+    with pytest.raises(ProvisionError) as caught:
+        asyncio.run(aws.launch(spec(4, "A100")))
+    message = str(caught.value)
+    assert "InsufficientInstanceCapacity" in message and "Nothing was left running" in message
+    assert leftovers(ec2) == []
+
+
+def test_instance_that_dies_at_boot_fails_the_whole_pool(
+    ec2: Any, subnet: str, stubs: Stubs
+) -> None:
+    aws = provider(stubs, subnet)
+
+    def kill_one(parsed: dict[str, Any], **_: Any) -> None:
+        ec2.terminate_instances(InstanceIds=[parsed["Instances"][2]["InstanceId"]])
+
+    aws.session().events.register("after-call.ec2.RunInstances", kill_one)
+    with pytest.raises(ProvisionError, match="1 stopped at once") as caught:
+        asyncio.run(aws.launch(spec(3)))
+    assert "all were terminated" in str(caught.value)
+    assert "cleaning up failed" not in str(caught.value)
+    assert leftovers(ec2) == []
+
+
+def test_ctrl_c_during_provisioning_leaves_nothing(ec2: Any, subnet: str, stubs: Stubs) -> None:
+    aws = provider(stubs, subnet, boot_timeout=20)
+    # Ctrl-C lands while run_instances has just returned and the pool waits for the instances.
+    aws.session().events.register(
+        "after-call.ec2.RunInstances", lambda **_: os.kill(os.getpid(), signal.SIGINT)
+    )
+    with pytest.raises(KeyboardInterrupt):
+        with sky.ComputePool(provider=aws, nodes=2, stream_output=False):
+            pytest.fail("the pool must not start")
+    join_skyward_threads()
+    assert leftovers(ec2) == []
+    assert ec2.describe_instances()["Reservations"], "run_instances did happen"
+
+
+def test_amis_come_from_public_ssm_parameters(ec2: Any, subnet: str, stubs: Stubs) -> None:
+    aws = provider(stubs, subnet, ami=None)
+    for accelerator in ("L4", None):
+        with pytest.raises(ProvisionError):
+            asyncio.run(aws.launch(spec(1, accelerator, pool_id=f"t-{accelerator}")))
+    gpu, cpu = stubs.ssm_names
+    assert gpu.startswith("/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-")
+    assert cpu.startswith("/aws/service/canonical/ubuntu/server/") and "/amd64/" in cpu
+    assert leftovers(ec2) == []
+
+
+# -- orphans ---------------------------------------------------------------------------------------
+
+
+def orphan(ec2: Any, pool_id: str, age_hours: float, subnet: str) -> None:
+    """What a client that died hard leaves: a tagged group, key pair and running instance."""
+    from datetime import UTC, datetime, timedelta
+
+    tags = pool_tags(pool_id, datetime.now(UTC) - timedelta(hours=age_hours))
+    ec2.import_key_pair(
+        KeyName=f"skyward-{pool_id}",
+        PublicKeyMaterial=userdata.HostKey.generate("x").public.encode(),
+        TagSpecifications=[{"ResourceType": "key-pair", "Tags": tags}],
+    )
+    vpc = ec2.describe_subnets(SubnetIds=[subnet])["Subnets"][0]["VpcId"]
+    ec2.create_security_group(
+        GroupName=f"skyward-{pool_id}",
+        Description="orphan",
+        VpcId=vpc,
+        TagSpecifications=[{"ResourceType": "security-group", "Tags": tags}],
+    )
+    ec2.run_instances(
+        ImageId=MOTO_AMI,
+        MinCount=1,
+        MaxCount=1,
+        SubnetId=subnet,
+        TagSpecifications=[{"ResourceType": "instance", "Tags": tags}],
+    )
+
+
+def test_cleanup_removes_only_old_pools(ec2: Any, subnet: str, stubs: Stubs) -> None:
+    orphan(ec2, "old-1", 5, subnet)
+    orphan(ec2, "new-1", 0, subnet)
+    aws = provider(stubs, subnet)
+    removed = aws.cleanup(older_than=3600)
+    assert removed and all(line.startswith("old-1: ") for line in removed)
+    assert leftovers(ec2, "old-1") == []
+    assert len(leftovers(ec2, "new-1")) == 3
+    aws.cleanup(older_than=0)
+    assert leftovers(ec2) == []
+
+
+def test_cli_ls_and_down(
+    ec2: Any,
+    subnet: str,
+    stubs: Stubs,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from skyward import cli
+
+    monkeypatch.setattr(cli, "_aws_session", lambda region, profile: new_session(stubs))
+    orphan(ec2, "pool-a", 2, subnet)
+    orphan(ec2, "pool-b", 0, subnet)
+    assert cli.main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert "pool-a" in out and "pool-b" in out and "security group" in out
+    assert cli.main(["down", "pool-a"]) == 0
+    assert "pool-a" in capsys.readouterr().out
+    assert leftovers(ec2, "pool-a") == [] and leftovers(ec2, "pool-b")
+    assert cli.main(["down"]) == 2  # neither a pool nor --all: refuse
+    capsys.readouterr()
+    assert cli.main(["down", "--all"]) == 0
+    assert leftovers(ec2) == []
+    assert cli.main(["ls"]) == 0
+    assert "no skyward resources" in capsys.readouterr().out
+
+
+def test_preemption_is_named() -> None:
+    instance = {
+        "InstanceId": "i-1",
+        "InstanceLifecycle": "spot",
+        "State": {"Name": "terminated"},
+        "StateReason": {
+            "Code": "Server.SpotInstanceTermination",
+            "Message": "Server.SpotInstanceTermination: Spot instance termination",
+        },
+    }
+    assert "was preempted" in (describe_loss(instance) or "")
+    user = {**instance, "StateReason": {"Code": "Client.UserInitiatedShutdown", "Message": "x"}}
+    assert "preempted" not in (describe_loss(user) or "")
+    assert describe_loss({**instance, "State": {"Name": "running"}}) is None
+
+
+# -- the user-data script ------------------------------------------------------------------------
+
+
+def test_user_data_is_valid_bash_and_installs_the_host_key(tmp_path: Any) -> None:
+    key = userdata.HostKey.generate("skyward-t")
+    script = userdata.render("t-1", key, idle_timeout=3600)
+    path = tmp_path / "ud.sh"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    root = tmp_path / "root"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "poweroff").write_text(f"#!/bin/sh\ntouch {tmp_path}/off\n")
+    (fake / "poweroff").chmod(0o755)
+    env = {**os.environ, "SKYWARD_ROOT": str(root), "PATH": f"{fake}:{os.environ['PATH']}"}
+    subprocess.run(["bash", str(path)], check=True, env=env, timeout=30)
+    private = root / "etc/ssh/ssh_host_ed25519_key"
+    assert private.stat().st_mode & 0o777 == 0o600
+    assert (root / "etc/ssh/ssh_host_ed25519_key.pub").read_text().strip() == key.public
+    # ssh-keygen agrees the private key the instance gets matches what the client trusts.
+    derived = subprocess.run(
+        ["ssh-keygen", "-y", "-f", str(private)], capture_output=True, text=True, check=True
+    ).stdout.split()[:2]
+    assert derived == key.public.split()[:2]
+    pid = int((root / "var/log/skyward-watchdog.pid").read_text())
+    os.kill(pid, signal.SIGKILL)  # an hour-long watchdog: stop it, it was only started

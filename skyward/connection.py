@@ -13,11 +13,12 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any
 
 from skyward.errors import PoolClosedError, RemoteError, WorkerError
+from skyward.providers.base import NodeLoss
 from skyward.transport import frames
 from skyward.transport.base import AgentStream
 
@@ -26,6 +27,8 @@ KEPT_LINES = 100_000
 OUTPUT_CHUNK = 1 << 16
 # How long to wait for the rest of a dead node's output before reporting its death.
 OUTPUT_DRAIN_SECONDS = 0.3
+# How long the provider may take to say why a node went away before the error is raised.
+EXPLAIN_SECONDS = 3.0
 
 
 class CallFrames:
@@ -65,8 +68,10 @@ class AgentConnection:
         stream: AgentStream,
         on_output: Callable[[int, str], None],
         on_death: Callable[[AgentConnection, WorkerError], None],
+        explain: Callable[[], Awaitable[NodeLoss | None]] | None = None,
     ) -> None:
         self.node = node
+        self._explain = explain
         self.stream = stream
         self.lines: deque[str] = deque(maxlen=KEPT_LINES)
         self.pending: dict[int, Future[Any]] = {}
@@ -200,7 +205,26 @@ class AgentConnection:
         self.control.put_nowait(None)
         if self._stopping or self.dead is not None:
             return
-        self.mark_dead(self._error(f"the agent of node {self.node} died"))
+        loss = await self._ask_provider()
+        error = self._error(f"the agent of node {self.node} died")
+        if loss is not None:
+            error = WorkerError(
+                f"{loss.reason}\n{error}",
+                node=self.node,
+                exit_status=error.exit_status,
+                output_tail=error.output_tail,
+                preempted=loss.preempted,
+            )
+        self.mark_dead(error)
+
+    async def _ask_provider(self) -> NodeLoss | None:
+        """The provider's account of the loss (a reclaimed spot instance), if it has one soon."""
+        if self._explain is None:
+            return None
+        try:
+            return await asyncio.wait_for(self._explain(), EXPLAIN_SECONDS)
+        except Exception:
+            return None
 
     # -- failure ---------------------------------------------------------------------------
 

@@ -52,12 +52,14 @@ class WorkerError(SkywardError):
         exit_status: int | None = None,
         output_tail: tuple[str, ...] = (),
         stopped: bool = False,
+        preempted: bool = False,
     ) -> None:
         super().__init__(message)
         self.node = node
         self.exit_status = exit_status
         self.output_tail = output_tail
         self.stopped = stopped  # True: skyward stopped this node because another one failed
+        self.preempted = preempted  # True: the cloud reclaimed the node (a spot instance)
 
 
 class RemoteError(SkywardError):

@@ -14,9 +14,10 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future
 from concurrent.futures import wait as wait_futures
+from dataclasses import replace
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -37,7 +38,7 @@ from skyward.errors import (
 from skyward.image import Image
 from skyward.info import InstanceInfo
 from skyward.plugins.base import Plugin
-from skyward.providers.base import Node, Provider
+from skyward.providers.base import Node, NodeLoss, Provider
 from skyward.transport import frames
 from skyward.transport.frames import Buffer
 
@@ -106,6 +107,10 @@ class ComputePool:
             accelerator=Accelerator.parse(accelerator) if accelerator else None,
             provider=getattr(provider, "name", type(provider).__name__.lower()),
         )
+        implied = getattr(provider, "implied_accelerator", None)
+        if self.spec.accelerator is None and implied is not None and implied() is not None:
+            # e.g. sky.AWS(instance_type="p4d.24xlarge"): plugins must see its GPUs
+            self.spec = replace(self.spec, accelerator=implied())
         self.provider.validate(self.spec)
         self.image: Image = image or Image()
         self.startup_timeout = startup_timeout
@@ -145,7 +150,7 @@ class ComputePool:
             raise PoolClosedError("this pool was already started; create a new ComputePool")
         for plugin in self.plugins:
             self.image = _run_hook(plugin, "transform", plugin.transform, self.image, self.spec)
-        self.spec = ClusterSpec(**{**self.spec.__dict__, "image_hash": self.image.content_hash})
+        self.spec = replace(self.spec, image_hash=self.image.content_hash)
         try:
             plugins_blob = cloudpickle.dumps(list(self.plugins), frames.PROTOCOL)
         except Exception as exc:
@@ -188,7 +193,9 @@ class ComputePool:
         env = {**self.image.env, **self.env}
         streams = await asyncio.gather(*(node.start_agent(env) for node in self.nodes))
         self._conns = [
-            AgentConnection(node.index, stream, self.console.node_line, self._node_died)
+            AgentConnection(
+                node.index, stream, self.console.node_line, self._node_died, self._explainer(node)
+            )
             for node, stream in zip(self.nodes, streams, strict=True)
         ]
         try:
@@ -315,6 +322,12 @@ class ComputePool:
                         f"node {conn.node} sent no word for {silent:.0f} s (heartbeat_timeout="
                         f"{self.heartbeat_timeout:g} s): the node or its network is down"
                     )
+
+    def _explainer(self, node: Node) -> Callable[[], Awaitable[NodeLoss | None]] | None:
+        explain = getattr(self.provider, "explain", None)
+        if explain is None:
+            return None
+        return lambda: explain(node)
 
     def _node_died(self, conn: AgentConnection, error: WorkerError) -> None:
         self.console.node_line(conn.node, f"[skyward] {str(error).splitlines()[0]}")

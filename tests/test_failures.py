@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
+from skyward.providers.base import NodeLoss
 from tests.conftest import alive, wait_gone, worker_children
 
 
@@ -348,3 +349,18 @@ def test_around_client_failures_name_the_plugin() -> None:
         ):
             pass
     assert caught.value.hook == "around_client"
+
+
+def test_the_providers_account_of_a_lost_node_reaches_the_error() -> None:
+    class Reclaimed(sky.Local):
+        """Local nodes, with a provider that says the node was reclaimed (as EC2 says)."""
+
+        async def explain(self, node: object) -> NodeLoss:
+            return NodeLoss(
+                "instance i-123 was preempted: EC2 reclaimed the spot instance", preempted=True
+            )
+
+    with sky.ComputePool(provider=Reclaimed(), nodes=1, stream_output=False) as pool:
+        with pytest.raises(sky.WorkerError, match="was preempted") as caught:
+            die("kill") >> pool
+    assert caught.value.preempted and "killed by SIGKILL" in str(caught.value)

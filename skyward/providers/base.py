@@ -7,6 +7,9 @@ A provider is a handful of async verbs, each safe to call again and safe on a pa
 - `prepare(nodes, image, log)`  builds the image's environment on every node;
 - `terminate(nodes)`  removes every node and everything created for them.
 
+A provider may also offer ``async explain(node) -> NodeLoss | None``: why a node whose agent
+died went away (a reclaimed spot instance), which the pool then puts in the `WorkerError`.
+
 A `Node` knows its index, its addresses and how to start the agent on itself.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from skyward.cluster import ClusterSpec
@@ -21,6 +25,15 @@ from skyward.image import Image
 from skyward.transport.base import AgentStream
 
 Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class NodeLoss:
+    """What the provider knows of a lost node: the reason in words, and whether it was
+    preempted (reclaimed by the cloud) rather than failed."""
+
+    reason: str
+    preempted: bool = False
 
 
 class Node(ABC):

@@ -347,9 +347,11 @@ def test_preemption_is_named() -> None:
             "Message": "Server.SpotInstanceTermination: Spot instance termination",
         },
     }
-    assert "was preempted" in (describe_loss(instance) or "")
+    loss = describe_loss(instance)
+    assert loss is not None and loss.preempted and "was preempted" in loss.reason
     user = {**instance, "StateReason": {"Code": "Client.UserInitiatedShutdown", "Message": "x"}}
-    assert "preempted" not in (describe_loss(user) or "")
+    stopped = describe_loss(user)
+    assert stopped is not None and not stopped.preempted and "preempted" not in stopped.reason
     assert describe_loss({**instance, "State": {"Name": "running"}}) is None
 
 
@@ -379,3 +381,14 @@ def test_user_data_is_valid_bash_and_installs_the_host_key(tmp_path: Any) -> Non
     assert derived == key.public.split()[:2]
     pid = int((root / "var/log/skyward-watchdog.pid").read_text())
     os.kill(pid, signal.SIGKILL)  # an hour-long watchdog: stop it, it was only started
+
+
+def test_an_instance_type_override_tells_the_jax_plugin_its_gpus() -> None:
+    with mock_aws():
+        pool = sky.ComputePool(
+            provider=sky.AWS(region="us-east-1", instance_type="p4d.24xlarge"),
+            plugins=[sky.plugins.jax()],
+            stream_output=False,
+        )
+        assert pool.spec.accelerator is not None and pool.spec.accelerator.name == "A100"
+        assert sky.plugins.jax().transform(sky.Image(), pool.spec).pip == ("jax[cuda12]",)

@@ -78,6 +78,15 @@ def choose(accelerator: Accelerator | None, instance_type: str | None) -> Choice
     )
 
 
+def accelerator_of(instance_type: str) -> Accelerator | None:
+    """The accelerator an instance type of the table carries (None: a CPU or unknown type)."""
+    for name, sizes in GPU_TYPES.items():
+        for candidate, count in sizes:
+            if candidate == instance_type:
+                return Accelerator(name, count)
+    return None
+
+
 def check(choice: Choice, info: Mapping[str, Any]) -> None:
     """Raise `ConfigError` unless ``describe_instance_types`` `info` has the chosen GPUs."""
     if not choice.is_gpu:

@@ -39,11 +39,11 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
 
-from skyward.cluster import ClusterSpec
+from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
 from skyward.providers.aws import instance_types, resources, userdata
-from skyward.providers.base import Log, Node
+from skyward.providers.base import Log, Node, NodeLoss
 from skyward.providers.ssh import SSH, SSHNode
 from skyward.transport.ssh import (
     Endpoint,
@@ -207,6 +207,10 @@ class AWS:
 
     # -- the provider protocol -------------------------------------------------------------
 
+    def implied_accelerator(self) -> Accelerator | None:
+        """The accelerator `instance_type=` carries, so plugins (JAX's wheel) can see it."""
+        return instance_types.accelerator_of(self.instance_type) if self.instance_type else None
+
     def validate(self, spec: ClusterSpec) -> None:
         """Offline checks: the accelerator maps to a type, a region and credentials exist."""
         instance_types.choose(spec.accelerator, self.instance_type)
@@ -264,7 +268,7 @@ class AWS:
             if state is not None:
                 await self._teardown(state)
 
-    async def explain(self, node: Node) -> str | None:
+    async def explain(self, node: Node) -> NodeLoss | None:
         """Why `node`'s instance went away (e.g. spot preemption), or None if it still runs."""
         if not isinstance(node, AWSNode):
             return None
@@ -424,9 +428,7 @@ class AWS:
                 found = {}  # EC2 is eventually consistent right after run_instances
             gone = [i for i in found.values() if i["State"]["Name"] in _GONE_STATES]
             if gone:
-                reasons = "; ".join(
-                    f"{i['InstanceId']}: {describe_loss(i) or i['State']['Name']}" for i in gone
-                )
+                reasons = "; ".join(f"{i['InstanceId']}: {_loss_words(i)}" for i in gone)
                 raise ProvisionError(
                     f"EC2 started {count} instance(s) but {len(gone)} stopped at once ({reasons}); "
                     "a pool needs all of them, so all were terminated. Try again, another "
@@ -606,7 +608,7 @@ class AWS:
         shutil.rmtree(state.key_dir, ignore_errors=True)
 
 
-def describe_loss(instance: Mapping[str, Any]) -> str | None:
+def describe_loss(instance: Mapping[str, Any]) -> NodeLoss | None:
     """Why an instance is gone, in words (preemption named as such); None while it runs."""
     status = instance.get("State", {}).get("Name", "")
     if status in ("pending", "running"):
@@ -615,11 +617,19 @@ def describe_loss(instance: Mapping[str, Any]) -> str | None:
     code = str(reason.get("Code", ""))
     message = str(reason.get("Message", "") or instance.get("StateTransitionReason", ""))
     if code in _SPOT_CODES or (instance.get("InstanceLifecycle") == "spot" and "Spot" in code):
-        return (
+        return NodeLoss(
             f"instance {instance.get('InstanceId')} was preempted: EC2 reclaimed the spot "
-            f"instance ({message or code})"
+            f"instance ({message or code})",
+            preempted=True,
         )
-    return f"instance {instance.get('InstanceId')} is {status}: {message or code or 'no reason'}"
+    return NodeLoss(
+        f"instance {instance.get('InstanceId')} is {status}: {message or code or 'no reason'}"
+    )
+
+
+def _loss_words(instance: Mapping[str, Any]) -> str:
+    loss = describe_loss(instance)
+    return loss.reason if loss else str(instance["State"]["Name"])
 
 
 def _client_error(exc: ClientError, spec: ClusterSpec, choice: instance_types.Choice) -> str:

@@ -399,7 +399,7 @@ def test_netns_hosts_setup_failure_cleans_up(sshd_path: Path) -> None:
     if (reason := netns_unavailable_reason()) is not None:
         pytest.skip(f"network namespaces unavailable: {reason}")
     hosts = NetnsHosts(
-        2, subnet="10.213.2.0/24", run_id="tfail", sshd_extra_config=["NoSuchSshdOption yes"]
+        2, subnet="10.213.3.0/24", run_id="tfail", sshd_extra_config=["NoSuchSshdOption yes"]
     )
     with pytest.raises(RuntimeError, match="NoSuchSshdOption"), hosts:
         pass

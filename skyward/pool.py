@@ -129,6 +129,7 @@ class ComputePool:
         self._cursor = itertools.count()
         self._previous_sigterm: Any = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._plugins_blob = b""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -162,6 +163,7 @@ class ComputePool:
                 hook = _run_hook(plugin, "around_client", plugin.around_client, self)
                 if hook is not None:
                     self._client_hooks.enter_context(_NamedHook(plugin.name, hook))
+            self._plugins_blob = plugins_blob
             self._run(self._start(plugins_blob))
         except BaseException:
             self.close(graceful=False)
@@ -190,14 +192,23 @@ class ComputePool:
         )
         self.nodes = await self.provider.launch(self.spec)
         await self.provider.prepare(self.nodes, self.image, self.console.build_log)
+        await self._start_agents(plugins_blob)
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._watch_heartbeats())
+        self.console.status(f"{self.pool_id}: ready ({self.spec.nodes} node(s))")
+
+    async def _start_agents(self, plugins_blob: bytes) -> None:
+        """Start an agent on every node and take each through the handshake and the plugins."""
         env = {**self.image.env, **self.env}
         streams = await asyncio.gather(*(node.start_agent(env) for node in self.nodes))
+        earlier = {conn.node: list(conn.lines) for conn in self._conns}
         self._conns = [
             AgentConnection(
                 node.index, stream, self.console.node_line, self._node_died, self._explainer(node)
             )
             for node, stream in zip(self.nodes, streams, strict=True)
         ]
+        for conn in self._conns:  # pool.logs() keeps what the nodes printed before a restart
+            conn.lines.extendleft(reversed(earlier.get(conn.node, [])))
         try:
             await asyncio.wait_for(self._handshake(plugins_blob), self.startup_timeout)
         except TimeoutError:
@@ -207,8 +218,39 @@ class ComputePool:
                     f"startup_timeout={self.startup_timeout:g} s"
                 )
             ) from None
-        self._heartbeat_task = asyncio.get_running_loop().create_task(self._watch_heartbeats())
-        self.console.status(f"{self.pool_id}: ready ({self.spec.nodes} node(s))")
+
+    def replace(self, node: int) -> None:
+        """Put a fresh node in place of node `node`, which died, and restart every agent.
+
+        The provider supplies the new node (a new EC2 instance; the same host, reconnected, for
+        SSH; a new process for Local). Every agent then starts again, plugins included: an SPMD
+        program's ranks must all join a new ``jax.distributed`` coordinator together. The
+        environments are already built, so this costs about one pool start-up.
+        """
+        if self._closed or self._loop is None:
+            raise PoolClosedError("the pool is not running")
+        if not 0 <= node < len(self._conns):
+            raise ConfigError(f"node must be in 0..{len(self._conns) - 1}, got {node}")
+        dead = self._conns[node].dead
+        if dead is None or dead.stopped:
+            lost = [c.node for c in self._conns if c.dead is not None and not c.dead.stopped]
+            raise ConfigError(
+                f"node {node} is not lost (it is alive, or was stopped because another node "
+                f"failed); replace() takes a node that died: {lost or 'none did'}"
+            )
+        if getattr(self.provider, "replace", None) is None:
+            raise ConfigError(f"the {self.spec.provider} provider cannot replace nodes")
+        self._run(self._replace(node))
+
+    async def _replace(self, index: int) -> None:
+        self.console.status(f"{self.pool_id}: replacing node {index}")
+        fresh: Node = await self.provider.replace(self.nodes[index])  # type: ignore[attr-defined]
+        self.nodes[index] = fresh
+        await self.provider.prepare([fresh], self.image, self.console.build_log)
+        await self._stop_agents(self.shutdown_timeout)
+        await self._start_agents(self._plugins_blob)
+        self._broken = None
+        self.console.status(f"{self.pool_id}: node {index} replaced; ready")
 
     async def _handshake(self, plugins_blob: bytes) -> None:
         started = await asyncio.gather(*(self._expect(c, frames.STARTED) for c in self._conns))

@@ -364,3 +364,41 @@ def test_the_providers_account_of_a_lost_node_reaches_the_error() -> None:
         with pytest.raises(sky.WorkerError, match="was preempted") as caught:
             die("kill") >> pool
     assert caught.value.preempted and "killed by SIGKILL" in str(caught.value)
+
+
+def test_a_dead_node_can_be_replaced_and_the_pool_goes_on() -> None:
+    with sky.ComputePool(nodes=2, stream_output=False) as pool:
+        before = pid() @ pool
+        with pytest.raises(sky.WorkerError):
+            die("exit", node_to_die=1) @ pool
+        with pytest.raises(sky.PoolClosedError):
+            pid() @ pool
+        with pytest.raises(sky.ConfigError, match=r"node 0 is not lost .* \[1\]"):
+            pool.replace(0)  # stopped because node 1 died: every agent restarts anyway
+        pool.replace(1)
+        after = pid() @ pool
+        assert len(after) == 2 and not set(after) & set(before)
+        assert any("last words of node 1" in line for line in pool.logs(1))
+
+
+@pytest.mark.slow
+def test_a_replaced_node_rejoins_a_new_jax_coordinator() -> None:
+    @sky.compute
+    def psum_of_ranks() -> float:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        rank = np.array([sky.instance_info().node + 1.0], np.float32)
+        sharded = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), rank)
+        return float(jax.jit(jnp.sum)(sharded))
+
+    with sky.ComputePool(nodes=2, plugins=[sky.plugins.jax()], stream_output=False) as pool:
+        assert psum_of_ranks() @ pool == [3.0, 3.0]
+        with pytest.raises(sky.WorkerError):
+            die("kill", node_to_die=0) @ pool  # the head (the coordinator) is lost
+        pool.replace(0)
+        assert psum_of_ranks() @ pool == [3.0, 3.0]

@@ -8,7 +8,8 @@ A provider is a handful of async verbs, each safe to call again and safe on a pa
 - `terminate(nodes)`  removes every node and everything created for them.
 
 A provider may also offer ``async explain(node) -> NodeLoss | None``: why a node whose agent
-died went away (a reclaimed spot instance), which the pool then puts in the `WorkerError`.
+died went away (a reclaimed spot instance), which the pool then puts in the `WorkerError`; and
+``async replace(node) -> Node``: a fresh node with the same index, for `ComputePool.replace`.
 
 A `Node` knows its index, its addresses and how to start the agent on itself.
 """

@@ -83,6 +83,10 @@ class Local:
     async def launch(self, spec: ClusterSpec) -> list[Node]:
         return [LocalNode(i, self) for i in range(spec.nodes)]
 
+    async def replace(self, node: Node) -> Node:
+        """A new process slot for a node whose process died."""
+        return LocalNode(node.index, self)
+
     async def prepare(self, nodes: list[Node], image: Image, log: Log) -> None:
         _check_apt(image.apt)
         spec = env_spec(image)

@@ -253,6 +253,21 @@ class SSH:
             ) from first
         return [SSHNode(i, h) for i, h in enumerate(hosts)]
 
+    async def replace(self, node: Node) -> Node:
+        """The same host again, on a new connection (it rebooted, or sshd was restarted)."""
+        if isinstance(node, SSHNode):
+            await node.host.close()
+        host = await connect(
+            self.endpoints[node.index],
+            known_hosts=self.known_hosts,
+            key=self.key,
+            config=self.config,
+            timeout=self.connect_timeout,
+            keepalive=self.keepalive,
+        )
+        self._hosts.append(host)
+        return SSHNode(node.index, host)
+
     async def prepare(self, nodes: list[Node], image: Image, log: Log) -> None:
         ssh_nodes = [n for n in nodes if isinstance(n, SSHNode)]
         await asyncio.gather(*(self._prepare_one(n, image, log) for n in ssh_nodes))

@@ -11,7 +11,9 @@ import base64
 import os
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -392,3 +394,35 @@ def test_an_instance_type_override_tells_the_jax_plugin_its_gpus() -> None:
         )
         assert pool.spec.accelerator is not None and pool.spec.accelerator.name == "A100"
         assert sky.plugins.jax().transform(sky.Image(), pool.spec).pip == ("jax[cuda12]",)
+
+
+def test_a_replacement_is_one_instance_launched_as_the_pools_were(
+    ec2: Any, subnet: str, stubs: Stubs
+) -> None:
+    from skyward.providers.aws import instance_types, userdata
+    from skyward.providers.aws.provider import _PoolState
+
+    aws = provider(stubs, subnet, spot=True)
+    pool = spec(2, "A100", pool_id="t-repl")
+    state = _PoolState(pool.pool_id, Path(tempfile.mkdtemp()), userdata.HostKey.generate("t"))
+    recorded = count_calls(aws.session())
+    first = aws._provision(state, pool, instance_types.choose(pool.accelerator, None))
+    lost = first[1]["InstanceId"]
+    before = len(recorded)
+
+    (fresh,) = aws._provision_replacement(state, lost)
+
+    calls = recorded[before:]
+    assert calls.count("RunInstances") == 1 and calls.count("TerminateInstances") == 1
+    assert fresh["InstanceId"] not in {i["InstanceId"] for i in first}
+    for key in ("InstanceType", "ImageId", "KeyName", "SubnetId", "InstanceLifecycle"):
+        assert fresh.get(key) == first[0].get(key), key
+    assert {t["Key"]: t["Value"] for t in fresh["Tags"]}[POOL_TAG] == "t-repl"
+    states = {
+        i["InstanceId"]: i["State"]["Name"]
+        for r in ec2.describe_instances()["Reservations"]
+        for i in r["Instances"]
+    }
+    assert states[lost] in ("shutting-down", "terminated")
+    aws._remove(state)  # the replacement is the pool's: teardown finds it too
+    assert leftovers(ec2) == []

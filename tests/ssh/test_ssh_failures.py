@@ -174,7 +174,7 @@ def test_missing_python_is_a_bootstrap_error(local_sshd: Server) -> None:
 # -- dying mid-call -------------------------------------------------------------------------------
 
 
-def test_sshd_killed_mid_call_fails_the_call_and_stops_the_others(
+def test_sshd_killed_mid_call_fails_the_call_stops_the_others_and_the_host_can_rejoin(
     local_sshd: Server, own_sshd: Server
 ) -> None:
     provider = sky.SSH(
@@ -191,6 +191,10 @@ def test_sshd_killed_mid_call_fails_the_call_and_stops_the_others(
             nap(60) @ pool
         assert time.monotonic() - began < 30
         assert caught.value.node == 1 and "node 1" in str(caught.value)
+        # the host comes back (sshd restarted): the pool can take it again
+        own_sshd.sshd.start()
+        pool.replace(1)
+        assert len(set(node_pid() @ pool) - set(pids)) == 2
     assert wait_until(lambda: not any(sshd.pid_alive(p) for p in pids), 10)
 
 

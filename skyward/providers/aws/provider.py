@@ -90,6 +90,7 @@ class _PoolState:
     host_key: userdata.HostKey
     cancel: threading.Event = field(default_factory=threading.Event)
     provisioning: Future[list[dict[str, Any]]] | None = None
+    run_params: dict[str, Any] = field(default_factory=dict)
     instance_ids: list[str] = field(default_factory=list)
     hosts: list[SSHHost] = field(default_factory=list)
     ssh: SSH | None = None
@@ -254,6 +255,28 @@ class AWS:
                     raise ProvisionError(f"{exc}\nand then cleaning up failed: {cleanup}") from exc
             raise
 
+    async def replace(self, node: Node) -> Node:
+        """A new instance, launched as the pool's were, in place of a lost one."""
+        if not isinstance(node, AWSNode):
+            raise ConfigError(f"{node!r} is not a node of the AWS provider")
+        state = self._pools[node.pool_id]
+        launched = _in_thread(
+            lambda: self._provision_replacement(state, node.instance_id),
+            f"skyward-aws-replace-{state.pool_id}",
+        )
+        try:
+            (instance,) = await asyncio.shield(asyncio.wrap_future(launched))
+        except ClientError as exc:
+            raise ProvisionError(f"launching a replacement for node {node.index}: {exc}") from None
+        address = instance.get("PrivateIpAddress" if self.use_private_ips else "PublicIpAddress")
+        if not address:
+            raise ProvisionError(f"replacement instance {instance['InstanceId']} has no address")
+        known = load_known_hosts([state.host_key.known_hosts_line(str(address))])
+        deadline = asyncio.get_running_loop().time() + self.boot_timeout
+        host = await self._connect_one(str(address), instance["InstanceId"], known, state, deadline)
+        state.hosts.append(host)
+        return AWSNode(node.index, host, instance, state.pool_id)
+
     async def prepare(self, nodes: list[Node], image: Image, log: Log) -> None:
         for pool_id in {n.pool_id for n in nodes if isinstance(n, AWSNode)}:
             state = self._pools[pool_id]
@@ -387,11 +410,10 @@ class AWS:
                 },
             }
         logger.info("starting %d x %s (%s) for %s", spec.nodes, choice.instance_type, ami, name)
-        reply = ec2.run_instances(
+        # Kept for replace(): a replacement is the same request for one instance.
+        state.run_params = dict(
             ImageId=ami,
             InstanceType=choice.instance_type,
-            MinCount=spec.nodes,  # all-or-nothing: EC2 starts N or none
-            MaxCount=spec.nodes,
             KeyName=name,
             UserData=userdata.render(spec.pool_id, state.host_key, self.idle_timeout),
             InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's poweroff ends it
@@ -410,18 +432,41 @@ class AWS:
                 resources.tag_spec("instance", tags),
                 resources.tag_spec("volume", tags),
             ],
-            # Makes the call idempotent: botocore's own retries can never start a second pool.
-            ClientToken=f"{spec.pool_id}-{uuid.uuid4().hex[:12]}",
             **options,
         )
+        reply = ec2.run_instances(
+            **state.run_params,
+            MinCount=spec.nodes,  # all-or-nothing: EC2 starts N or none
+            MaxCount=spec.nodes,
+            # Makes the call idempotent: botocore's own retries can never start a second pool.
+            ClientToken=f"{spec.pool_id}-{uuid.uuid4().hex[:12]}",
+        )
         state.instance_ids = [i["InstanceId"] for i in reply["Instances"]]
-        return self._wait_running(ec2, state, spec.nodes)
+        return self._wait_running(ec2, state, state.instance_ids)
 
-    def _wait_running(self, ec2: Any, state: _PoolState, count: int) -> list[dict[str, Any]]:
+    def _provision_replacement(self, state: _PoolState, lost: str) -> list[dict[str, Any]]:
+        """One instance launched as the pool's were, in place of `lost` (terminated first)."""
+        ec2 = self.client("ec2")
+        try:
+            ec2.terminate_instances(InstanceIds=[lost])  # it may be hung rather than gone
+        except ClientError as exc:
+            logger.info("terminating lost instance %s: %s", lost, exc)
+        reply = ec2.run_instances(
+            **state.run_params,
+            MinCount=1,
+            MaxCount=1,
+            ClientToken=f"{state.pool_id}-{uuid.uuid4().hex[:12]}",
+        )
+        fresh = [i["InstanceId"] for i in reply["Instances"]]
+        state.instance_ids += fresh
+        return self._wait_running(ec2, state, fresh)
+
+    def _wait_running(self, ec2: Any, state: _PoolState, ids: list[str]) -> list[dict[str, Any]]:
         deadline = time.monotonic() + self.boot_timeout
+        count = len(ids)
         while True:
             try:
-                found = resources.instance_states(ec2, state.instance_ids)
+                found = resources.instance_states(ec2, ids)
             except ClientError as exc:
                 if "InvalidInstanceID.NotFound" not in str(exc):
                     raise

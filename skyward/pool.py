@@ -1,8 +1,9 @@
 """`ComputePool`: provision -> build environments -> start agents -> run calls -> tear down.
 
 The public API is synchronous. Underneath, one asyncio loop in a background thread owns every
-node's stream; callers hand it work with `call_soon_threadsafe` and wait on
-`concurrent.futures.Future`s, which is the one place where threads meet.
+node's stream and resolves the `concurrent.futures.Future`s callers wait on; a call's frame is
+written from the caller's thread (through the stream's thread-safe `write`), which is the one
+other place where threads meet.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class ComputePool:
             provider=getattr(provider, "name", type(provider).__name__.lower()),
         )
         implied = getattr(provider, "implied_accelerator", None)
-        if self.spec.accelerator is None and implied is not None and implied() is not None:
+        if self.spec.accelerator is None and implied is not None:
             # e.g. sky.AWS(instance_type="p4d.24xlarge"): plugins must see its GPUs
             self.spec = replace(self.spec, accelerator=implied())
         self.provider.validate(self.spec)

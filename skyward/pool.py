@@ -56,7 +56,8 @@ class ComputePool:
 
     Args:
         provider: where nodes come from; default `sky.Local()` (processes on this machine).
-        nodes: how many nodes.
+        nodes: how many nodes; default: what the provider says (every host for `sky.SSH`),
+            else 1.
         accelerator: what each node must have (``"A100"``, ``"A100:8"``); None for CPU.
         image: the nodes' environment (`sky.Image`); plugins may add to it.
         plugins: `sky.Plugin` objects, applied in order (e.g. jax, then keras).
@@ -72,7 +73,7 @@ class ComputePool:
     def __init__(
         self,
         provider: Provider | None = None,
-        nodes: int = 1,
+        nodes: int | None = None,
         accelerator: str | None = None,
         image: Image | None = None,
         plugins: Sequence[Plugin] = (),
@@ -85,6 +86,8 @@ class ComputePool:
         stream_output: bool = True,
         name: str = "pool",
     ) -> None:
+        if nodes is None:
+            nodes = getattr(provider, "default_nodes", 1)
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ConfigError(f"nodes must be a whole number >= 1, got {nodes!r}")
         if image is not None and not isinstance(image, Image):

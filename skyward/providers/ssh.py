@@ -153,7 +153,7 @@ class SSHNode(Node):
 
 
 class SSH:
-    """Nodes on existing machines reached over SSH (pass ``nodes=len(hosts)`` to the pool).
+    """Nodes on existing machines reached over SSH: one node per host, every host by default.
 
     Args:
         hosts: ``"host"``, ``"user@host"`` or ``"user@host:port"``; node i runs on hosts[i].
@@ -208,6 +208,11 @@ class SSH:
         self.build_env = dict(build_env or {})
         self._build_prefix = f"export {shell_env(self.build_env)}; " if self.build_env else ""
         self._hosts: list[SSHHost] = []
+
+    @property
+    def default_nodes(self) -> int:
+        """A pool on this provider has one node per host unless it asks for fewer."""
+        return len(self.endpoints)
 
     @property
     def hosts(self) -> list[str]:

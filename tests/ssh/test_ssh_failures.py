@@ -199,7 +199,10 @@ def test_sshd_killed_mid_call_fails_the_call_stops_the_others_and_the_host_can_r
 
 
 def test_agent_killed_mid_call_is_a_worker_error(local_sshd: Server) -> None:
-    with start(local_sshd.provider(count=2), nodes=2) as pool:
+    provider = local_sshd.provider(count=2)
+    # no nodes=: an SSH pool has one node per host
+    with sky.ComputePool(provider=provider, stream_output=False) as pool:
+        assert len(pool.nodes) == 2
         pids = node_pid() @ pool
         threading.Timer(1.0, os.kill, (pids[0], signal.SIGKILL)).start()
         with pytest.raises(sky.WorkerError) as caught:

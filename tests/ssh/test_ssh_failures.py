@@ -166,6 +166,27 @@ def test_failed_uv_install_is_a_bootstrap_error_with_pips_output(local_sshd: Ser
     assert "uv==0.0.0.dev424242" in caught.value.output
 
 
+def test_apt_packages_already_there_cost_nothing_and_missing_ones_are_installed_or_named(
+    local_sshd: Server,
+) -> None:
+    # installed already: the one check command sees it, nothing runs (not even sudo)
+    with start(local_sshd.provider(user=sshd.TEST_USER), image=sky.Image(apt=["openssh-server"])):
+        pass
+    # missing, as a user without sudo: apt runs through `sudo -n`, which fails, and says why
+    missing = f"skyward-no-such-deb-{uuid.uuid4().hex[:6]}"
+    with pytest.raises(sky.BootstrapError, match=f"installing apt packages {missing}") as caught:
+        launch(local_sshd.provider(user=sshd.TEST_USER), image=sky.Image(apt=[missing]))
+    assert "sudo" in caught.value.output
+
+
+@pytest.mark.slow
+def test_apt_as_root_runs_apt_get_and_reports_its_output(local_sshd: Server) -> None:
+    missing = f"skyward-no-such-deb-{uuid.uuid4().hex[:6]}"
+    with pytest.raises(sky.BootstrapError, match=f"installing apt packages {missing}") as caught:
+        launch(local_sshd.provider(), image=sky.Image(apt=[missing]))
+    assert f"Unable to locate package {missing}" in caught.value.output
+
+
 def test_missing_python_is_a_bootstrap_error(local_sshd: Server) -> None:
     with pytest.raises(sky.BootstrapError, match=re.escape("python3.99 was not found")):
         launch(local_sshd.provider(python="python3.99"))

@@ -48,6 +48,9 @@ _EXPORTS = {
     "plugins": "skyward.plugins",
 }
 
+# Providers whose dependencies are optional extras.
+_EXTRAS = {"SSH": "ssh", "AWS": "aws"}
+
 if TYPE_CHECKING:
     from skyward import plugins
     from skyward.cluster import ClusterSpec
@@ -78,7 +81,16 @@ def __getattr__(name: str) -> Any:
     module_name = _EXPORTS.get(name)
     if module_name is None:
         raise AttributeError(f"module 'skyward' has no attribute {name!r}")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        extra = _EXTRAS.get(name)
+        if extra is None or exc.name == module_name:
+            raise
+        raise ModuleNotFoundError(
+            f"sky.{name} needs {exc.name}, which is not installed: pip install 'skyward[{extra}]'",
+            name=exc.name,
+        ) from exc
     value = module if name == "plugins" else getattr(module, name)
     globals()[name] = value
     return value

@@ -28,7 +28,7 @@ from skyward.image import Image
 from skyward.providers.base import Log, Node
 from skyward.providers.environment import env_spec
 from skyward.transport.base import AgentStream
-from skyward.transport.subprocess import spawn
+from skyward.transport.pipes import spawn
 from skyward.worker import envbuild
 
 LOOPBACK = "127.0.0.1"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.metadata as metadata
 import os
 import platform
 import shutil
@@ -17,9 +16,6 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 
 import skyward
 from skyward.cluster import ClusterSpec
@@ -29,7 +25,7 @@ from skyward.providers.base import Log, Node
 from skyward.providers.environment import env_spec
 from skyward.transport.base import AgentStream
 from skyward.transport.pipes import spawn
-from skyward.worker import envbuild
+from skyward.worker import envbuild, probe
 
 LOOPBACK = "127.0.0.1"
 
@@ -118,29 +114,7 @@ def _satisfied_here(image: Image) -> bool:
     """Whether this interpreter already has every requirement of `image` (and the Python)."""
     if image.python and not platform.python_version().startswith(image.python):
         return False
-    return all(_installed(req) for req in image.requirements())
-
-
-def _installed(req: Requirement, seen: frozenset[str] = frozenset()) -> bool:
-    if req.marker is not None and not req.marker.evaluate():
-        return True
-    name = canonicalize_name(req.name)
-    if name in seen:
-        return True
-    try:
-        dist = metadata.distribution(req.name)
-    except metadata.PackageNotFoundError:
-        return False
-    if req.specifier and not req.specifier.contains(dist.version, prereleases=True):
-        return False
-    for extra in req.extras:
-        for dep_text in dist.requires or ():
-            dep = Requirement(dep_text)
-            if dep.marker is not None and dep.marker.evaluate({"extra": extra}):
-                dep.marker = None
-                if not _installed(dep, seen | {name}):
-                    return False
-    return True
+    return probe.satisfied(image.pip)
 
 
 def _check_apt(packages: tuple[str, ...]) -> None:

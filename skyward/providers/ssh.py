@@ -72,34 +72,13 @@ for pkg in q["apt"]:
     if "install ok installed" not in r.stdout:
         missing.append(pkg)
 out["apt_missing"] = missing
-def satisfied():
-    try:
-        import importlib.metadata as md
-        from packaging.requirements import Requirement
-    except ImportError:
-        return False
-    def ok(text, seen=()):
-        req = Requirement(text)
-        if req.marker is not None and not req.marker.evaluate():
-            return True
-        if req.name.lower() in seen:
-            return True
-        try:
-            dist = md.distribution(req.name)
-        except md.PackageNotFoundError:
-            return False
-        if req.specifier and not req.specifier.contains(dist.version, prereleases=True):
-            return False
-        for extra in req.extras:
-            for dep in dist.requires or ():
-                d = Requirement(dep)
-                if d.marker is not None and d.marker.evaluate({"extra": extra}):
-                    d.marker = None
-                    if not ok(str(d), (*seen, req.name.lower())):
-                        return False
-        return True
-    return all(ok(r) for r in q["requirements"])
-out["satisfied"] = satisfied()
+# The requirement probe is skyward's own (skyward.worker.probe): None until skyward is there.
+sys.path.insert(0, os.path.join(home, "src", q["src"]))
+try:
+    from skyward.worker.probe import satisfied
+    out["satisfied"] = satisfied(q["requirements"])
+except ImportError:
+    out["satisfied"] = None
 print(json.dumps(out))
 """
 
@@ -324,6 +303,15 @@ class SSH:
         if state["apt_missing"]:
             await self._apt(node, list(state["apt_missing"]), int(state["uid"]), host_log)
         pythonpath = f'PYTHONPATH="{CACHE}/src/{src_hash}"'
+        if state["satisfied"] is None:  # first contact: ask again, now that skyward is there
+            probed = await self._json(
+                node,
+                f"cd && {pythonpath} exec {shlex.quote(base)} -m skyward.worker.probe "
+                f"{shlex.quote(json.dumps(spec.pip))}",
+                "checking the host's packages",
+                host_log,
+            )
+            state["satisfied"] = probed["satisfied"]
         if state["satisfied"] and version_ok:
             if spec.setup and not state["setup"]:
                 await self._json(

@@ -90,6 +90,7 @@ class AgentConnection:
         self._output_done = asyncio.Event()
         self._ended_task: asyncio.Task[None] | None = None
         self._control_closed = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         stream.start(self._on_control_bytes, self._on_output_bytes)
 
     # -- sending ---------------------------------------------------------------------------
@@ -125,8 +126,10 @@ class AgentConnection:
     # -- receiving (on the event loop) ---------------------------------------------------
 
     def _on_control_bytes(self, data: bytes) -> None:
+        # Called on the loop, or on whichever thread reads a local pipe (see transport.pipes):
+        # results resolve thread-safe futures; everything else is handed to the loop.
         if not data:
-            self._control_ended()
+            self._loop.call_soon_threadsafe(self._control_ended)
             return
         self.last_seen = time.monotonic()
         try:
@@ -144,7 +147,7 @@ class AgentConnection:
         elif kind == frames.RAISED:
             self._reject(meta, segments)
         elif kind != frames.HEARTBEAT:
-            self.control.put_nowait(meta)
+            self._loop.call_soon_threadsafe(self.control.put_nowait, meta)
 
     def _resolve(self, call_id: int, segments: list[frames.Buffer]) -> None:
         future = self.pending.pop(call_id, None)
@@ -191,7 +194,7 @@ class AgentConnection:
     def _control_ended(self) -> None:
         self._control_closed.set()
         if self._ended_task is None:
-            self._ended_task = asyncio.get_running_loop().create_task(self._ended())
+            self._ended_task = self._loop.create_task(self._ended())
 
     async def _ended(self) -> None:
         """The control stream closed: collect the exit status and the last output."""

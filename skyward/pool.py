@@ -459,6 +459,9 @@ class ComputePool:
 
     def submit(self, call: PendingCall[T], node: int | None = None) -> Future[T]:
         """Start `call` on one node (the next in turn, or `node`) and return its future."""
+        return self._submit(call, node)[1]
+
+    def _submit(self, call: PendingCall[T], node: int | None) -> tuple[AgentConnection, Future[T]]:
         self._check_open()
         payload = call.serialized_args()
         if node is None:
@@ -470,11 +473,16 @@ class ComputePool:
             conn = self._conns[node]
         future: Future[T] = Future()
         conn.submit([(self._frames(call, payload), future)])
-        return future
+        return conn, future
 
     def run(self, call: PendingCall[T], node: int | None = None) -> T:
         """Run `call` on one node and return its result (what ``call >> pool`` does)."""
-        return self.submit(call, node).result()
+        conn, future = self._submit(call, node)
+        read_here = getattr(conn.stream, "read_until", None)
+        if read_here is not None:
+            # A local agent's reply is read by this thread itself: no hand-off on the way back.
+            read_here(future.done)
+        return future.result()
 
     def broadcast(self, call: PendingCall[T]) -> list[T]:
         """Run `call` on every node; results in node order (what ``call @ pool`` does).
@@ -522,6 +530,7 @@ class ComputePool:
         `spmd` (a broadcast): the calls depend on each other, so a failure stops the rest.
         Otherwise (a gather) the calls are independent and all run to their end.
         """
+        self._read_replies_here(owners, futures, spmd)
         if not spmd:
             wait_futures(futures)
             failed = sorted((f.exception() for f in futures if f.exception()), key=_blame_rank)
@@ -553,6 +562,25 @@ class ComputePool:
             # The survivors of a broadcast that lost a rank hold a broken collective state.
             self._break(f"node {root.node} died during a broadcast; start a new pool", owners)
         raise root
+
+    def _read_replies_here(
+        self, owners: list[AgentConnection], futures: list[Future[Any]], spmd: bool
+    ) -> None:
+        """Read local agents' replies in this thread, as `run` does (no hand-off per reply).
+
+        Stops at the first failure of a broadcast, so the SPMD rules below apply at once.
+        """
+        streams = list({id(conn.stream): conn.stream for conn in owners}.values())
+        read_many = getattr(streams[0], "read_many_until", None)
+        if read_many is None or len({type(stream) for stream in streams}) > 1:
+            return
+
+        def settled() -> bool:
+            if spmd and any(f.done() and f.exception() is not None for f in futures):
+                return True
+            return all(f.done() for f in futures)
+
+        read_many(streams, settled)
 
     def _break(self, reason: str, stop: list[AgentConnection]) -> None:
         assert self._loop is not None

@@ -1,8 +1,10 @@
 """Agent streams over the pipes of a local child process.
 
-The child's stdout and stderr are read with ``loop.add_reader`` straight into the pool's
-callbacks, its exit is watched through a pidfd, and its stdin is written directly by whichever
-thread sends (under a lock), which spares a small call two thread hand-offs.
+The child's stdin is written directly by whichever thread sends (under a lock). Its control
+output (stdout) is read by whoever waits for it: a caller blocked on one call's result reads the
+pipe itself (`read_until`), so the reply reaches it with no thread in between, which on a small
+call is most of the round trip; the rest of the time a reader thread does. Its other output
+(stderr) is read on the event loop, and its exit is watched through a pidfd.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from skyward.transport.base import Receiver
@@ -32,17 +36,17 @@ class SubprocessStream:
         self._write_lock = threading.Lock()
         self._exit: asyncio.Future[int | None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._control: _ControlReader | None = None
 
     def start(self, on_control: Receiver, on_output: Receiver) -> None:
         loop = self._loop = asyncio.get_running_loop()
         self._exit = loop.create_future()
         assert self._process.stdout and self._process.stderr
-        for pipe, receiver in (
-            (self._process.stdout, on_control),
-            (self._process.stderr, on_output),
-        ):
-            os.set_blocking(pipe.fileno(), False)
-            loop.add_reader(pipe.fileno(), self._readable, pipe, receiver)
+        self._control = _ControlReader(self._process.stdout.fileno(), on_control)
+        os.set_blocking(self._process.stderr.fileno(), False)
+        loop.add_reader(
+            self._process.stderr.fileno(), self._readable, self._process.stderr, on_output
+        )
         try:
             pidfd = os.pidfd_open(self.pid)
         except (AttributeError, OSError):
@@ -50,6 +54,18 @@ class SubprocessStream:
             loop.run_in_executor(None, self._wait_blocking)
         else:
             loop.add_reader(pidfd, self._exited, pidfd)
+
+    def read_until(self, done: Callable[[], bool]) -> None:
+        """Read the agent's replies in this thread until `done()` (or the stream ends)."""
+        if self._control is not None:
+            self._control.read_until(done)
+
+    @staticmethod
+    def read_many_until(streams: Sequence[SubprocessStream], done: Callable[[], bool]) -> None:
+        """`read_until` over several agents at once (a broadcast's or a gather's replies)."""
+        readers = [s._control for s in streams if s._control is not None]
+        if readers:
+            read_all_until(readers, done)
 
     def _readable(self, pipe: IO[bytes], receiver: Receiver) -> None:
         try:
@@ -99,6 +115,117 @@ class SubprocessStream:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
+
+
+class _ControlReader:
+    """Leader/follower reading of one pipe: a background thread, or a caller that takes over.
+
+    Only the holder of `_lock` reads and delivers, so bytes reach the receiver in order. A
+    caller that wants to read kicks the background thread out of its wait if it is in one; the
+    thread then stays out while callers come, and for `LINGER` seconds after the last one left,
+    so back-to-back calls cost it no wake-ups (an idle pipe's replies wait at most that long).
+    """
+
+    LINGER = 0.001
+
+    def __init__(self, fd: int, receiver: Receiver) -> None:
+        self._fd = fd
+        self._receiver = receiver
+        self._lock = threading.Lock()
+        self._turn = threading.Condition()
+        self._callers = 0
+        self._last_caller = 0.0
+        self._selecting = False
+        self._kick_r, self._kick_w = os.pipe()
+        os.set_blocking(self._kick_r, False)
+        self._ended = False
+        self._closed_kick = False
+        threading.Thread(target=self._background, name="skyward-pipe-reader", daemon=True).start()
+
+    def _read_once(self) -> None:
+        """Read what is there and deliver it (the lock is held)."""
+        try:
+            data = os.read(self._fd, _READ_SIZE)
+        except OSError:
+            data = b""
+        if not data:
+            self._ended = True
+            self._finish()
+        self._receiver(data)
+
+    def _finish(self) -> None:
+        with self._turn:  # no caller kicks a closed pipe (its number may be reused)
+            self._closed_kick = True
+            for fd in (self._kick_r, self._kick_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _background(self) -> None:
+        while not self._ended:
+            with self._turn:
+                while True:
+                    idle = time.monotonic() - self._last_caller
+                    if not self._callers and idle >= self.LINGER:
+                        self._selecting = True
+                        break
+                    self._turn.wait(self.LINGER)
+            with self._lock:
+                if self._ended:
+                    return
+                ready, _, _ = select.select([self._fd, self._kick_r], [], [])
+                with self._turn:
+                    self._selecting = False
+                if self._kick_r in ready:
+                    with contextlib.suppress(OSError):
+                        os.read(self._kick_r, 4096)
+                if self._fd in ready:
+                    self._read_once()
+
+    def _enter(self) -> None:
+        with self._turn:
+            self._callers += 1
+            if self._selecting and not self._closed_kick:
+                with contextlib.suppress(OSError):
+                    os.write(self._kick_w, b"k")  # ask the background reader to step aside
+
+    def _leave(self) -> None:
+        with self._turn:
+            self._callers -= 1
+            self._last_caller = time.monotonic()
+
+    def read_until(self, done: Callable[[], bool]) -> None:
+        read_all_until([self], done)
+
+
+def read_all_until(
+    readers: Sequence[_ControlReader], done: Callable[[], bool], poll: float = 0.05
+) -> None:
+    """Read several pipes in this thread until `done()` (checked at least every `poll` s)."""
+    ordered = sorted(set(readers), key=lambda r: r._fd)  # one lock order: no deadlock
+    for reader in ordered:
+        reader._enter()
+    held: list[_ControlReader] = []
+    try:
+        for reader in ordered:
+            reader._lock.acquire()
+            held.append(reader)
+        live = [r for r in ordered if not r._ended]
+        if len(live) == 1:
+            (only,) = live
+            while not done() and not only._ended:
+                only._read_once()  # one pipe: sleep in read() itself
+            return
+        while live and not done():
+            ready, _, _ = select.select([r._fd for r in live], [], [], poll)
+            for reader in live:
+                if reader._fd in ready:
+                    reader._read_once()
+            live = [r for r in live if not r._ended]
+    finally:
+        for reader in held:
+            reader._lock.release()
+        for reader in ordered:
+            reader._leave()
 
 
 async def spawn(argv: list[str], env: Mapping[str, str], cwd: str | None) -> SubprocessStream:

@@ -221,6 +221,8 @@ CLIENT = textwrap.dedent(
     phase = sys.argv[1]
     plugins = [sky.Plugin("slow", around_app=slow_start)] if phase == "startup" else []
     with sky.ComputePool(nodes=2, plugins=plugins) as pool:
+        if phase == "one":  # one node, and this thread reading its pipe itself
+            hang() >> pool
         hang() @ pool
     """
 )
@@ -230,6 +232,7 @@ CLIENT = textwrap.dedent(
     ("phase", "sig"),
     [
         ("call", signal.SIGINT),
+        ("one", signal.SIGINT),
         ("call", signal.SIGTERM),
         ("startup", signal.SIGINT),
         # the client dies without unwinding: the agents find their stream closed and go
@@ -251,7 +254,8 @@ def test_signals_to_the_client_leave_no_process_behind(
     assert client.stdout is not None
     pids: list[int] = []
     deadline = time.monotonic() + 60
-    while len(pids) < (4 if phase == "call" else 2) and time.monotonic() < deadline:
+    expected = {"call": 4, "one": 2, "startup": 2}[phase]
+    while len(pids) < expected and time.monotonic() < deadline:
         line = client.stdout.readline()
         if not line:
             break

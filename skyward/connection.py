@@ -276,7 +276,9 @@ class AgentConnection:
     async def close(self, timeout: float) -> None:
         """Ask the agent to finish (plugins unwind), then make sure it is gone."""
         self._stopping = True
-        if self.dead is None and not self.stream_closed():
+        # Only an idle agent is asked to finish: a busy one may not be reading, and a write to
+        # its full pipe would block this loop; it is killed after `timeout` like any laggard.
+        if self.dead is None and not self.stream_closed() and not self.pending:
             with contextlib.suppress(Exception):
                 self.send((frames.SHUTDOWN,))
         try:

@@ -123,10 +123,12 @@ class _ControlReader:
     Only the holder of `_lock` reads and delivers, so bytes reach the receiver in order. A
     caller that wants to read kicks the background thread out of its wait if it is in one; the
     thread then stays out while callers come, and for `LINGER` seconds after the last one left,
-    so back-to-back calls cost it no wake-ups (an idle pipe's replies wait at most that long).
+    so back-to-back calls cost it no wake-ups. The price: a reply that nobody waits for in
+    `read_until` (a `submit` future) can wait up to `BUSY_POLL` after a caller left.
     """
 
     LINGER = 0.001
+    BUSY_POLL = 0.05
 
     def __init__(self, fd: int, receiver: Receiver) -> None:
         self._fd = fd
@@ -164,11 +166,16 @@ class _ControlReader:
         while not self._ended:
             with self._turn:
                 while True:
+                    if self._callers:
+                        # Nobody notifies this thread when callers leave (that would cost a
+                        # wake-up per call): it looks again now and then.
+                        self._turn.wait(self.BUSY_POLL)
+                        continue
                     idle = time.monotonic() - self._last_caller
-                    if not self._callers and idle >= self.LINGER:
+                    if idle >= self.LINGER:
                         self._selecting = True
                         break
-                    self._turn.wait(self.LINGER)
+                    self._turn.wait(self.LINGER - idle)
             with self._lock:
                 if self._ended:
                     return

@@ -97,14 +97,15 @@ def lift(value: Any, depth: int = 2) -> Any:
     return value
 
 
-def dumps(value: Any, pickler: type[pickle.Pickler] = pickle.Pickler) -> list[Buffer]:
-    """Pickle `value` as segments: the pickle stream, then its out-of-band buffers."""
-    import io
+def dumps(value: Any, dump: Callable[..., bytes] = pickle.dumps) -> list[Buffer]:
+    """Pickle `value` as segments: the pickle stream, then its out-of-band buffers.
 
+    `dump` is ``pickle.dumps`` or ``cloudpickle.dumps`` (both take a buffer callback)."""
     buffers: list[pickle.PickleBuffer] = []
-    stream = io.BytesIO()
-    pickler(stream, PROTOCOL, buffer_callback=buffers.append).dump(lift(value))
-    return [stream.getbuffer(), *(b.raw() for b in buffers)]
+    stream = dump(lift(value), PROTOCOL, buffer_callback=buffers.append)
+    if not buffers:
+        return [stream]
+    return [stream, *(b.raw() for b in buffers)]
 
 
 def loads(segments: Sequence[Buffer]) -> Any:
@@ -170,6 +171,10 @@ class FrameDecoder:
         self._filled = 0
 
     def feed(self, data: Buffer) -> None:
+        if type(data) is bytes and self._meta is None and not self._buf:
+            data = self._whole_frames(data)
+            if not data:
+                return
         view = memoryview(data).cast("B")
         while view:
             if self._partial is not None:
@@ -185,6 +190,29 @@ class FrameDecoder:
             self._buf += view
             view = view[len(view) :]
             self._advance()
+
+    def _whole_frames(self, data: bytes) -> bytes:
+        """Deliver the complete frames at the start of `data` without copying it into the
+        buffer (the common case: one small reply per read); return what is left."""
+        offset, end = 0, len(data)
+        while end - offset >= HEADER.size:
+            meta_len, count = HEADER.unpack_from(data, offset)
+            start = offset + HEADER.size + 8 * count
+            if start > end:
+                break
+            lengths = struct.unpack_from(f"!{count}Q", data, offset + HEADER.size)
+            stop = start + meta_len + sum(lengths)
+            if stop > end:
+                break
+            meta = pickle.loads(data[start : start + meta_len])
+            segments: list[Buffer] = []
+            position = start + meta_len
+            for size in lengths:
+                segments.append(data[position : position + size])
+                position += size
+            offset = stop
+            self._on_frame(meta, segments)
+        return data[offset:] if offset else data
 
     def _advance(self) -> None:
         """Consume what the buffer holds: a header, metadata, whole segments."""

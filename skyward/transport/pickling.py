@@ -14,7 +14,7 @@ from skyward.transport import frames
 
 def cloud_dumps(value: Any) -> list[frames.Buffer]:
     """Segments for `value` with cloudpickle (functions, lambdas, classes of ``__main__``)."""
-    return frames.dumps(value, cloudpickle.Pickler)
+    return frames.dumps(value, cloudpickle.dumps)
 
 
 def fast_dumps(value: Any) -> list[frames.Buffer]:

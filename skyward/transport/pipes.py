@@ -201,7 +201,13 @@ class _ControlReader:
             self._last_caller = time.monotonic()
 
     def read_until(self, done: Callable[[], bool]) -> None:
-        read_all_until([self], done)
+        self._enter()
+        try:
+            with self._lock:
+                while not done() and not self._ended:
+                    self._read_once()  # the pipe blocks: this thread sleeps in read()
+        finally:
+            self._leave()
 
 
 def read_all_until(

@@ -1,0 +1,71 @@
+"""The frame codec: any chunking of the byte stream decodes to the same frames."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from skyward.transport import frames, pickling
+
+
+def _stream(count: int, rng: random.Random) -> tuple[bytes, list[dict[str, object]]]:
+    values: list[dict[str, object]] = []
+    blob = bytearray()
+    for i in range(count):
+        value = {
+            "i": i,
+            "bytes": bytes([i % 251]) * rng.choice([0, 10, 70_000, 200_000]),
+            "array": np.arange(rng.choice([1, 100, 20_000])) * i,
+        }
+        for chunk in frames.encode((frames.RESULT, i), pickling.fast_dumps(value)):
+            blob += chunk
+        values.append(value)
+    return bytes(blob), values
+
+
+def test_any_chunking_decodes_the_same_frames() -> None:
+    rng = random.Random(7)
+    blob, values = _stream(120, rng)
+    for _ in range(10):
+        got: list[tuple[frames.Meta, dict[str, object]]] = []
+
+        def keep(meta: frames.Meta, segs: list[frames.Buffer], got: list = got) -> None:  # type: ignore[type-arg]
+            got.append((meta, frames.loads(segs)))
+
+        decoder = frames.FrameDecoder(keep)
+        position = 0
+        while position < len(blob):
+            size = rng.choice([1, 7, 100, 4096, 65_536, 1 << 20])
+            decoder.feed(blob[position : position + size])
+            position += size
+        assert [meta for meta, _ in got] == [(frames.RESULT, i) for i in range(len(values))]
+        for (_, value), expected in zip(got, values, strict=True):
+            assert value["bytes"] == expected["bytes"]
+            assert np.array_equal(value["array"], expected["array"])  # type: ignore[arg-type]
+
+
+def test_large_bytes_travel_out_of_band_and_come_back_as_the_same_object() -> None:
+    big = b"z" * 1_000_000
+    segments = pickling.cloud_dumps(((big,), {}))
+    assert len(segments) == 2 and memoryview(segments[1]).nbytes == len(big)
+    assert memoryview(segments[0]).nbytes < 200  # the pickle stream holds no copy of it
+    received = bytes(segments[1])  # what the agent reads off the pipe
+    (args, _) = frames.loads([bytes(segments[0]), received])
+    assert args[0] is received  # rebuilt without a copy
+
+
+def test_truncated_stream_is_a_frame_error() -> None:
+    import os
+
+    read_fd, write_fd = os.pipe()
+    head, *_ = frames.encode((frames.CALL, 1, 2, None), [b"abc" * 10])
+    os.write(write_fd, bytes(head)[:5])
+    os.close(write_fd)
+    channel = frames.SyncChannel(read_fd, os.open(os.devnull, os.O_WRONLY))
+    try:
+        channel.read()
+    except frames.FrameError as exc:
+        assert "middle of a frame" in str(exc)
+    else:
+        raise AssertionError("a truncated frame was accepted")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -69,9 +70,18 @@ def test_local_runs_in_process() -> None:
         whoami().local()
 
 
+def logs_once(pool: sky.ComputePool, ready: Callable[[list[str]], bool]) -> list[str]:
+    """The pool's log lines once `ready` holds: output travels apart from results, so it may
+    trail a call's result by a moment."""
+    deadline = time.monotonic() + 10
+    while not ready(lines := pool.logs()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return lines
+
+
 def test_output_is_prefixed_kept_and_includes_subprocesses(pool: sky.ComputePool) -> None:
     assert shout("hello-1") >> pool == "hello-1"
-    lines = pool.logs()
+    lines = logs_once(pool, lambda got: sum("hello-1" in line for line in got) >= 3)
     node_lines = [line for line in lines if "hello-1" in line]
     assert any(line.endswith(") hello-1") for line in node_lines), lines
     assert any("err: hello-1" in line for line in node_lines)
@@ -226,7 +236,7 @@ def test_very_long_lines_are_kept(pool: sky.ComputePool) -> None:
         sys.stdout.flush()
 
     noisy() >> pool
-    lines = pool.logs()
+    lines = logs_once(pool, lambda got: sum(line.count("x") for line in got) >= 200_000)
     assert sum(line.count("x") for line in lines) >= 200_000
 
 

@@ -9,7 +9,10 @@ A provider is a handful of async verbs, each safe to call again and safe on a pa
 
 A provider may also offer ``async explain(node) -> NodeLoss | None``: why a node whose agent
 died went away (a reclaimed spot instance), which the pool then puts in the `WorkerError`; and
-``async replace(node) -> Node``: a fresh node with the same index, for `ComputePool.replace`.
+``async replace(node) -> Node``: a fresh node with the same index, for `ComputePool.replace`;
+``default_nodes``: the pool size when the user gives none (SSH: one per host); and
+``implied_accelerator() -> Accelerator | None``: what an explicit instance type carries, so
+plugins see it (AWS).
 
 A `Node` knows its index, its addresses and how to start the agent on itself.
 """

@@ -531,6 +531,8 @@ class ComputePool:
         Otherwise (a gather) the calls are independent and all run to their end.
         """
         self._read_replies_here(owners, futures, spmd)
+        if all(f.done() and f.exception() is None for f in futures):
+            return [future.result() for future in futures]  # the common case, and a hot path
         if not spmd:
             wait_futures(futures)
             failed = sorted((f.exception() for f in futures if f.exception()), key=_blame_rank)
@@ -575,10 +577,21 @@ class ComputePool:
         if read_many is None or len({type(stream) for stream in streams}) > 1:
             return
 
+        # Completions are counted as they happen: polling every future after each read would
+        # cost a lock per future per read, which on a broadcast is most of the client's work.
+        finished: list[Future[Any]] = []
+        failures: list[Future[Any]] = []
+
+        def on_done(future: Future[Any]) -> None:
+            if future.exception() is not None:
+                failures.append(future)
+            finished.append(future)  # list.append is atomic: replies may resolve on any thread
+
+        for future in futures:
+            future.add_done_callback(on_done)
+
         def settled() -> bool:
-            if spmd and any(f.done() and f.exception() is not None for f in futures):
-                return True
-            return all(f.done() for f in futures)
+            return len(finished) == len(futures) or (spmd and bool(failures))
 
         read_many(streams, settled)
 

@@ -69,3 +69,37 @@ def test_truncated_stream_is_a_frame_error() -> None:
         assert "middle of a frame" in str(exc)
     else:
         raise AssertionError("a truncated frame was accepted")
+
+
+def test_linger_keeps_frames_and_leaves_the_stream_blocking() -> None:
+    import os
+    import threading
+    import time
+
+    read_fd, write_fd = os.pipe()
+    channel = frames.SyncChannel(read_fd, os.open(os.devnull, os.O_WRONLY))
+    # Two frames in one write: after reading the first, the second waits in the read buffer,
+    # where polling the pipe alone would not see it.
+    first = b"".join(bytes(c) for c in frames.encode((frames.CALL, 1, 2, None), [b"a"]))
+    second = b"".join(bytes(c) for c in frames.encode((frames.CALL, 3, 2, None), [b"b"]))
+    os.write(write_fd, first + second)
+    assert channel.read() == ((frames.CALL, 1, 2, None), [b"a"])
+    channel.linger(60.0)  # returns at once: a frame is already buffered
+    assert channel.read() == ((frames.CALL, 3, 2, None), [b"b"])
+
+    # Nothing arrives: the window runs out and the stream is blocking again for read().
+    channel.linger(0.001)
+    assert os.get_blocking(read_fd)
+
+    # A frame arriving during the window ends it and is read whole.
+    writer = threading.Timer(0.05, os.write, (write_fd, first))
+    writer.start()
+    started = time.monotonic()
+    channel.linger(60.0)
+    assert time.monotonic() - started < 30
+    assert channel.read() == ((frames.CALL, 1, 2, None), [b"a"])
+    writer.join()
+
+    os.close(write_fd)
+    channel.linger(0.001)  # the end of the stream: the window runs out, read() sees the end
+    assert channel.read() is None

@@ -165,6 +165,24 @@ def test_env_reaches_the_nodes() -> None:
         assert read_env() >> running == ("img", "pool")
 
 
+def test_nodes_poll_for_calls_only_when_each_has_a_core() -> None:
+    from skyward.providers.local import _usable_cores
+    from skyward.worker.agent import LINGER_ENV
+
+    @sky.compute
+    def linger_setting() -> str | None:
+        return os.environ.get(LINGER_ENV)
+
+    cores = _usable_cores()
+    if cores >= 2:
+        with sky.ComputePool(nodes=1, stream_output=False) as one:
+            assert linger_setting() >> one == "200"
+            assert one._conns[0].stream._linger > 0  # type: ignore[attr-defined]
+    with sky.ComputePool(nodes=cores, stream_output=False) as crowded:
+        assert linger_setting() @ crowded == ["0"] * cores
+        assert all(c.stream._linger == 0 for c in crowded._conns)  # type: ignore[attr-defined]
+
+
 def test_plugin_hooks_run_in_order_and_unwind_in_reverse(tmp_path: os.PathLike[str]) -> None:
     import contextlib
 

@@ -23,15 +23,19 @@ from typing import IO
 from skyward.transport.base import Receiver
 from skyward.transport.frames import Buffer, write_all
 
-_READ_SIZE = 1 << 20
+# A read allocates a bytes object of the size asked for; at 1 MiB that is an mmap, a page fault
+# and an munmap on every small reply. Reads start small and grow only while they come back full.
+_SMALL_READ = 1 << 16
+_BIG_READ = 1 << 20
 
 
 class SubprocessStream:
     """A local agent process in its own session, so `kill` takes down what it started too."""
 
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], linger: float = 0.0) -> None:
         assert process.stdin and process.stdout and process.stderr
         self._process = process
+        self._linger = linger
         self.pid = process.pid
         self._write_lock = threading.Lock()
         self._exit: asyncio.Future[int | None] | None = None
@@ -58,7 +62,7 @@ class SubprocessStream:
     def read_until(self, done: Callable[[], bool]) -> None:
         """Read the agent's replies in this thread until `done()` (or the stream ends)."""
         if self._control is not None:
-            self._control.read_until(done)
+            self._control.read_until(done, self._linger)
 
     @staticmethod
     def read_many_until(streams: Sequence[SubprocessStream], done: Callable[[], bool]) -> None:
@@ -69,7 +73,7 @@ class SubprocessStream:
 
     def _readable(self, pipe: IO[bytes], receiver: Receiver) -> None:
         try:
-            data = os.read(pipe.fileno(), _READ_SIZE)
+            data = os.read(pipe.fileno(), _SMALL_READ)
         except BlockingIOError:
             return
         except OSError:
@@ -133,6 +137,9 @@ class _ControlReader:
     def __init__(self, fd: int, receiver: Receiver) -> None:
         self._fd = fd
         self._receiver = receiver
+        self._read_size = _SMALL_READ
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLIN)
         self._lock = threading.Lock()
         self._turn = threading.Condition()
         self._callers = 0
@@ -146,10 +153,12 @@ class _ControlReader:
 
     def _read_once(self) -> None:
         """Read what is there and deliver it (the lock is held)."""
+        size = self._read_size
         try:
-            data = os.read(self._fd, _READ_SIZE)
+            data = os.read(self._fd, size)
         except OSError:
             data = b""
+        self._read_size = _BIG_READ if len(data) == size else _SMALL_READ
         if not data:
             self._ended = True
             self._finish()
@@ -200,11 +209,17 @@ class _ControlReader:
             self._callers -= 1
             self._last_caller = time.monotonic()
 
-    def read_until(self, done: Callable[[], bool]) -> None:
+    def read_until(self, done: Callable[[], bool], linger: float = 0.0) -> None:
+        """Read and deliver until `done()`; poll up to `linger` seconds before each blocking
+        read, so a quick reply finds this thread awake (see SyncChannel.linger)."""
         self._enter()
         try:
             with self._lock:
                 while not done() and not self._ended:
+                    if linger > 0:
+                        deadline = time.perf_counter() + linger
+                        while not self._poller.poll(0) and time.perf_counter() < deadline:
+                            pass
                     self._read_once()  # the pipe blocks: this thread sleeps in read()
         finally:
             self._leave()
@@ -241,8 +256,11 @@ def read_all_until(
             reader._leave()
 
 
-async def spawn(argv: list[str], env: Mapping[str, str], cwd: str | None) -> SubprocessStream:
-    """Start `argv` with piped stdin/stdout/stderr in a new session."""
+async def spawn(
+    argv: list[str], env: Mapping[str, str], cwd: str | None, linger: float = 0.0
+) -> SubprocessStream:
+    """Start `argv` with piped stdin/stdout/stderr in a new session; a caller waiting for a
+    reply polls up to `linger` seconds before it sleeps."""
     process = subprocess.Popen(
         argv,
         stdin=subprocess.PIPE,
@@ -253,4 +271,4 @@ async def spawn(argv: list[str], env: Mapping[str, str], cwd: str | None) -> Sub
         start_new_session=True,
         bufsize=0,
     )
-    return SubprocessStream(process)
+    return SubprocessStream(process, linger)

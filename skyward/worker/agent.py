@@ -35,6 +35,10 @@ from skyward.transport import frames, pickling
 HEARTBEAT_SECONDS = 2.0
 # After the client disappears, how long a graceful exit (plugin hooks unwinding) may take.
 ORPHAN_GRACE_SECONDS = 3.0
+# How long the agent polls for the next call after answering one (see SyncChannel.linger). The
+# provider sets it, and only where the agent has a core to itself: polling agents that share
+# cores would slow each other down.
+LINGER_ENV = "SKYWARD_AGENT_LINGER_US"
 
 
 class Agent:
@@ -44,6 +48,7 @@ class Agent:
         self._channel = channel
         self._write_lock = threading.Lock()
         self._functions: dict[int, Callable[..., Any]] = {}
+        self._linger = _linger_seconds()
 
     def send(self, meta: frames.Meta, segments: frames.Segments = ()) -> None:
         with self._write_lock:
@@ -108,6 +113,7 @@ class Agent:
             meta, segments = frame
             if meta[0] == frames.CALL:
                 self._run_call(meta[1], meta[2], meta[3], segments)
+                self._channel.linger(self._linger)
             elif meta[0] == frames.SHUTDOWN:
                 return
 
@@ -163,6 +169,13 @@ class Agent:
                 break
         time.sleep(ORPHAN_GRACE_SECONDS)
         _exit_hard(1)
+
+
+def _linger_seconds() -> float:
+    try:
+        return max(0.0, float(os.environ.get(LINGER_ENV, "0")) / 1e6)
+    except ValueError:
+        return 0.0
 
 
 def _type_name(exc: BaseException) -> str:

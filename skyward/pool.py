@@ -531,8 +531,6 @@ class ComputePool:
         Otherwise (a gather) the calls are independent and all run to their end.
         """
         self._read_replies_here(owners, futures, spmd)
-        if all(f.done() and f.exception() is None for f in futures):
-            return [future.result() for future in futures]  # the common case, and a hot path
         if not spmd:
             wait_futures(futures)
             failed = sorted((f.exception() for f in futures if f.exception()), key=_blame_rank)

@@ -155,9 +155,7 @@ class SyncChannel:
         fd = self.fileno_in
         os.set_blocking(fd, False)  # so peek() reports an empty pipe instead of waiting on it
         try:
-            deadline = time.perf_counter() + seconds
-            while not self._in.peek(1) and time.perf_counter() < deadline:
-                pass
+            spin_until(lambda: bool(self._in.peek(1)), seconds)
         finally:
             os.set_blocking(fd, True)
 
@@ -165,6 +163,14 @@ class SyncChannel:
         """Write one frame. Not thread-safe: callers serialize writes."""
         for chunk in encode(meta, segments):
             write_all(self._out_fd, chunk)
+
+
+def spin_until(ready: Callable[[], bool], seconds: float) -> None:
+    """Busy-wait until `ready()` or for `seconds`, whichever comes first: a process that polls
+    sees data as it arrives, one asleep in read() has to be woken (see `SyncChannel.linger`)."""
+    deadline = time.perf_counter() + seconds
+    while not ready() and time.perf_counter() < deadline:
+        pass
 
 
 def write_all(fd: int, data: Buffer) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from skyward.transport.base import Receiver
-from skyward.transport.frames import Buffer, write_all
+from skyward.transport.frames import Buffer, spin_until, write_all
 
 # A read allocates a bytes object of the size asked for; at 1 MiB that is an mmap, a page fault
 # and an munmap on every small reply. Reads start small and grow only while they come back full.
@@ -217,9 +217,7 @@ class _ControlReader:
             with self._lock:
                 while not done() and not self._ended:
                     if linger > 0:
-                        deadline = time.perf_counter() + linger
-                        while not self._poller.poll(0) and time.perf_counter() < deadline:
-                            pass
+                        spin_until(lambda: bool(self._poller.poll(0)), linger)
                     self._read_once()  # the pipe blocks: this thread sleeps in read()
         finally:
             self._leave()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from skyward.errors import NotOnNodeError
 
@@ -17,9 +17,11 @@ _current: InstanceInfo | None = None
 class InstanceInfo:
     """The identity of one node in a running pool.
 
-    `head_addr:head_port` is where the head node (node 0) listens for the pool's coordinator
-    (the JAX plugin passes it to `jax.distributed.initialize`); `peers` are every node's address
-    as the other nodes reach it, in node order.
+    `head_addr:head_port` is a port that was free on the head node (node 0) at startup, for
+    the user's own coordinator; `ports` holds one more free port on the head node for each name
+    a plugin asked for (``ports["jax"]`` is where the JAX plugin's coordinator listens), so
+    stacked plugins never share one. `peers` are every node's address as the other nodes reach
+    it, in node order.
     """
 
     node: int
@@ -31,6 +33,7 @@ class InstanceInfo:
     accelerator: str | None = None
     accelerator_count: int = 0
     provider: str = "local"
+    ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_head(self) -> bool:

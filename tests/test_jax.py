@@ -194,12 +194,14 @@ def test_instance_info_on_nodes(pool2: sky.ComputePool) -> None:
         assert info == pool2.infos[i]
         assert (info.node, info.total_nodes, info.is_head) == (i, 2, i == 0)
         assert (info.head_addr, info.head_port) == ("127.0.0.1", head_port)
+        # the JAX coordinator has a port of its own, beside the head port, the same everywhere
+        assert info.ports == infos[0].ports and info.ports["jax"] != head_port
         assert info.peers == ("127.0.0.1", "127.0.0.1")
         assert info.pool_id == pool2.pool_id
         assert result["child"] == [str(i), pool2.pool_id]
         # The JAX plugin exported the launcher variables and initialized JAX with them.
         assert result["env"] == {
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{head_port}",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{info.ports['jax']}",
             "JAX_NUM_PROCESSES": "2",
             "JAX_PROCESS_ID": str(i),
         }

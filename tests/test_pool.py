@@ -177,10 +177,10 @@ def test_nodes_poll_for_calls_only_when_each_has_a_core() -> None:
     if cores >= 2:
         with sky.ComputePool(nodes=1, stream_output=False) as one:
             assert linger_setting() >> one == "200"
-            assert one._conns[0].stream._linger > 0  # type: ignore[attr-defined]
+            assert one._sessions[0].stream._linger > 0  # type: ignore[attr-defined]
     with sky.ComputePool(nodes=cores, stream_output=False) as crowded:
         assert linger_setting() @ crowded == ["0"] * cores
-        assert all(c.stream._linger == 0 for c in crowded._conns)  # type: ignore[attr-defined]
+        assert all(c.stream._linger == 0 for c in crowded._sessions)  # type: ignore[attr-defined]
 
 
 def test_plugin_hooks_run_in_order_and_unwind_in_reverse(tmp_path: os.PathLike[str]) -> None:
@@ -276,3 +276,50 @@ def test_functions_from_the_users_own_modules_travel_by_value(
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("myproject_3c1", None)
+
+
+def test_stacked_plugins_each_get_their_own_head_port() -> None:
+    @sky.compute
+    def ports() -> tuple[int, dict[str, int]]:
+        info = sky.instance_info()
+        return info.head_port, info.ports
+
+    plugins = [
+        sky.Plugin("coordinator-a", ports=("a",)),
+        sky.Plugin("coordinator-b", ports=("b", "a")),  # a name asked for twice is one port
+    ]
+    with sky.ComputePool(nodes=2, plugins=plugins, stream_output=False) as pool:
+        (head0, ports0), (head1, ports1) = ports() @ pool
+    assert set(ports0) == {"head", "a", "b"}
+    assert ports0 == ports1 and head0 == head1 == ports0["head"], "every node sees node 0's"
+    assert len(set(ports0.values())) == 3, f"the ports must differ: {ports0}"
+    assert all(1024 <= port < 65536 for port in ports0.values())
+
+
+def test_a_failing_around_app_names_the_plugin_and_node_and_unwinds_the_ones_entered(
+    tmp_path: os.PathLike[str],
+) -> None:
+    import contextlib
+
+    journal = os.path.join(tmp_path, "journal")
+
+    @contextlib.contextmanager
+    def first(info: sky.InstanceInfo):  # type: ignore[no-untyped-def]
+        yield
+        with open(journal, "a") as handle:
+            handle.write(f"exit first {info.node}\n")
+
+    def second(info: sky.InstanceInfo) -> None:
+        if info.node == 1:
+            raise RuntimeError("no coordinator here")
+
+    plugins = [sky.Plugin("first", around_app=first), sky.Plugin("second", around_app=second)]
+    with pytest.raises(sky.PluginError) as caught:
+        with sky.ComputePool(nodes=2, plugins=plugins, stream_output=False):
+            pass
+    error = caught.value
+    assert (error.plugin, error.hook, error.node) == ("second", "around_app", 1)
+    assert "RuntimeError: no coordinator here" in str(error)
+    assert "remote traceback of node 1" in str(error)
+    with open(journal) as handle:  # node 1 unwound the plugin it had entered
+        assert "exit first 1" in handle.read().split("\n")

@@ -29,9 +29,12 @@ class Plugin:
         sky.Plugin("wandb", around_app=lambda info: wandb_run(info.node))
 
     A plugin object travels to every node with cloudpickle, so keep its state small and plain.
+    `ports` names the ports the plugin needs on the head node (a coordinator); each arrives
+    free and distinct in ``info.ports[name]``.
     """
 
     name: str = "plugin"
+    ports: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -40,9 +43,12 @@ class Plugin:
         transform: Transform | None = None,
         around_app: AroundApp | None = None,
         around_client: AroundClient | None = None,
+        ports: tuple[str, ...] = (),
     ) -> None:
         if name is not None:
             self.name = name
+        if ports:
+            self.ports = tuple(ports)
         self._transform = transform
         self._around_app = around_app
         self._around_client = around_client

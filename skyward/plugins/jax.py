@@ -61,6 +61,7 @@ class JaxPlugin(Plugin):
     """
 
     name = "jax"
+    ports = ("jax",)
 
     def __init__(
         self,
@@ -103,7 +104,8 @@ class JaxPlugin(Plugin):
 
     @contextlib.contextmanager
     def _distributed(self, info: InstanceInfo) -> Iterator[None]:
-        coordinator = f"{info.head_addr}:{info.head_port}"
+        port = info.ports["jax"]
+        coordinator = f"{info.head_addr}:{port}"
         os.environ["JAX_COORDINATOR_ADDRESS"] = coordinator
         os.environ["JAX_NUM_PROCESSES"] = str(info.total_nodes)
         os.environ["JAX_PROCESS_ID"] = str(info.node)
@@ -117,7 +119,7 @@ class JaxPlugin(Plugin):
         import jax
 
         if not info.is_head:
-            _wait_for_coordinator(info.head_addr, info.head_port, self.initialization_timeout)
+            _wait_for_coordinator(info.head_addr, port, self.initialization_timeout)
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=info.total_nodes,

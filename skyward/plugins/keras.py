@@ -33,6 +33,7 @@ class KerasPlugin(Plugin):
     """
 
     name = "keras"
+    ports = ("keras",)
 
     def __init__(self, backend: str = "jax", *, distribute: bool = True) -> None:
         super().__init__()
@@ -69,7 +70,7 @@ class KerasPlugin(Plugin):
 
         if not _jax_distributed_ready():
             keras.distribution.initialize(
-                job_addresses=f"{info.head_addr}:{info.head_port}",
+                job_addresses=f"{info.head_addr}:{info.ports['keras']}",
                 num_processes=info.total_nodes,
                 process_id=info.node,
             )

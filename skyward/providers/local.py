@@ -15,13 +15,14 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import skyward
 from skyward.cluster import ClusterSpec
 from skyward.errors import BootstrapError, ConfigError
 from skyward.image import Image
-from skyward.providers.base import Log, Node
+from skyward.providers.base import Cluster, Log, Node, Provider
 from skyward.providers.environment import env_spec
 from skyward.transport.base import AgentStream
 from skyward.transport.pipes import spawn
@@ -51,18 +52,26 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+@dataclass
+class LocalCluster(Cluster):
+    """A Local pool: the interpreter its nodes run, and how long each end polls for replies."""
+
+    python: str | None = None
+    linger: float = 0.0
+
+
 class LocalNode(Node):
     """A child process slot on this machine."""
 
-    def __init__(self, index: int, provider: Local) -> None:
+    def __init__(self, index: int, cluster: LocalCluster) -> None:
         super().__init__(index, LOOPBACK, LOOPBACK)
-        self._provider = provider
+        self._cluster = cluster
 
     async def start_agent(self, env: Mapping[str, str]) -> AgentStream:
-        python = self._provider.python
+        python = self._cluster.python
         if python is None:
             raise BootstrapError("the environment was not prepared before the agent started")
-        linger = self._provider.linger
+        linger = self._cluster.linger
         full_env = {
             **os.environ,
             **env,
@@ -73,7 +82,7 @@ class LocalNode(Node):
         return await spawn([python, "-m", "skyward.worker"], full_env, os.getcwd(), linger)
 
 
-class Local:
+class Local(Provider):
     """Nodes as child processes of this machine: the embedded default provider.
 
     Args:
@@ -85,8 +94,6 @@ class Local:
 
     def __init__(self, python: str | None = None) -> None:
         self._base_python = python
-        self.python: str | None = None
-        self.linger = 0.0
 
     def validate(self, spec: ClusterSpec) -> None:
         if spec.accelerator is not None:
@@ -96,31 +103,36 @@ class Local:
                 "sky.AWS"
             )
 
-    async def launch(self, spec: ClusterSpec) -> list[Node]:
+    async def launch(self, spec: ClusterSpec, log: Log) -> Cluster:
         # With a core for each node and one for the client, both ends of a small call poll
         # briefly for the other's answer instead of sleeping: it saves the two wake-ups that
         # are most of a small call's round trip. With fewer cores, polling would steal them.
-        self.linger = LINGER_SECONDS if spec.nodes + 1 <= _usable_cores() else 0.0
-        return [LocalNode(i, self) for i in range(spec.nodes)]
+        linger = LINGER_SECONDS if spec.nodes + 1 <= _usable_cores() else 0.0
+        cluster = LocalCluster(spec, [], linger=linger)
+        cluster.nodes = [LocalNode(i, cluster) for i in range(spec.nodes)]
+        return cluster
 
-    async def replace(self, node: Node) -> Node:
+    async def replace(self, cluster: Cluster, index: int) -> Node:
         """A new process slot for a node whose process died."""
-        return LocalNode(node.index, self)
+        assert isinstance(cluster, LocalCluster)
+        cluster.nodes[index] = LocalNode(index, cluster)
+        return cluster.nodes[index]
 
-    async def prepare(self, nodes: list[Node], image: Image, log: Log) -> None:
+    async def prepare(self, cluster: Cluster, image: Image, log: Log) -> None:
+        assert isinstance(cluster, LocalCluster)
         _check_apt(image.apt)
         spec = env_spec(image)
         cache = cache_dir()
         try:
             if self._base_python is None and _satisfied_here(image):
                 await asyncio.to_thread(envbuild.run_setup_once, spec, cache, log)
-                self.python = sys.executable
+                cluster.python = sys.executable
             else:
                 uv = _uv_binary()
                 built = await asyncio.to_thread(
                     envbuild.build, spec, cache, uv, log, base_python=self._base_python
                 )
-                self.python = str(built)
+                cluster.python = str(built)
         except envbuild.BuildFailed as exc:
             raise BootstrapError(
                 f"building the environment {spec.hash} (cache {cache / 'envs' / spec.hash}) "
@@ -129,7 +141,7 @@ class Local:
                 output=exc.output,
             ) from None
 
-    async def terminate(self, nodes: list[Node]) -> None:
+    async def terminate(self, cluster: Cluster) -> None:
         # Agents are killed by the pool with their process groups; nothing else exists.
         return None
 

@@ -1,9 +1,9 @@
-"""What the pool needs from a running agent: a way to write to it, its bytes as they arrive, its
-exit, and a kill switch.
+"""`AgentStream`: what a session needs from a running agent, however its bytes travel.
 
-The stream pushes what it reads into callbacks (no reader task between the bytes and the frame
-decoder: that hop was most of a small call's round trip), so a local pipe and an SSH channel look
-the same to the pool.
+A way to write to the agent, its bytes as they arrive, its exit, a kill switch, and a way for a
+caller to wait for replies. The stream pushes what it reads into callbacks (no reader task
+between the bytes and the frame decoder: that hop was most of a small call's round trip), so a
+local pipe and an SSH channel look the same to the pool.
 """
 
 from __future__ import annotations
@@ -20,9 +20,19 @@ class AgentStream(Protocol):
     """A started agent: control frames in through `write`, out through `start`'s callbacks."""
 
     def start(self, on_control: Receiver, on_output: Receiver) -> None:
-        """Deliver what the agent sends, on the event loop: its control bytes to `on_control`,
-        its output (fds 1 and 2) to `on_output`, each as it arrives and ``b""`` once at its end.
-        Called once, from the event loop."""
+        """Deliver what the agent sends: its control bytes to `on_control`, its output (fds 1
+        and 2) to `on_output`, each as it arrives and ``b""`` once at its end. Called once,
+        from the event loop; bytes are delivered on the loop or in `wait_replies`."""
+        ...
+
+    def wait_replies(self, group: Sequence[AgentStream], done: Callable[[], bool]) -> None:
+        """Help a caller that waits for replies from `group` (this stream among them).
+
+        A stream that can read its replies in the caller's thread (a local pipe) reads and
+        delivers them here until `done()`, which saves a hand-off between threads per reply.
+        Otherwise (an SSH channel, whose bytes the event loop reads) it returns at once and
+        the caller waits on its futures, which the loop resolves.
+        """
         ...
 
     def write(self, chunks: Sequence[Buffer]) -> None:
@@ -33,7 +43,7 @@ class AgentStream(Protocol):
         """End the agent's control input (it then exits); the output keeps flowing."""
         ...
 
-    async def wait(self) -> int | None:
+    async def exit_status(self) -> int | None:
         """Wait for the agent to end; its exit status (negative: killed by that signal)."""
         ...
 

@@ -1,11 +1,11 @@
-"""The frame codec and the messages of the client <-> agent wire.
+"""The frame codec of the client <-> agent wire.
 
 A frame is an 8-byte header (``!II``: metadata length, segment count), one ``!Q`` length per
-segment, a small pickled metadata tuple whose first item is the message kind, then the segments
-as raw bytes. Large objects travel in segments, written and read as they are: call arguments and
-results are pickled with protocol 5, their large buffers (numpy arrays, big ``bytes``) kept out of
-band as segments of their own, so a 100 MB argument is never copied into a pickle stream, and a
-broadcast writes the same segment objects to every node.
+segment, a small pickled metadata tuple (a message of `messages`, as ``(kind, *fields)``), then
+the segments as raw bytes. Large objects travel in segments, written and read as they are: call
+arguments and results are pickled with protocol 5, their large buffers (numpy arrays, big
+``bytes``) kept out of band as segments of their own, so a 100 MB argument is never copied into
+a pickle stream, and a broadcast writes the same segment objects to every node.
 
 This module is shared by the client and the worker agent, so it imports only the standard library.
 """
@@ -20,25 +20,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from skyward.transport.messages import Message, from_wire, to_wire
+
 HEADER = struct.Struct("!II")
 LENGTH = struct.Struct("!Q")
 PROTOCOL = 5
 
-# client -> agent
-HELLO = 1  # (HELLO, InstanceInfo, env: dict[str, str]); segments: pickled plugins
-CALL = 2  # (CALL, call_id, fn_id, fn_bytes | None); segments: pickled (args, kwargs), buffers
-SHUTDOWN = 4  # (SHUTDOWN,): finish the calls already sent, unwind the plugins, exit
-
-# agent -> client
-STARTED = 10  # (STARTED, pid, hostname, free_port, python_version, skyward_version)
-PROGRESS = 11  # (PROGRESS, plugin_name, hook)
-READY = 12  # (READY,)
-HOOK_FAILED = 13  # (HOOK_FAILED, plugin, hook, type_name, message, traceback); segments: exc
-RESULT = 14  # (RESULT, call_id); segments: pickled value, buffers
-RAISED = 15  # (RAISED, call_id, type_name, message, traceback); segments: pickled exc, if any
-HEARTBEAT = 16  # (HEARTBEAT,)
-
-Meta = tuple[Any, ...]
 Buffer = bytes | bytearray | memoryview
 Segments = Sequence[Buffer]
 
@@ -52,9 +39,9 @@ class FrameError(Exception):
     """The byte stream does not hold a valid frame (truncated, or not a skyward agent)."""
 
 
-def encode(meta: Meta, segments: Segments = ()) -> list[Buffer]:
+def encode(message: Message, segments: Segments = ()) -> list[Buffer]:
     """The byte strings to write, in order, for one frame (small segments coalesced)."""
-    blob = pickle.dumps(meta, PROTOCOL)
+    blob = pickle.dumps(to_wire(message), PROTOCOL)
     head = bytearray(HEADER.pack(len(blob), len(segments)))
     for segment in segments:
         head += LENGTH.pack(memoryview(segment).nbytes)
@@ -129,7 +116,7 @@ class SyncChannel:
             raise FrameError("stream closed in the middle of a frame")
         return data
 
-    def read(self) -> tuple[Meta, list[bytes]] | None:
+    def read(self) -> tuple[Message, list[bytes]] | None:
         """Read one frame; None when the stream has closed between frames."""
         header = self._in.read(HEADER.size)
         if not header:
@@ -138,10 +125,10 @@ class SyncChannel:
             raise FrameError("stream closed in the middle of a frame header")
         meta_len, count = HEADER.unpack(header)
         lengths = struct.unpack(f"!{count}Q", self._read_exactly(8 * count)) if count else ()
-        meta = pickle.loads(self._read_exactly(meta_len))
+        message = from_wire(pickle.loads(self._read_exactly(meta_len)))
         # each segment its own bytes object: an out-of-band ``bytes`` argument is then rebuilt
         # as that very object, with no copy
-        return meta, [self._read_exactly(n) if n else b"" for n in lengths]
+        return message, [self._read_exactly(n) if n else b"" for n in lengths]
 
     def linger(self, seconds: float) -> None:
         """Poll for up to `seconds` for the next frame instead of letting the next `read` sleep.
@@ -159,9 +146,9 @@ class SyncChannel:
         finally:
             os.set_blocking(fd, True)
 
-    def write(self, meta: Meta, segments: Segments = ()) -> None:
+    def write(self, message: Message, segments: Segments = ()) -> None:
         """Write one frame. Not thread-safe: callers serialize writes."""
-        for chunk in encode(meta, segments):
+        for chunk in encode(message, segments):
             write_all(self._out_fd, chunk)
 
 
@@ -187,10 +174,10 @@ class FrameDecoder:
     copied once, whatever the chunking.
     """
 
-    def __init__(self, on_frame: Callable[[Meta, list[Buffer]], None]) -> None:
+    def __init__(self, on_frame: Callable[[Message, list[Buffer]], None]) -> None:
         self._on_frame = on_frame
         self._buf = bytearray()
-        self._meta: Meta | None = None
+        self._meta: Message | None = None
         self._lengths: list[int] = []
         self._segments: list[Buffer] = []
         self._partial: bytearray | None = None  # the segment being filled
@@ -230,14 +217,14 @@ class FrameDecoder:
             stop = start + meta_len + sum(lengths)
             if stop > end:
                 break
-            meta = pickle.loads(data[start : start + meta_len])
+            message = from_wire(pickle.loads(data[start : start + meta_len]))
             segments: list[Buffer] = []
             position = start + meta_len
             for size in lengths:
                 segments.append(data[position : position + size])
                 position += size
             offset = stop
-            self._on_frame(meta, segments)
+            self._on_frame(message, segments)
         return data[offset:] if offset else data
 
     def _advance(self) -> None:
@@ -251,7 +238,7 @@ class FrameDecoder:
                 if len(self._buf) < need:
                     return
                 self._lengths = list(struct.unpack_from(f"!{count}Q", self._buf, HEADER.size))
-                self._meta = pickle.loads(self._buf[HEADER.size + 8 * count : need])
+                self._meta = from_wire(pickle.loads(self._buf[HEADER.size + 8 * count : need]))
                 del self._buf[:need]
                 self._segments = []
             if len(self._segments) < len(self._lengths):
@@ -265,6 +252,6 @@ class FrameDecoder:
                 self._filled = len(self._buf)
                 self._buf.clear()
                 return
-            meta, segments = self._meta, self._segments
+            message, segments = self._meta, self._segments
             self._meta, self._segments, self._lengths = None, [], []
-            self._on_frame(meta, segments)
+            self._on_frame(message, segments)

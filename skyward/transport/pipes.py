@@ -1,9 +1,9 @@
 """Agent streams over the pipes of a local child process.
 
 The child's stdin is written directly by whichever thread sends (under a lock). Its control
-output (stdout) is read by whoever waits for it: a caller blocked on one call's result reads the
-pipe itself (`read_until`), so the reply reaches it with no thread in between, which on a small
-call is most of the round trip; the rest of the time a reader thread does. Its other output
+output (stdout) is read by whoever waits for it: a caller blocked on replies reads the pipes
+itself (`wait_replies`), so a reply reaches it with no thread in between, which on a small call
+is most of the round trip; the rest of the time a reader thread per pipe does. Its other output
 (stderr) is read on the event loop, and its exit is watched through a pidfd.
 """
 
@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-from skyward.transport.base import Receiver
+from skyward.transport.base import AgentStream, Receiver
 from skyward.transport.frames import Buffer, spin_until, write_all
 
 # A read allocates a bytes object of the size asked for; at 1 MiB that is an mmap, a page fault
@@ -59,17 +59,17 @@ class SubprocessStream:
         else:
             loop.add_reader(pidfd, self._exited, pidfd)
 
-    def read_until(self, done: Callable[[], bool]) -> None:
-        """Read the agent's replies in this thread until `done()` (or the stream ends)."""
-        if self._control is not None:
-            self._control.read_until(done, self._linger)
-
-    @staticmethod
-    def read_many_until(streams: Sequence[SubprocessStream], done: Callable[[], bool]) -> None:
-        """`read_until` over several agents at once (a broadcast's or a gather's replies)."""
-        readers = [s._control for s in streams if s._control is not None]
-        if readers:
-            read_all_until(readers, done)
+    def wait_replies(self, group: Sequence[AgentStream], done: Callable[[], bool]) -> None:
+        """Read the replies of `group`'s local agents in this thread until `done()`."""
+        readers = [
+            stream._control
+            for stream in group
+            if isinstance(stream, SubprocessStream) and stream._control is not None
+        ]
+        if len(readers) == 1:
+            readers[0].read_until(done, self._linger)
+        elif readers:
+            _ControlReader.read_all_until(readers, done)
 
     def _readable(self, pipe: IO[bytes], receiver: Receiver) -> None:
         try:
@@ -112,7 +112,7 @@ class SubprocessStream:
             assert self._process.stdin
             self._process.stdin.close()
 
-    async def wait(self) -> int | None:
+    async def exit_status(self) -> int | None:
         assert self._exit is not None, "start() first"
         return await asyncio.shield(self._exit)
 
@@ -222,36 +222,36 @@ class _ControlReader:
         finally:
             self._leave()
 
-
-def read_all_until(
-    readers: Sequence[_ControlReader], done: Callable[[], bool], poll: float = 0.05
-) -> None:
-    """Read several pipes in this thread until `done()` (checked at least every `poll` s)."""
-    ordered = sorted(set(readers), key=lambda r: r._fd)  # one lock order: no deadlock
-    for reader in ordered:
-        reader._enter()
-    held: list[_ControlReader] = []
-    try:
+    @classmethod
+    def read_all_until(
+        cls, readers: Sequence[_ControlReader], done: Callable[[], bool], poll: float = 0.05
+    ) -> None:
+        """Read several pipes in this thread until `done()` (checked at least every `poll` s)."""
+        ordered = sorted(set(readers), key=lambda r: r._fd)  # one lock order: no deadlock
         for reader in ordered:
-            reader._lock.acquire()
-            held.append(reader)
-        live = [r for r in ordered if not r._ended]
-        if len(live) == 1:
-            (only,) = live
-            while not done() and not only._ended:
-                only._read_once()  # one pipe: sleep in read() itself
-            return
-        while live and not done():
-            ready, _, _ = select.select([r._fd for r in live], [], [], poll)
-            for reader in live:
-                if reader._fd in ready:
-                    reader._read_once()
-            live = [r for r in live if not r._ended]
-    finally:
-        for reader in held:
-            reader._lock.release()
-        for reader in ordered:
-            reader._leave()
+            reader._enter()
+        held: list[_ControlReader] = []
+        try:
+            for reader in ordered:
+                reader._lock.acquire()
+                held.append(reader)
+            live = [r for r in ordered if not r._ended]
+            if len(live) == 1:
+                (only,) = live
+                while not done() and not only._ended:
+                    only._read_once()  # one pipe: sleep in read() itself
+                return
+            while live and not done():
+                ready, _, _ = select.select([r._fd for r in live], [], [], poll)
+                for reader in live:
+                    if reader._fd in ready:
+                        reader._read_once()
+                live = [r for r in live if not r._ended]
+        finally:
+            for reader in held:
+                reader._lock.release()
+            for reader in ordered:
+                reader._leave()
 
 
 async def spawn(

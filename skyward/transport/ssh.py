@@ -21,7 +21,7 @@ from typing import Any
 import asyncssh
 
 from skyward.errors import ConfigError, ProvisionError
-from skyward.transport.base import Receiver
+from skyward.transport.base import AgentStream, Receiver
 from skyward.transport.frames import Buffer
 
 _READ_SIZE = 1 << 16
@@ -264,7 +264,7 @@ class SSHHost:
                         log(text)
 
             out, _ = await asyncio.gather(proc.process.stdout.read(), pump())
-            status = await proc.wait()
+            status = await proc.exit_status()
         except BaseException:
             await self.kill_groups([proc.pid])
             raise
@@ -360,7 +360,11 @@ class RemoteProcess:
         with contextlib.suppress(OSError, asyncssh.Error):
             self.process.stdin.write_eof()
 
-    async def wait(self) -> int | None:
+    def wait_replies(self, group: Sequence[AgentStream], done: Callable[[], bool]) -> None:
+        """Nothing to do here: the event loop reads SSH channels and resolves the futures."""
+        return None
+
+    async def exit_status(self) -> int | None:
         try:
             await self.process.wait_closed()
         except Exception:

@@ -26,11 +26,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from skyward import info as info_module
-from skyward.errors import SerializationError
-from skyward.transport import frames, pickling
+from skyward.errors import PluginError, SerializationError
+from skyward.plugins import hooks
+from skyward.transport import frames, messages, pickling
 
 HEARTBEAT_SECONDS = 2.0
 # After the client disappears, how long a graceful exit (plugin hooks unwinding) may take.
@@ -39,6 +40,8 @@ ORPHAN_GRACE_SECONDS = 3.0
 # provider sets it, and only where the agent has a core to itself: polling agents that share
 # cores would slow each other down.
 LINGER_ENV = "SKYWARD_AGENT_LINGER_US"
+
+M = TypeVar("M", messages.Open, messages.Hello)
 
 
 class Agent:
@@ -50,76 +53,90 @@ class Agent:
         self._functions: dict[int, Callable[..., Any]] = {}
         self._linger = _linger_seconds()
 
-    def send(self, meta: frames.Meta, segments: frames.Segments = ()) -> None:
+    def send(self, message: messages.Message, segments: frames.Segments = ()) -> None:
         with self._write_lock:
-            self._channel.write(meta, segments)
+            self._channel.write(message, segments)
 
     def run(self) -> int:
-        version = _skyward_version()
+        first = self._expect(messages.Open)
+        if first is None:
+            return 0
+        opened, _ = first
         self.send(
-            (
-                frames.STARTED,
+            messages.Started(
                 os.getpid(),
                 socket.gethostname(),
-                _free_port(),
                 platform.python_version(),
-                version,
+                _skyward_version(),
+                _free_ports(opened.port_names),
             )
         )
-        hello = self._channel.read()
-        if hello is None:
+        second = self._expect(messages.Hello)
+        if second is None:
             return 0
-        (kind, instance, env), segments = hello[0][:3], hello[1]
-        if kind != frames.HELLO:
-            raise frames.FrameError(f"expected HELLO, got message kind {kind}")
-        os.environ.update(env)
-        info_module.set_current(instance)
+        hello, plugins = second
+        os.environ.update(hello.env)
+        info_module.set_current(hello.info)
         threading.Thread(target=self._watch, name="skyward-watcher", daemon=True).start()
-        with contextlib.ExitStack() as hooks:
-            if not self._enter_plugins(hooks, frames.loads(segments), instance):
+        with contextlib.ExitStack() as stack:
+            if not self._enter_plugins(stack, frames.loads(plugins), hello.info):
                 return 3
-            self.send((frames.READY,))
+            self.send(messages.Ready())
             self._serve()
         return 0
 
+    def _expect(self, kind: type[M]) -> tuple[M, list[bytes]] | None:
+        """The next message, which must be a `kind`, and its segments; None if the client went
+        away first."""
+        frame = self._channel.read()
+        if frame is None:
+            return None
+        message, segments = frame
+        if not isinstance(message, kind):
+            raise frames.FrameError(f"expected {kind.__name__}, got {type(message).__name__}")
+        return message, segments
+
     def _enter_plugins(
-        self, hooks: contextlib.ExitStack, plugins: list[Any], instance: info_module.InstanceInfo
+        self, stack: contextlib.ExitStack, plugins: list[Any], info: info_module.InstanceInfo
     ) -> bool:
-        for plugin in plugins:
-            name = getattr(plugin, "name", type(plugin).__name__)
-            self.send((frames.PROGRESS, name, "around_app"))
-            try:
-                manager = plugin.around_app(instance)
-                if manager is not None:
-                    hooks.enter_context(manager)
-            except BaseException as exc:
-                self.send(
-                    (
-                        frames.HOOK_FAILED,
-                        name,
-                        "around_app",
-                        _type_name(exc),
-                        str(exc),
-                        traceback.format_exc(),
-                    ),
-                    pickling.try_dumps(exc),
-                )
-                return False
+        current = ["?"]
+
+        def progress(name: str) -> None:
+            current[0] = name
+            self.send(messages.Progress(name, "around_app"))
+
+        try:
+            hooks.enter_hooks(
+                stack,
+                plugins,
+                "around_app",
+                lambda plugin: plugin.around_app(info),
+                node=info.node,
+                before=progress,
+            )
+        except BaseException as exc:
+            # The plugin's own exception is what the client shows, with its own traceback.
+            cause = exc.__cause__ if isinstance(exc, PluginError) and exc.__cause__ else exc
+            tb = "".join(traceback.format_exception(cause))
+            failed = messages.HookFailed(
+                current[0], "around_app", _type_name(cause), str(cause), tb
+            )
+            self.send(failed, pickling.try_dumps(cause))
+            return False
         return True
 
     def _serve(self) -> None:
-        """Run calls in arrival order until SHUTDOWN or the end of the stream."""
+        """Run calls in arrival order until Shutdown or the end of the stream."""
         while (frame := self._channel.read()) is not None:
-            meta, segments = frame
-            if meta[0] == frames.CALL:
-                self._run_call(meta[1], meta[2], meta[3], segments)
+            message, segments = frame
+            if isinstance(message, messages.Call):
+                self._run_call(message, segments)
                 self._channel.linger(self._linger)
-            elif meta[0] == frames.SHUTDOWN:
+            elif isinstance(message, messages.Shutdown):
                 return
 
-    def _run_call(
-        self, call_id: int, fn_id: int, fn_bytes: bytes | None, segments: list[bytes]
-    ) -> None:
+    def _run_call(self, call: messages.Call, segments: list[bytes]) -> None:
+        call_id, fn_id, fn_bytes = call.call_id, call.fn_id, call.fn_bytes
         try:
             fn = self._functions.get(fn_id)
             if fn is None:
@@ -133,9 +150,8 @@ class Agent:
             tb = traceback.format_exc()
             # sys.exit() or KeyboardInterrupt in the user's code fails that call only; the agent
             # keeps serving.
-            self.send(
-                (frames.RAISED, call_id, _type_name(exc), str(exc), tb), pickling.try_dumps(exc)
-            )
+            raised = messages.Raised(call_id, _type_name(exc), str(exc), tb)
+            self.send(raised, pickling.try_dumps(exc))
             return
         try:
             result = pickling.fast_dumps(value)
@@ -144,12 +160,10 @@ class Agent:
                 f"the return value ({type(value).__name__}) could not be pickled for the trip "
                 f"back to the client: {exc}; return plain data (numbers, arrays, dicts) instead"
             )
-            self.send(
-                (frames.RAISED, call_id, _type_name(error), str(error), traceback.format_exc()),
-                pickling.try_dumps(error),
-            )
+            raised = messages.Raised(call_id, _type_name(error), str(error), traceback.format_exc())
+            self.send(raised, pickling.try_dumps(error))
             return
-        self.send((frames.RESULT, call_id), result)
+        self.send(messages.Result(call_id), result)
 
     def _watch(self) -> None:
         """Heartbeats while calls run; and a hard exit when the client has gone away.
@@ -164,7 +178,7 @@ class Agent:
             if poller.poll(HEARTBEAT_SECONDS * 1000):
                 break
             try:
-                self.send((frames.HEARTBEAT,))
+                self.send(messages.Heartbeat())
             except OSError:
                 break
         time.sleep(ORPHAN_GRACE_SECONDS)
@@ -183,10 +197,15 @@ def _type_name(exc: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__name__
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+def _free_ports(names: tuple[str, ...]) -> dict[str, int]:
+    """A distinct free port for each name (all held open while choosing, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        ports = {}
+        for name in names:
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("", 0))
+            ports[name] = int(sock.getsockname()[1])
+        return ports
 
 
 def _skyward_version() -> str:

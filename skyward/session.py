@@ -1,34 +1,52 @@
-"""`AgentConnection`: the client's side of one node's agent.
+"""`NodeSession`: the client's side of one node's agent, from its first byte to its death.
 
-It decodes the frames the agent sends and resolves call futures, splits the node's output into
-lines for the console and keeps them, and turns the agent's death into a `WorkerError` for every
-call the node held. Bytes arrive through callbacks on the pool's event loop; calls are written
-from the caller's thread.
+A session owns one node's stream and everything that happens on it: the handshake (`open`,
+`hello`, `ready`) with the node's `Stage` as it goes, the calls it holds and their futures, the
+node's output (split into lines, kept, and handed to the console), its heartbeat deadline, and
+its death, which fails every call it held with a `WorkerError`.
+
+Threads: bytes arrive on the pool's event loop, or on whichever thread reads a local pipe (see
+`AgentStream.wait_replies`); results resolve thread-safe futures there, every other message is
+handed to the loop. Calls are written from the caller's thread, under the session's lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
-from skyward.errors import PoolClosedError, RemoteError, WorkerError
+from skyward import failures
+from skyward.errors import PluginError, PoolClosedError, RemoteError, WorkerError
+from skyward.info import InstanceInfo
 from skyward.providers.base import NodeLoss
-from skyward.transport import frames
+from skyward.transport import frames, messages
 from skyward.transport.base import AgentStream
 
-TAIL_LINES = 20
 KEPT_LINES = 100_000
 OUTPUT_CHUNK = 1 << 16
 # How long to wait for the rest of a dead node's output before reporting its death.
 OUTPUT_DRAIN_SECONDS = 0.3
 # How long the provider may take to say why a node went away before the error is raised.
 EXPLAIN_SECONDS = 3.0
+
+M = TypeVar("M", messages.Started, messages.Ready)
+Explain = Callable[[], Awaitable[NodeLoss | None]]
+
+
+class Stage(enum.Enum):
+    """Where a node is in its life, as error messages name it."""
+
+    STARTING = "starting the agent"
+    SETTING_UP = "setting up plugins"
+    IN_PLUGIN = "in plugin"
+    READY = "running a call"
 
 
 class CallFrames:
@@ -50,16 +68,16 @@ class CallFrames:
     def chunks(self, first_time: bool) -> list[frames.Buffer]:
         if first_time:
             if self._with_fn is None:
-                with_fn = (frames.CALL, self.call_id, self.fn_id, self.fn_bytes)
-                self._with_fn = frames.encode(with_fn, self.segments)
+                call = messages.Call(self.call_id, self.fn_id, self.fn_bytes)
+                self._with_fn = frames.encode(call, self.segments)
             return self._with_fn
         if self._without_fn is None:
-            without_fn = (frames.CALL, self.call_id, self.fn_id, None)
-            self._without_fn = frames.encode(without_fn, self.segments)
+            call = messages.Call(self.call_id, self.fn_id, None)
+            self._without_fn = frames.encode(call, self.segments)
         return self._without_fn
 
 
-class AgentConnection:
+class NodeSession:
     """One node's agent as the pool sees it."""
 
     def __init__(
@@ -67,22 +85,23 @@ class AgentConnection:
         node: int,
         stream: AgentStream,
         on_output: Callable[[int, str], None],
-        on_death: Callable[[AgentConnection, WorkerError], None],
-        explain: Callable[[], Awaitable[NodeLoss | None]] | None = None,
+        explain: Explain | None = None,
+        earlier_lines: Iterable[str] = (),
     ) -> None:
         self.node = node
-        self._explain = explain
         self.stream = stream
-        self.lines: deque[str] = deque(maxlen=KEPT_LINES)
+        self.lines: deque[str] = deque(earlier_lines, maxlen=KEPT_LINES)
         self.pending: dict[int, Future[Any]] = {}
-        self.sent_functions: set[int] = set()
-        self.control: asyncio.Queue[frames.Meta | None] = asyncio.Queue()
         self.dead: WorkerError | None = None
-        self.last_seen = time.monotonic()
         self.exit_status: int | None = None
-        self.stage = "starting the agent"  # where the node is during startup, for errors
+        self.stage = Stage.STARTING
+        self.plugin: str | None = None  # the plugin whose hook runs, in Stage.IN_PLUGIN
+        self._hook = ""
+        self._sent_functions: set[int] = set()
+        self._last_seen = time.monotonic()
+        self._explain = explain
         self._on_output = on_output
-        self._on_death = on_death
+        self._control: asyncio.Queue[messages.Message | None] = asyncio.Queue()
         self._stopping = False
         self._lock = threading.Lock()
         self._decoder = frames.FrameDecoder(self._on_frame)
@@ -93,14 +112,86 @@ class AgentConnection:
         self._loop = asyncio.get_running_loop()
         stream.start(self._on_control_bytes, self._on_output_bytes)
 
-    # -- sending ---------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Whether the node passed its handshake and takes calls."""
+        return self.stage is Stage.READY
 
-    def send(self, meta: frames.Meta, segments: frames.Segments = ()) -> None:
-        """Write one control frame."""
-        self.stream.write(frames.encode(meta, segments))
+    @property
+    def where(self) -> str:
+        """The stage in words: ``in plugin 'jax' around_app``, ``running a call``..."""
+        if self.stage is Stage.IN_PLUGIN:
+            return f"in plugin {self.plugin!r} {self._hook}"
+        return str(self.stage.value)
+
+    # -- the handshake (on the event loop) ---------------------------------------------------
+
+    async def open(self, port_names: tuple[str, ...]) -> messages.Started:
+        """Ask for the head ports the plugins need; the agent's `Started` answer."""
+        self.send(messages.Open(port_names))
+        return await self._expect(messages.Started, ())
+
+    async def hello(
+        self,
+        info: InstanceInfo,
+        env: dict[str, str],
+        plugins: bytes,
+        peers: Sequence[NodeSession],
+    ) -> None:
+        """Give the node its identity and plugins, and wait until its plugins are set up.
+
+        A failure names the node and, from `peers`, where the other nodes were at that moment.
+        """
+        self.stage = Stage.SETTING_UP
+        self.send(messages.Hello(info, env), [plugins])
+        await self._expect(messages.Ready, peers)
+        self.stage = Stage.READY
+
+    async def _expect(self, kind: type[M], peers: Sequence[NodeSession]) -> M:
+        """Wait for a `kind` message, following the node's progress through its plugins."""
+        while True:
+            message = await self._control.get()
+            if isinstance(message, kind):
+                return message
+            if isinstance(message, messages.Progress):
+                self.stage, self.plugin, self._hook = Stage.IN_PLUGIN, message.plugin, message.hook
+            elif isinstance(message, messages.HookFailed):
+                raise self._hook_failed(message, peers)
+            elif message is None:
+                raise self._ended_during_startup(peers)
+
+    def _hook_failed(
+        self, failed: messages.HookFailed, peers: Sequence[NodeSession]
+    ) -> PluginError:
+        lines = [
+            f"plugin {failed.plugin!r} failed in {failed.hook} on node {self.node}: "
+            f"{failed.type_name}: {failed.message}",
+            *failures.laggards(self, peers, failed.plugin),
+            f"remote traceback of node {self.node}:\n{failed.traceback.rstrip()}",
+        ]
+        return PluginError("\n".join(lines), plugin=failed.plugin, hook=failed.hook, node=self.node)
+
+    def _ended_during_startup(self, peers: Sequence[NodeSession]) -> WorkerError:
+        error = self.dead or WorkerError(f"node {self.node} ended during startup", node=self.node)
+        plugin = self.plugin if self.stage is Stage.IN_PLUGIN else None
+        others = failures.laggards(self, peers, plugin)
+        if not others:
+            return error
+        return WorkerError(
+            "\n".join([str(error), *others]),
+            node=error.node,
+            exit_status=error.exit_status,
+            output_tail=error.output_tail,
+        )
+
+    # -- calls (from the caller's thread) ----------------------------------------------------
+
+    def send(self, message: messages.Message, segments: frames.Segments = ()) -> None:
+        """Write one control message."""
+        self.stream.write(frames.encode(message, segments))
 
     def submit(self, calls: list[tuple[CallFrames, Future[Any]]]) -> None:
-        """Send calls from the caller's thread, in one write; their results resolve the futures."""
+        """Send calls in one write; their results resolve the futures."""
         chunks: list[frames.Buffer] = []
         with self._lock:
             for call, future in calls:
@@ -109,8 +200,8 @@ class AgentConnection:
                     continue
                 if not future.set_running_or_notify_cancel():
                     continue
-                first_time = call.fn_id not in self.sent_functions
-                self.sent_functions.add(call.fn_id)
+                first_time = call.fn_id not in self._sent_functions
+                self._sent_functions.add(call.fn_id)
                 self.pending[call.call_id] = future
                 chunks += call.chunks(first_time)
             if not chunks:
@@ -123,15 +214,13 @@ class AgentConnection:
                     if self.pending.pop(call.call_id, None) is future:
                         future.set_exception(error)
 
-    # -- receiving (on the event loop) ---------------------------------------------------
+    # -- receiving ---------------------------------------------------------------------------
 
     def _on_control_bytes(self, data: bytes) -> None:
-        # Called on the loop, or on whichever thread reads a local pipe (see transport.pipes):
-        # results resolve thread-safe futures; everything else is handed to the loop.
         if not data:
             self._loop.call_soon_threadsafe(self._control_ended)
             return
-        self.last_seen = time.monotonic()
+        self._last_seen = time.monotonic()
         try:
             self._decoder.feed(data)
         except Exception as exc:
@@ -140,14 +229,13 @@ class AgentConnection:
             )
             self.stream.kill()
 
-    def _on_frame(self, meta: frames.Meta, segments: list[frames.Buffer]) -> None:
-        kind = meta[0]
-        if kind == frames.RESULT:
-            self._resolve(meta[1], segments)
-        elif kind == frames.RAISED:
-            self._reject(meta, segments)
-        elif kind != frames.HEARTBEAT:
-            self._loop.call_soon_threadsafe(self.control.put_nowait, meta)
+    def _on_frame(self, message: messages.Message, segments: list[frames.Buffer]) -> None:
+        if type(message) is messages.Result:
+            self._resolve(message.call_id, segments)
+        elif type(message) is messages.Raised:
+            self._reject(message, segments)
+        elif type(message) is not messages.Heartbeat:
+            self._loop.call_soon_threadsafe(self._control.put_nowait, message)
 
     def _resolve(self, call_id: int, segments: list[frames.Buffer]) -> None:
         future = self.pending.pop(call_id, None)
@@ -165,12 +253,13 @@ class AgentConnection:
                 )
             )
 
-    def _reject(self, meta: frames.Meta, segments: list[frames.Buffer]) -> None:
-        _, call_id, type_name, message, remote_tb = meta
-        future = self.pending.pop(call_id, None)
+    def _reject(self, raised: messages.Raised, segments: list[frames.Buffer]) -> None:
+        future = self.pending.pop(raised.call_id, None)
         if future is not None:
             future.set_exception(
-                rebuild_exception(type_name, message, remote_tb, segments, self.node)
+                failures.rebuild_exception(
+                    raised.type_name, raised.message, raised.traceback, segments, self.node
+                )
             )
 
     def _on_output_bytes(self, data: bytes) -> None:
@@ -201,11 +290,13 @@ class AgentConnection:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._output_done.wait(), OUTPUT_DRAIN_SECONDS)
         try:
-            self.exit_status = await asyncio.wait_for(self.stream.wait(), OUTPUT_DRAIN_SECONDS)
+            self.exit_status = await asyncio.wait_for(
+                self.stream.exit_status(), OUTPUT_DRAIN_SECONDS
+            )
         except Exception:
             self.exit_status = None
         self.stream.kill()
-        self.control.put_nowait(None)
+        self._control.put_nowait(None)
         if self._stopping or self.dead is not None:
             return
         loss = await self._ask_provider()
@@ -229,22 +320,13 @@ class AgentConnection:
         except Exception:
             return None
 
-    # -- failure ---------------------------------------------------------------------------
+    # -- failure -------------------------------------------------------------------------------
 
     def _error(self, what: str) -> WorkerError:
-        status = self.exit_status
-        how = describe_status(status)
-        tail = tuple(list(self.lines)[-TAIL_LINES:])
-        shown = "\n".join(f"    {line}" for line in tail) or "    (it printed nothing)"
-        return WorkerError(
-            f"{what} ({how}) while {self.stage}.\nLast output of node {self.node}:\n{shown}",
-            node=self.node,
-            exit_status=status,
-            output_tail=tail,
-        )
+        return failures.worker_error(what, self.node, self.exit_status, self.where, self.lines)
 
     def mark_dead(self, error: WorkerError) -> None:
-        """Fail every call this node holds with `error` and tell the pool."""
+        """Fail every call this node holds with `error`, and say so in its output."""
         with self._lock:
             if self.dead is not None:
                 return
@@ -253,12 +335,19 @@ class AgentConnection:
         for future in pending.values():
             if not future.done():
                 future.set_exception(error)
-        self._on_death(self, error)
+        self._on_output(self.node, f"[skyward] {str(error).splitlines()[0]}")
 
-    def fail(self, reason: str) -> None:
-        """Declare this node dead for `reason` (it went silent) and cut it off."""
-        self.mark_dead(self._error(reason))
-        self.stream.kill()
+    def check_heartbeat(self, now: float, timeout: float) -> None:
+        """Declare the node dead if it has sent nothing for `timeout` seconds."""
+        silent = now - self._last_seen
+        if self.dead is None and silent > timeout:
+            self.mark_dead(
+                self._error(
+                    f"node {self.node} sent no word for {silent:.0f} s (heartbeat_timeout="
+                    f"{timeout:g} s): the node or its network is down"
+                )
+            )
+            self.stream.kill()
 
     def abort(self, reason: str) -> None:
         """Stop this node now (another node failed, or the pool is going away)."""
@@ -267,7 +356,7 @@ class AgentConnection:
                 WorkerError(
                     f"node {self.node} was stopped: {reason}",
                     node=self.node,
-                    output_tail=tuple(list(self.lines)[-TAIL_LINES:]),
+                    output_tail=tuple(list(self.lines)[-failures.TAIL_LINES :]),
                     stopped=True,
                 )
             )
@@ -278,9 +367,9 @@ class AgentConnection:
         self._stopping = True
         # Only an idle agent is asked to finish: a busy one may not be reading, and a write to
         # its full pipe would block this loop; it is killed after `timeout` like any laggard.
-        if self.dead is None and not self.stream_closed() and not self.pending:
+        if self.dead is None and self._ended_task is None and not self.pending:
             with contextlib.suppress(Exception):
-                self.send((frames.SHUTDOWN,))
+                self.send(messages.Shutdown())
         try:
             await asyncio.wait_for(self._control_closed.wait(), timeout)
         except TimeoutError:
@@ -290,7 +379,7 @@ class AgentConnection:
         self.stream.kill()
         self.stream.close_input()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.stream.wait(), timeout=2)
+            await asyncio.wait_for(self.stream.exit_status(), timeout=2)
         if self._ended_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._ended_task, timeout=2)
@@ -300,9 +389,14 @@ class AgentConnection:
             if not future.done():
                 future.set_exception(PoolClosedError("the pool closed before this call ended"))
 
-    def stream_closed(self) -> bool:
-        """Whether the agent's control stream has ended."""
-        return self._ended_task is not None
+
+async def watch_heartbeats(sessions: Callable[[], Sequence[NodeSession]], timeout: float) -> None:
+    """Check every session's heartbeat deadline, a few times per `timeout`, forever."""
+    while True:
+        await asyncio.sleep(min(1.0, timeout / 4))
+        now = time.monotonic()
+        for session in sessions():
+            session.check_heartbeat(now, timeout)
 
 
 def _coalesce(chunks: list[frames.Buffer]) -> list[frames.Buffer]:
@@ -320,49 +414,3 @@ def _coalesce(chunks: list[frames.Buffer]) -> list[frames.Buffer]:
     if small:
         out.append(small)
     return out
-
-
-def describe_status(status: int | None) -> str:
-    """Human words for an exit status (negative: the signal that killed it)."""
-    if status is None:
-        return "exit status unknown"
-    if status < 0:
-        import signal
-
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
-        return f"killed by {name}"
-    return f"exit status {status}"
-
-
-class RemoteTraceback(Exception):
-    """Carries a node's traceback text as the `__cause__` of a re-raised exception."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def rebuild_exception(
-    type_name: str, message: str, remote_tb: str, segments: list[frames.Buffer], node: int
-) -> BaseException:
-    """The node's exception as itself, with the remote traceback as its cause."""
-    exc: BaseException
-    try:
-        if not segments:
-            raise ValueError("no pickled exception")
-        exc = frames.loads(segments)
-        if not isinstance(exc, Exception):
-            # SystemExit or KeyboardInterrupt from a node must not end the client's program
-            raise TypeError("not an ordinary exception")
-    except Exception:
-        exc = RemoteError(type_name, message, remote_tb, node=node)
-    exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback on node {node}:\n{remote_tb.rstrip()}\n"""')
-    with contextlib.suppress(Exception):
-        exc.add_note(f"(raised on node {node})")
-    return exc

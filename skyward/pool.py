@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Future
 from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -26,12 +24,12 @@ import cloudpickle
 from skyward import failures
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console import Console
+from skyward.dispatch import Dispatch
 from skyward.errors import (
     BootstrapError,
     ConfigError,
     PoolClosedError,
     SerializationError,
-    WorkerError,
 )
 from skyward.image import Image
 from skyward.info import InstanceInfo
@@ -39,14 +37,13 @@ from skyward.loop import LoopThread, sigterm_unwinds
 from skyward.plugins import hooks
 from skyward.plugins.base import Plugin
 from skyward.providers.base import Cluster, Provider
-from skyward.session import CallFrames, NodeSession, watch_heartbeats
+from skyward.session import NodeSession, watch_heartbeats
 from skyward.transport import frames
 
 if TYPE_CHECKING:
     from skyward.compute import PendingCall
 
 T = TypeVar("T")
-_call_ids = itertools.count(1)
 HEAD_PORT = "head"
 
 
@@ -125,12 +122,10 @@ class ComputePool:
         self.console = Console(enabled=stream_output)
         self.cluster: Cluster | None = None
         self.infos: list[InstanceInfo] = []
-        self._sessions: list[NodeSession] = []
+        self._dispatch = Dispatch(broadcast_grace)
         self._loop: LoopThread | None = None
         self._lifetime = contextlib.ExitStack()  # SIGTERM handling, around_client hooks
         self._closed = False
-        self._broken: str | None = None
-        self._cursor = itertools.count()
         self._plugins_blob = b""
         self._heartbeats: asyncio.Task[None] | None = None
 
@@ -207,7 +202,7 @@ class ComputePool:
         env = {**self.image.env, **self.env}
         streams = await asyncio.gather(*(node.start_agent(env) for node in cluster.nodes))
         earlier = {s.node: list(s.lines) for s in self._sessions}  # pool.logs() spans restarts
-        self._sessions = [
+        self._dispatch.sessions = [
             NodeSession(
                 node.index,
                 stream,
@@ -220,10 +215,8 @@ class ComputePool:
         try:
             await asyncio.wait_for(self._handshake(cluster), self.startup_timeout)
         except TimeoutError:
-            headline = (
-                f"the pool did not become ready within startup_timeout={self.startup_timeout:g} s"
-            )
-            raise BootstrapError(failures.stuck_report(headline, self._sessions)) from None
+            late = f"the pool did not become ready within startup_timeout={self.startup_timeout:g}"
+            raise BootstrapError(failures.stuck_report(f"{late} s", self._sessions)) from None
 
     async def _handshake(self, cluster: Cluster) -> None:
         names = tuple(dict.fromkeys((HEAD_PORT, *(n for p in self.plugins for n in p.ports))))
@@ -255,7 +248,7 @@ class ComputePool:
         ]
         await asyncio.gather(
             *(
-                session.hello(info, {}, self._plugins_blob, self._sessions)
+                session.hello(info, self._plugins_blob, self._sessions)
                 for session, info in zip(self._sessions, self.infos, strict=True)
             )
         )
@@ -263,14 +256,13 @@ class ComputePool:
     def replace(self, node: int) -> None:
         """Put a fresh node in place of node `node`, which died, and restart every agent.
 
-        The provider supplies the new node (a new EC2 instance; the same host, reconnected, for
-        SSH; a new process for Local). Every agent then starts again, plugins included: an SPMD
-        program's ranks must all join a new ``jax.distributed`` coordinator together. The
-        environments are already built, so this costs about one pool start-up.
+        The provider supplies the node (a new EC2 instance, the SSH host reconnected, a new
+        process). Every agent then restarts with its plugins (an SPMD program's ranks must all
+        join a new coordinator together): about the cost of one pool start-up.
         """
         if self._closed or self._loop is None:
             raise PoolClosedError("the pool is not running")
-        session = self._session(node)
+        session = self._dispatch.session(node)
         if session.dead is None or session.dead.stopped:
             lost = [s.node for s in self._sessions if s.dead is not None and not s.dead.stopped]
             raise ConfigError(
@@ -282,13 +274,12 @@ class ComputePool:
     async def _replace(self, index: int) -> None:
         self.console.status(f"{self.pool_id}: replacing node {index}")
         cluster = self._cluster()
-        fresh = await self.provider.replace(cluster, index)
+        await self.provider.replace(cluster, index)
         # The whole cluster: the others' environments are there, so that costs a check each.
         await self.provider.prepare(cluster, self.image, self.console.build_log)
-        self.console.status(f"{self.pool_id}: node {index} is {fresh!r}")
         await self._stop_agents(self.shutdown_timeout)
         await self._start_agents()
-        self._broken = None
+        self._dispatch.broken = None
         self.console.status(f"{self.pool_id}: node {index} replaced; ready")
 
     async def _stop_agents(self, timeout: float) -> None:
@@ -300,6 +291,10 @@ class ComputePool:
         if self.cluster is not None:
             await self.provider.terminate(self.cluster)
 
+    @property
+    def _sessions(self) -> list[NodeSession]:
+        return self._dispatch.sessions
+
     def _cluster(self) -> Cluster:
         if self.cluster is None:
             raise PoolClosedError("the pool has no nodes yet")
@@ -307,50 +302,22 @@ class ComputePool:
 
     # -- calls -----------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed or self._loop is None:
+    def _check_open(self) -> Dispatch:
+        if self._closed or not self._loop:
             raise PoolClosedError(
                 "the pool is not running: use it inside `with sky.ComputePool(...) as pool:`"
             )
-        if self._broken:
-            raise PoolClosedError(f"the pool cannot take more calls: {self._broken}")
-
-    def _session(self, node: int) -> NodeSession:
-        if not 0 <= node < len(self._sessions):
-            raise ConfigError(f"node must be in 0..{len(self._sessions) - 1}, got {node}")
-        return self._sessions[node]
-
-    def _live(self) -> list[NodeSession]:
-        live = [session for session in self._sessions if session.dead is None]
-        if not live:
-            raise PoolClosedError("every node of the pool has died; start a new pool")
-        return live
-
-    def _frames(self, call: PendingCall[Any], segments: list[frames.Buffer]) -> CallFrames:
-        fn_id, fn_bytes = call.function.serialized()
-        return CallFrames(next(_call_ids), fn_id, fn_bytes, segments)
+        if self._dispatch.broken:
+            raise PoolClosedError(f"the pool cannot take more calls: {self._dispatch.broken}")
+        return self._dispatch
 
     def submit(self, call: PendingCall[T], node: int | None = None) -> Future[T]:
         """Start `call` on one node (the next in turn, or `node`) and return its future."""
-        return self._submit(call, node)[1]
-
-    def _submit(self, call: PendingCall[T], node: int | None) -> tuple[NodeSession, Future[T]]:
-        self._check_open()
-        payload = call.serialized_args()
-        if node is None:
-            live = self._live()
-            session = live[next(self._cursor) % len(live)]
-        else:
-            session = self._session(node)
-        future: Future[T] = Future()
-        session.submit([(self._frames(call, payload), future)])
-        return session, future
+        return self._check_open().submit(call, node)[1]
 
     def run(self, call: PendingCall[T], node: int | None = None) -> T:
         """Run `call` on one node and return its result (what ``call >> pool`` does)."""
-        session, future = self._submit(call, node)
-        session.stream.wait_replies([session.stream], future.done)
-        return future.result()
+        return self._check_open().run(call, node)
 
     def broadcast(self, call: PendingCall[T]) -> list[T]:
         """Run `call` on every node; results in node order (what ``call @ pool`` does).
@@ -359,16 +326,7 @@ class ComputePool:
         is then stopped (an SPMD program cannot go on without a rank) and the pool is closed.
         A node that dies stops the others at once.
         """
-        self._check_open()
-        payload = call.serialized_args()
-        dead = [session.node for session in self._sessions if session.dead is not None]
-        if dead:
-            raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
-        frames_ = self._frames(call, payload)  # encoded once, written to every node
-        futures: list[Future[Any]] = [Future() for _ in self._sessions]
-        for session, future in zip(self._sessions, futures, strict=True):
-            session.submit([(frames_, future)])
-        return self._collect(futures, list(self._sessions), spmd=True)
+        return self._check_open().broadcast(call)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
         """Run several calls at once, spread over the nodes; results in call order.
@@ -376,71 +334,7 @@ class ComputePool:
         The calls are independent: one failing does not stop the others. Once all have ended,
         the first failure is raised (a node's death before a user exception).
         """
-        self._check_open()
-        payloads = [call.serialized_args() for call in calls]
-        live = self._live()
-        start = next(self._cursor)
-        owners = [live[(start + i) % len(live)] for i in range(len(calls))]
-        futures: list[Future[Any]] = [Future() for _ in calls]
-        batches: dict[int, list[tuple[CallFrames, Future[Any]]]] = {}
-        for session, call, payload, future in zip(owners, calls, payloads, futures, strict=True):
-            batches.setdefault(session.node, []).append((self._frames(call, payload), future))
-        for session in live:  # one write per node, however many calls it takes
-            if session.node in batches:
-                session.submit(batches[session.node])
-        return tuple(self._collect(futures, owners, spmd=False))
-
-    def _collect(
-        self, futures: list[Future[Any]], owners: list[NodeSession], spmd: bool
-    ) -> list[Any]:
-        """Wait for every future; raise the root failure.
-
-        `spmd` (a broadcast): the calls depend on each other, so a failure stops the rest.
-        Otherwise (a gather) the calls are independent and all run to their end.
-        """
-        _wait_replies(owners, futures, spmd)
-        if not spmd:
-            wait_futures(futures)
-            failed = sorted((f.exception() for f in futures if f.exception()), key=_blame_rank)
-            if failed:
-                raise failed[0]  # type: ignore[misc]
-            return [future.result() for future in futures]
-        done, running = wait_futures(futures, return_when=FIRST_EXCEPTION)
-        first = next((f for f in futures if f in done and f.exception() is not None), None)
-        if first is not None and running:
-            error = first.exception()
-            grace = 0.0 if isinstance(error, WorkerError) else self.broadcast_grace
-            _, running = wait_futures(running, timeout=grace)
-            if running:
-                self._break(
-                    f"node {owners[futures.index(first)].node} failed ({type(error).__name__}) "
-                    "while the others were still running, and they were stopped; start a new pool",
-                    [s for s, f in zip(owners, futures, strict=True) if not f.done()],
-                )
-        # A dead node is the root cause of what the others then report (a collective that lost
-        # its peer, or being stopped), so its error is the one raised.
-        failed = sorted(
-            (f.exception() for f in futures if f.done() and f.exception() is not None),
-            key=_blame_rank,
-        )
-        if not failed:
-            return [future.result() for future in futures]
-        root: BaseException = failed[0]  # type: ignore[assignment]
-        if isinstance(root, WorkerError) and not root.stopped and len(owners) > 1:
-            # The survivors of a broadcast that lost a rank hold a broken collective state.
-            self._break(f"node {root.node} died during a broadcast; start a new pool", owners)
-        raise root
-
-    def _break(self, reason: str, stop: list[NodeSession]) -> None:
-        assert self._loop is not None
-        self._broken = self._broken or reason
-
-        def abort_all() -> None:
-            for session in stop:
-                session.abort(reason)
-
-        self._loop.call_soon(abort_all)
-        wait_futures([f for s in stop for f in list(s.pending.values())], timeout=5)
+        return self._check_open().gather(calls)
 
     # -- output ----------------------------------------------------------------------------
 
@@ -453,30 +347,3 @@ class ComputePool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._sessions else "new"
         return f"<ComputePool {self.pool_id} {self.spec.provider} nodes={self.spec.nodes} {state}>"
-
-
-def _wait_replies(owners: list[NodeSession], futures: list[Future[Any]], spmd: bool) -> None:
-    """Let the owners' streams read the replies in this thread, where they can, until every
-    future is done or (`spmd`) one failed, so the SPMD rules apply at once."""
-    # Completions are counted as they happen: polling every future after each read would cost
-    # a lock per future per read, which on a broadcast is most of the client's work.
-    finished: list[Future[Any]] = []
-    failures_: list[Future[Any]] = []
-
-    def on_done(future: Future[Any]) -> None:
-        if future.exception() is not None:
-            failures_.append(future)
-        finished.append(future)  # list.append is atomic: replies may resolve on any thread
-
-    for future in futures:
-        future.add_done_callback(on_done)
-    group = list({id(s.stream): s.stream for s in owners}.values())
-    group[0].wait_replies(
-        group, lambda: len(finished) == len(futures) or (spmd and bool(failures_))
-    )
-
-
-def _blame_rank(error: BaseException | None) -> int:
-    if isinstance(error, WorkerError):
-        return 2 if error.stopped else 0
-    return 1

@@ -134,7 +134,6 @@ class NodeSession:
     async def hello(
         self,
         info: InstanceInfo,
-        env: dict[str, str],
         plugins: bytes,
         peers: Sequence[NodeSession],
     ) -> None:
@@ -143,7 +142,7 @@ class NodeSession:
         A failure names the node and, from `peers`, where the other nodes were at that moment.
         """
         self.stage = Stage.SETTING_UP
-        self.send(messages.Hello(info, env), [plugins])
+        self.send(messages.Hello(info), [plugins])
         await self._expect(messages.Ready, peers)
         self.stage = Stage.READY
 
@@ -361,6 +360,10 @@ class NodeSession:
                 )
             )
         self.stream.kill()
+
+    def abort_soon(self, reason: str) -> None:
+        """`abort`, from any thread."""
+        self._loop.call_soon_threadsafe(self.abort, reason)
 
     async def close(self, timeout: float) -> None:
         """Ask the agent to finish (plugins unwind), then make sure it is gone."""

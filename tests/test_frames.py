@@ -112,7 +112,7 @@ def test_every_message_travels_as_itself() -> None:
     info = InstanceInfo(0, 1, "127.0.0.1", 5000, ("127.0.0.1",), "p-1", ports={"jax": 5001})
     sent = [
         messages.Open(("head", "jax")),
-        messages.Hello(info, {"A": "1"}),
+        messages.Hello(info),
         messages.Call(1, 2, b"fn"),
         messages.Shutdown(),
         messages.Started(10, "host", "3.11.7", "0.1.0", {"head": 5000}),

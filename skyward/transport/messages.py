@@ -5,7 +5,7 @@ A conversation with one agent::
     client                                  agent
     Open(port_names)            ->                          (written right after the agent starts)
                                 <-  Started(pid, hostname, python, skyward, ports)
-    Hello(info, env) + plugins  ->
+    Hello(info) + plugins       ->
                                 <-  Progress(plugin, hook)   (before each plugin's around_app)
                                 <-  Ready()  or  HookFailed(plugin, hook, ...) + exception
     Call(call_id, fn_id, fn) + args ->
@@ -34,11 +34,10 @@ class Open:
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """client -> agent: the node's identity and environment; segments: the pickled plugins."""
+    """client -> agent: the node's identity; segments: the pickled plugins."""
 
     KIND: ClassVar[int] = 1
     info: Any  # skyward.info.InstanceInfo (typed loosely: this module imports nothing of ours)
-    env: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,7 +75,6 @@ class Agent:
         if second is None:
             return 0
         hello, plugins = second
-        os.environ.update(hello.env)
         info_module.set_current(hello.info)
         threading.Thread(target=self._watch, name="skyward-watcher", daemon=True).start()
         with contextlib.ExitStack() as stack:

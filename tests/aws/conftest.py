@@ -388,19 +388,9 @@ def ec2_hosts(
 
 @pytest.fixture(scope="session")
 def offline_wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory with a wheel of this client's uv, for hosts with no route to an index.
-
-    The namespace "instances" cannot reach PyPI; their bootstrap's pip installs uv from here
-    instead (`OFFLINE_BUILD_ENV`), as a host behind an air gap would from a local mirror.
-    """
-    directory = tmp_path_factory.mktemp("wheelhouse")
-    wheels.wheel_of_installed(directory, "uv")
-    return directory
-
-
-def offline_build_env(wheelhouse: Path) -> dict[str, str]:
-    """Build steps on the hosts take packages from `wheelhouse`, never from an index."""
-    return {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheelhouse)}
+    """Wheels of this client's uv, cloudpickle and packaging, for hosts with no route to an
+    index: the namespace "instances" bootstrap from here (`wheels.offline_build_env`)."""
+    return wheels.wheelhouse(tmp_path_factory.mktemp("wheelhouse"))
 
 
 def aws_for(sim: Ec2Hosts, stubs: Stubs, **kwargs: Any) -> sky.AWS:

@@ -27,10 +27,10 @@ from tests.aws.conftest import (
     aws_for,
     leftovers,
     new_session,
-    offline_build_env,
 )
 from tests.contract import ProviderContract
 from tests.ssh.conftest import wait_until
+from tests.support import wheels
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -42,7 +42,7 @@ class TestAWSContract(ProviderContract):
     ) -> Callable[[], object]:
         self.sim = ec2_hosts()
         self.stubs = stubs
-        build_env = offline_build_env(offline_wheelhouse)
+        build_env = wheels.offline_build_env(offline_wheelhouse)
         return lambda: aws_for(self.sim, stubs, build_env=build_env)
 
     @pytest.fixture

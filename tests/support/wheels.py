@@ -16,12 +16,22 @@ import hashlib
 import importlib.metadata as metadata
 import io
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-__all__ = ["make_wheel", "requirement", "wheel_of_installed"]
+__all__ = [
+    "OFFLINE_PACKAGES",
+    "make_wheel",
+    "offline_build_env",
+    "requirement",
+    "wheel_of_installed",
+    "wheelhouse",
+]
+
+OFFLINE_PACKAGES = ("uv", "cloudpickle", "packaging")
+"""What a node's bootstrap installs from an index: uv itself, then the agent's requirements."""
 
 # Written by the installer, not part of a wheel.
 _INSTALLER_FILES = {"INSTALLER", "REQUESTED", "RECORD", "direct_url.json"}
@@ -101,3 +111,27 @@ def wheel_of_installed(directory: Path, name: str) -> Path:
 def requirement(name: str, wheel: Path) -> str:
     """The PEP 508 direct reference ``name @ file:///...`` to `wheel`."""
     return f"{name} @ {wheel.resolve().as_uri()}"
+
+
+def wheelhouse(directory: Path, names: Sequence[str] = OFFLINE_PACKAGES) -> Path:
+    """A directory every user can read, with a wheel of each installed distribution in `names`.
+
+    With `offline_build_env` the bootstrap on a host that cannot reach an index (a network
+    namespace host) installs from it, as a host behind an air gap would from a local mirror.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        wheel_of_installed(directory, name).chmod(0o644)
+    directory.chmod(0o755)  # other users read it too, when its parents let them
+    return directory
+
+
+def offline_build_env(directory: Path) -> dict[str, str]:
+    """Build environment (``sky.SSH(build_env=...)``) that installs only from `directory`:
+    pip for the uv bootstrap, uv for the node's environment."""
+    return {
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(directory),
+        "UV_NO_INDEX": "1",
+        "UV_FIND_LINKS": str(directory),
+    }

@@ -132,6 +132,6 @@ def offline_build_env(directory: Path) -> dict[str, str]:
     return {
         "PIP_NO_INDEX": "1",
         "PIP_FIND_LINKS": str(directory),
-        "UV_NO_INDEX": "1",
+        "UV_OFFLINE": "1",  # uv has no variable for --no-index; offline, it takes find-links
         "UV_FIND_LINKS": str(directory),
     }

@@ -4,8 +4,10 @@ Run as root: ``python benchmarks/bench_ssh.py [--quick]``. It starts its own ssh
 and three network-namespace hosts (tests/support/sshd.py). The round trip logs in as root and
 runs this interpreter directly; the bootstrap figures log in as the unprivileged `skyward-test`
 user with the host's python3, as on a fresh machine, after one warm-up that builds its uv
-environment (so they measure a start with the environment built). A MISS is printed, never an
-exit status.
+environment (so they measure a start with the environment built). The namespace hosts have no
+route off the machine, so that build installs uv and the agent's packages from a wheelhouse of
+this client's own (tests/support/wheels.py), as the AWS contract tests do. A MISS is printed,
+never an exit status.
 
 - rtt: no-op ``call >> pool`` over SSH vs an echo round trip over an open asyncssh channel.
 - bootstrap: pool start (connect, check, agent) on 3 hosts at once vs on 1 host.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import sys
 import tempfile
@@ -31,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import skyward as sky
 from skyward.providers.ssh import SSH
-from tests.support import sshd
+from tests.support import sshd, wheels
 
 
 @sky.compute
@@ -114,6 +117,15 @@ def main() -> None:
     runs = 100 if args.quick else 1000
     starts = 3 if args.quick else 7
     work = Path(tempfile.mkdtemp(prefix="skyward-bench-ssh-"))
+    try:
+        run(work, runs, starts)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(work: Path, runs: int, starts: int) -> None:
+    work.chmod(0o755)  # skyward-test's bootstrap reads the wheelhouse inside
+    build_env = wheels.offline_build_env(wheels.wheelhouse(work / "wheels"))
     key = sshd.KeyPair.generate(work)
     with sshd.SshdServer(authorized_keys=[key]) as server:
         provider = SSH(
@@ -137,7 +149,7 @@ def main() -> None:
             # A plain login, as on a real host: root's shell here runs pyenv's start-up hooks
             # on every command, which would dominate what is measured.
             return SSH(net.addresses[:count], user=sshd.TEST_USER, key=str(key.private_path),
-                       known_hosts=known)  # fmt: skip
+                       known_hosts=known, build_env=build_env)  # fmt: skip
 
         pool_start(provider_for(3), 3)  # warm-up: skyward is copied and the env built once
         one = statistics.median(pool_start(provider_for(1), 1)[0] for _ in range(starts))

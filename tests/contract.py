@@ -1,18 +1,33 @@
-"""The provider contract: every provider passes these (launch, run, broadcast, fail, terminate).
+"""The provider contract: every provider passes these (launch, run, broadcast, fail, terminate,
+build an image once, fail half-way and leave nothing, name a failing plugin).
 
 A provider's test module subclasses `ProviderContract` and supplies the `make_provider` fixture
-(a fresh provider object each call) and `nodes_available` (how many nodes it can launch).
+(a fresh provider object each call), `make_broken_provider` (a provider whose 2-node pool fails
+half-way: one node launches or starts, the other cannot) and `nodes_available` (how many nodes it
+can launch). It overrides the checks of what "nothing remains" means for it: `assert_gone` (these
+agents no longer run), `assert_nothing_left` (nothing of this pool remains: no agent, no
+connection, no cloud resource) and `expect_nothing_launched` (the pool created nothing at all).
+Everything here goes through the public API only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import sys
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 import skyward as sky
+from tests.support import wheels
+
+PROBE = "skyward-contract-probe"
+READY_MARKER = ".skyward-ready"  # written last into a built environment (worker/envbuild.py)
 
 
 @sky.compute
@@ -40,11 +55,49 @@ def raise_error(message: str) -> None:
     raise LookupError(message)
 
 
+@sky.compute
+def probe_environment() -> tuple[int, str, str, int, int]:
+    """Node, environment prefix, the probe package's token, and the ready marker's identity."""
+    import skyward_contract_probe  # type: ignore[import-not-found]  # only in the built env
+
+    marker = Path(sys.prefix) / READY_MARKER
+    stat = marker.stat()
+    return (
+        sky.instance_info().node,
+        sys.prefix,
+        skyward_contract_probe.TOKEN,
+        stat.st_ino,
+        stat.st_mtime_ns,
+    )
+
+
+def offline_image(directory: Path, token: str) -> sky.Image:
+    """An image that needs a real build and no package index: every requirement is a local wheel.
+
+    The probe package exists nowhere but in `directory`; the agent's own requirements
+    (cloudpickle, packaging) are this interpreter's, packed again, so the build works on hosts
+    with no route to an index. The path in the requirement makes the image hash new every run.
+    """
+    probe = wheels.make_wheel(
+        directory, PROBE, "1.0", {"skyward_contract_probe/__init__.py": f"TOKEN = {token!r}\n"}
+    )
+    pins = [
+        wheels.requirement(n, wheels.wheel_of_installed(directory, n))
+        for n in ("cloudpickle", "packaging")
+    ]
+    return sky.Image(pip=[wheels.requirement(PROBE, probe), *pins])
+
+
 class ProviderContract:
-    """Subclass with `make_provider` and `nodes_available` fixtures to run the contract."""
+    """Subclass with `make_provider`, `make_broken_provider` and `nodes_available` fixtures."""
 
     @pytest.fixture
     def make_provider(self) -> Callable[[], object]:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def make_broken_provider(self) -> Callable[[], object]:
+        """A provider whose 2-node pool fails half-way (one node up, the other cannot be)."""
         raise NotImplementedError
 
     @pytest.fixture
@@ -96,8 +149,141 @@ class ProviderContract:
             pid = (identity() >> pool)[1]
         self.assert_gone(provider, [pid])
 
+    def test_failed_environment_build_leaves_nothing(
+        self, make_provider: Callable[[], object], nodes_available: int
+    ) -> None:
+        # The nodes are launched (connected, booted), then their environment cannot be built.
+        provider = make_provider()
+        setup = f"echo contract-{uuid.uuid4().hex[:8]} breaks the build; exit 3"
+        pool = sky.ComputePool(
+            provider=provider,  # type: ignore[arg-type]
+            nodes=min(2, nodes_available),
+            image=sky.Image(setup=[setup]),
+            stream_output=False,
+        )
+        with pytest.raises(sky.BootstrapError, match="exit status 3"):
+            pool.start()
+        self.assert_nothing_left(provider, pool)
+
+    def test_launch_failing_half_way_leaves_nothing(
+        self, make_broken_provider: Callable[[], object]
+    ) -> None:
+        provider = make_broken_provider()
+        pool = sky.ComputePool(provider=provider, nodes=2, stream_output=False)  # type: ignore[arg-type]
+        with pytest.raises(sky.SkywardError) as caught:
+            pool.start()
+        error = caught.value
+        assert isinstance(error, (sky.ProvisionError, sky.BootstrapError, sky.WorkerError)), (
+            f"a half-finished start must say what failed, not {type(error).__name__}: {error}"
+        )
+        assert str(error).strip()
+        self.assert_nothing_left(provider, pool)
+
+    def test_image_is_built_once_and_reused(
+        self, make_provider: Callable[[], object], nodes_available: int, tmp_path: Path
+    ) -> None:
+        token = uuid.uuid4().hex
+        image = offline_image(tmp_path / "wheels", token)
+        nodes = min(2, nodes_available)
+        seen: list[list[tuple[int, str, str, int, int]]] = []
+        try:
+            for _ in range(2):
+                with sky.ComputePool(
+                    provider=make_provider(),  # type: ignore[arg-type]
+                    nodes=nodes,
+                    image=image,
+                    stream_output=False,
+                ) as pool:
+                    seen.append(probe_environment() @ pool)
+        finally:
+            for prefix in {row[1] for rows in seen for row in rows}:
+                self.discard_environment(prefix)
+        first, second = seen
+        assert [row[0] for row in first] == list(range(nodes))
+        assert all(row[2] == token for row in first), "the nodes do not see the built package"
+        assert all(row[1] != sys.prefix for row in first), "the client's interpreter was used"
+        # The second pool found every node's environment complete and built nothing: the same
+        # directory, and the marker written last by the first build is the very same file.
+        assert second == first
+
+    def test_plugin_failing_on_one_node_is_named_and_leaves_nothing(
+        self, make_provider: Callable[[], object], nodes_available: int
+    ) -> None:
+        nodes = min(2, nodes_available)
+        failing = nodes - 1
+
+        def boom(info: sky.InstanceInfo) -> None:
+            if info.node == failing:
+                raise OSError(f"contract boom on node {info.node}")
+
+        provider = make_provider()
+        pool = sky.ComputePool(
+            provider=provider,  # type: ignore[arg-type]
+            nodes=nodes,
+            plugins=[sky.Plugin("boom", around_app=boom)],
+            stream_output=False,
+        )
+        with pytest.raises(sky.PluginError) as caught:
+            pool.start()
+        error = caught.value
+        assert (error.plugin, error.hook, error.node) == ("boom", "around_app", failing)
+        message = str(error)
+        assert "'boom'" in message and "around_app" in message and f"node {failing}" in message
+        assert f"contract boom on node {failing}" in message
+        assert "Traceback" in message and "in boom" in message, "no remote traceback"
+        self.assert_nothing_left(provider, pool)
+
+    @pytest.mark.parametrize("hook", ["transform", "around_client"])
+    def test_client_side_plugin_failure_is_named_before_anything_launches(
+        self, make_provider: Callable[[], object], hook: str
+    ) -> None:
+        def fail(*args: object) -> None:
+            raise RuntimeError(f"contract {hook} failure")
+
+        provider = make_provider()
+        pool = sky.ComputePool(
+            provider=provider,  # type: ignore[arg-type]
+            nodes=1,
+            plugins=[sky.Plugin("boom", **{hook: fail})],  # type: ignore[arg-type]
+            stream_output=False,
+        )
+        with self.expect_nothing_launched(provider, pool):
+            with pytest.raises(sky.PluginError) as caught:
+                pool.start()
+        assert pool.nodes == [], "the pool launched nodes after a client-side hook failed"
+        assert (caught.value.plugin, caught.value.hook) == ("boom", hook)
+        assert "'boom'" in str(caught.value) and hook in str(caught.value)
+        assert f"contract {hook} failure" in str(caught.value)
+
+    # -- what "nothing remains" means; override for each provider ----------------------------
+
     def assert_gone(self, provider: object, pids: list[int]) -> None:
         """Check the agents with `pids` no longer run (override for remote nodes)."""
         from tests.conftest import wait_gone
 
         assert not wait_gone(pids, timeout=10)
+
+    def assert_nothing_left(self, provider: object, pool: sky.ComputePool) -> None:
+        """Nothing of `pool` remains: no agent process (override for remote nodes)."""
+        from tests.conftest import wait_gone, worker_children
+
+        assert not wait_gone(worker_children(), timeout=10), "agents of the pool still run"
+
+    @contextlib.contextmanager
+    def expect_nothing_launched(self, provider: object, pool: sky.ComputePool) -> Iterator[None]:
+        """The body creates nothing of `pool` at all: no agent process was ever started."""
+        from tests.conftest import worker_children
+
+        before = set(worker_children())
+        yield
+        assert set(worker_children()) <= before
+
+    def discard_environment(self, prefix: str) -> None:
+        """Remove an environment the contract built (its hash is new every run).
+
+        Every provider tested here builds on this machine's disk; a truly remote one overrides
+        this (or leaves the environment to its cache).
+        """
+        path = Path(prefix)
+        shutil.rmtree(path, ignore_errors=True)
+        path.with_name(f"{path.name}.lock").unlink(missing_ok=True)

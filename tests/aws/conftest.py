@@ -33,7 +33,7 @@ from botocore.awsrequest import AWSResponse
 
 import skyward as sky
 from skyward.providers.aws import resources
-from tests.support import sshd
+from tests.support import sshd, wheels
 
 REGION = "us-east-1"
 MOTO_AMI = "ami-1e749f67"  # one of moto's built-in public images (an Ubuntu)
@@ -248,7 +248,9 @@ class Ec2Hosts:
     For each new instance it runs the provider's real user-data script inside the matching
     namespace (against a scratch root, with a fake ``poweroff`` first on PATH), restarts that
     host's sshd with the host key the script installed, and authorizes the pool's key pair the
-    way cloud-init would. Instances that moto reports terminated lose their sshd.
+    way cloud-init would. Instances that moto reports terminated lose their sshd. With
+    `boot_at_most`, instances past that many never boot: their host's sshd is stopped, as on an
+    instance that hangs in boot.
     """
 
     net: sshd.NetnsHosts
@@ -256,6 +258,7 @@ class Ec2Hosts:
     subnet_id: str
     workdir: Path
     install_host_key: bool = True
+    boot_at_most: int | None = None
     booted: dict[str, str] = field(default_factory=dict)  # instance id -> address
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -292,7 +295,12 @@ class Ec2Hosts:
                 iid, state = instance["InstanceId"], instance["State"]["Name"]
                 address = instance.get("PrivateIpAddress")
                 if state == "running" and iid not in self.booted and address:
-                    self._boot(instance)
+                    if self.boot_at_most is not None and len(self.booted) >= self.boot_at_most:
+                        server = self.host(address).server
+                        if server is not None:
+                            server.stop()
+                    else:
+                        self._boot(instance)
                     self.booted[iid] = address
                 elif state == "terminated" and iid in self.booted:
                     server = self.host(self.booted.pop(iid)).server
@@ -336,7 +344,8 @@ def ec2_hosts(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> Iterator[Callable[..., Ec2Hosts]]:
-    """Three namespace "instances" behind the moto server; call with install_host_key=..."""
+    """Three namespace "instances" behind the moto server; call with install_host_key=...,
+    boot_at_most=..."""
     if not sshd.is_root():
         pytest.skip("needs root (network namespaces and sshd)")
     reason = sshd.netns_unavailable_reason()
@@ -360,9 +369,10 @@ def ec2_hosts(
             cleanup.callback(shutil.rmtree, folder, True)
         cleanup.enter_context(net)
 
-        def make(install_host_key: bool = True) -> Ec2Hosts:
+        def make(install_host_key: bool = True, boot_at_most: int | None = None) -> Ec2Hosts:
             ec2 = boto3.client("ec2", region_name=REGION)
-            sim = Ec2Hosts(net, ec2, make_vpc(ec2, E2E_SUBNET), tmp_path, install_host_key)
+            subnet = make_vpc(ec2, E2E_SUBNET)
+            sim = Ec2Hosts(net, ec2, subnet, tmp_path, install_host_key, boot_at_most)
             sim.start()
             made.append(sim)
             return sim
@@ -374,6 +384,13 @@ def ec2_hosts(
                 sim.stop()
                 assert not sim.errors, sim.errors
         # Closing the namespaces also ends the watchdogs the user data started inside them.
+
+
+@pytest.fixture(scope="session")
+def offline_wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wheels of this client's uv, cloudpickle and packaging, for hosts with no route to an
+    index: the namespace "instances" bootstrap from here (`wheels.offline_build_env`)."""
+    return wheels.wheelhouse(tmp_path_factory.mktemp("wheelhouse"))
 
 
 def aws_for(sim: Ec2Hosts, stubs: Stubs, **kwargs: Any) -> sky.AWS:

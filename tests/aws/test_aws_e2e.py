@@ -7,11 +7,12 @@ The moto VPC subnet is the namespace test subnet, so the instances moto reports 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,17 @@ import pytest
 
 import skyward as sky
 from skyward.errors import ProvisionError
-from skyward.providers.aws import userdata
-from tests.aws.conftest import Ec2Hosts, Stubs, aws_for, leftovers, new_session
+from skyward.providers.aws import resources, userdata
+from tests.aws.conftest import (
+    Ec2Hosts,
+    Stubs,
+    aws_for,
+    leftovers,
+    new_session,
+)
 from tests.contract import ProviderContract
 from tests.ssh.conftest import wait_until
+from tests.support import wheels
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -30,11 +38,21 @@ pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 class TestAWSContract(ProviderContract):
     @pytest.fixture
     def make_provider(
-        self, ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs
+        self, ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs, offline_wheelhouse: Path
     ) -> Callable[[], object]:
         self.sim = ec2_hosts()
         self.stubs = stubs
-        return lambda: aws_for(self.sim, stubs)
+        build_env = wheels.offline_build_env(offline_wheelhouse)
+        return lambda: aws_for(self.sim, stubs, build_env=build_env)
+
+    @pytest.fixture
+    def make_broken_provider(
+        self, ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs
+    ) -> Callable[[], object]:
+        """Both instances launch; only the first ever boots, the second never answers SSH."""
+        self.sim = ec2_hosts(boot_at_most=1)
+        self.stubs = stubs
+        return lambda: aws_for(self.sim, stubs, boot_timeout=3.0)
 
     @pytest.fixture
     def nodes_available(self) -> int:
@@ -44,6 +62,33 @@ class TestAWSContract(ProviderContract):
     def _nothing_left(self, make_provider: Callable[[], object]) -> Any:
         yield
         assert leftovers(new_session(self.stubs).client("ec2")) == []
+
+    def assert_nothing_left(self, provider: object, pool: sky.ComputePool) -> None:
+        """The pool's tagged instances are terminated; its security group, key pair and every
+        other resource tagged with it are gone; no host holds a session of it."""
+        ec2 = new_session(self.stubs).client("ec2")
+        assert leftovers(ec2, pool.pool_id) == []
+        tagged = ec2.describe_instances(
+            Filters=[{"Name": f"tag:{resources.POOL_TAG}", "Values": [pool.pool_id]}]
+        )
+        states = {i["State"]["Name"] for r in tagged["Reservations"] for i in r["Instances"]}
+        assert states == {"terminated"}, f"the pool's instances: {states or 'none were made'}"
+        assert ec2.describe_key_pairs()["KeyPairs"] == []
+        groups = ec2.describe_security_groups()["SecurityGroups"]
+        assert [g["GroupName"] for g in groups if g["GroupName"] != "default"] == []
+        for host in self.sim.net.hosts:
+            server = host.server
+            assert server is None or wait_until(lambda s=server: not s.session_processes(), 10)
+
+    @contextlib.contextmanager
+    def expect_nothing_launched(self, provider: object, pool: sky.ComputePool) -> Iterator[None]:
+        """Not one EC2 call that creates something: no instance, group or key pair exists."""
+        yield
+        ec2 = new_session(self.stubs).client("ec2")
+        assert ec2.describe_instances()["Reservations"] == []
+        assert ec2.describe_key_pairs()["KeyPairs"] == []
+        groups = ec2.describe_security_groups()["SecurityGroups"]
+        assert [g["GroupName"] for g in groups if g["GroupName"] != "default"] == []
 
     def assert_gone(self, provider: object, pids: list[int]) -> None:
         ec2 = new_session(self.stubs).client("ec2")

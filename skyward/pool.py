@@ -36,7 +36,7 @@ from skyward.info import InstanceInfo
 from skyward.loop import LoopThread, sigterm_unwinds
 from skyward.plugins import hooks
 from skyward.plugins.base import Plugin
-from skyward.providers.base import Cluster, Provider
+from skyward.providers.base import Cluster, Node, Provider
 from skyward.session import NodeSession, watch_heartbeats
 from skyward.transport import frames
 
@@ -87,9 +87,7 @@ class ComputePool:
 
             provider = Local()
         if not isinstance(provider, Provider):
-            raise ConfigError(
-                f"provider must be a sky provider (e.g. sky.Local()), got {provider!r}"
-            )
+            raise ConfigError(f"provider must be e.g. sky.Local() or sky.SSH([...]): {provider!r}")
         if nodes is None:
             nodes = provider.default_nodes()
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
@@ -198,7 +196,8 @@ class ComputePool:
 
     async def _start_agents(self) -> None:
         """Start an agent on every node and take each through the handshake and the plugins."""
-        cluster = self._cluster()
+        cluster = self.cluster
+        assert cluster is not None, "launched first"
         env = {**self.image.env, **self.env}
         streams = await asyncio.gather(*(node.start_agent(env) for node in cluster.nodes))
         earlier = {s.node: list(s.lines) for s in self._sessions}  # pool.logs() spans restarts
@@ -273,7 +272,8 @@ class ComputePool:
 
     async def _replace(self, index: int) -> None:
         self.console.status(f"{self.pool_id}: replacing node {index}")
-        cluster = self._cluster()
+        cluster = self.cluster
+        assert cluster is not None, "launched first"
         await self.provider.replace(cluster, index)
         # The whole cluster: the others' environments are there, so that costs a check each.
         await self.provider.prepare(cluster, self.image, self.console.build_log)
@@ -292,13 +292,13 @@ class ComputePool:
             await self.provider.terminate(self.cluster)
 
     @property
+    def nodes(self) -> list[Node]:
+        """The pool's nodes, in node order (none before start)."""
+        return self.cluster.nodes if self.cluster else []
+
+    @property
     def _sessions(self) -> list[NodeSession]:
         return self._dispatch.sessions
-
-    def _cluster(self) -> Cluster:
-        if self.cluster is None:
-            raise PoolClosedError("the pool has no nodes yet")
-        return self.cluster
 
     # -- calls -----------------------------------------------------------------------------
 

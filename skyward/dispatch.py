@@ -9,13 +9,13 @@ before the errors of the nodes that were stopped because of it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future
-from concurrent.futures import wait as wait_futures
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from skyward.errors import ConfigError, PoolClosedError, WorkerError
-from skyward.session import CallFrames, NodeSession
+from skyward.session import CallFrames, Calls, NodeSession
 from skyward.transport import frames
 
 if TYPE_CHECKING:
@@ -49,23 +49,28 @@ class Dispatch:
         fn_id, fn_bytes = call.function.serialized()
         return CallFrames(next(_call_ids), fn_id, fn_bytes, segments)
 
-    def submit(self, call: PendingCall[T], node: int | None) -> tuple[NodeSession, Future[T]]:
-        """Send `call` to one node (the next in turn, or `node`); its session and future."""
+    def _pick(self, node: int | None) -> NodeSession:
+        if node is not None:
+            return self.session(node)
+        live = self._live()
+        return live[next(self._cursor) % len(live)]
+
+    def submit(self, call: PendingCall[T], node: int | None) -> Future[T]:
+        """Send `call` to one node (the next in turn, or `node`); its future."""
         payload = call.serialized_args()
-        if node is None:
-            live = self._live()
-            session = live[next(self._cursor) % len(live)]
-        else:
-            session = self.session(node)
         future: Future[T] = Future()
-        session.submit([(self._frames(call, payload), future)])
-        return session, future
+        self._pick(node).submit([(self._frames(call, payload), future)])
+        return future
 
     def run(self, call: PendingCall[T], node: int | None = None) -> T:
         """Run `call` on one node and return its result (what ``call >> pool`` does)."""
-        session, future = self.submit(call, node)
-        session.stream.wait_replies([session.stream], future.done)
-        return future.result()
+        payload = call.serialized_args()
+        session = self._pick(node)
+        tally = Tally(1)
+        reply = Reply(tally)
+        session.submit([(self._frames(call, payload), reply)])
+        value: T = self._collect(tally, [reply], [session], spmd=False)[0]
+        return value
 
     def broadcast(self, call: PendingCall[T]) -> list[T]:
         """Run `call` on every node; results in node order (see `ComputePool.broadcast`)."""
@@ -74,10 +79,13 @@ class Dispatch:
         if dead:
             raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
         frames_ = self._frames(call, payload)  # encoded once, written to every node
-        futures: list[Future[Any]] = [Future() for _ in self.sessions]
-        for session, future in zip(self.sessions, futures, strict=True):
-            session.submit([(frames_, future)])
-        return self._collect(futures, list(self.sessions), spmd=True)
+        tally = Tally(len(self.sessions))
+        replies = [Reply(tally) for _ in self.sessions]
+        batches: list[Calls] = [[(frames_, reply)] for reply in replies]
+        writes = [s.enqueue(batch) for s, batch in zip(self.sessions, batches, strict=True)]
+        for session, batch, chunks in zip(self.sessions, batches, writes, strict=True):
+            session.flush(batch, chunks)  # back to back: each write wakes a node
+        return self._collect(tally, replies, list(self.sessions), spmd=True)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
         """Run independent calls spread over the nodes; results in call order (see
@@ -86,52 +94,50 @@ class Dispatch:
         live = self._live()
         start = next(self._cursor)
         owners = [live[(start + i) % len(live)] for i in range(len(calls))]
-        futures: list[Future[Any]] = [Future() for _ in calls]
-        batches: dict[int, list[tuple[CallFrames, Future[Any]]]] = {}
-        for session, call, payload, future in zip(owners, calls, payloads, futures, strict=True):
-            batches.setdefault(session.node, []).append((self._frames(call, payload), future))
+        tally = Tally(len(calls))
+        replies = [Reply(tally) for _ in calls]
+        batches: dict[int, Calls] = {}
+        for session, call, payload, reply in zip(owners, calls, payloads, replies, strict=True):
+            batches.setdefault(session.node, []).append((self._frames(call, payload), reply))
         for session in live:  # one write per node, however many calls it takes
             if session.node in batches:
                 session.submit(batches[session.node])
-        return tuple(self._collect(futures, owners, spmd=False))
+        return tuple(self._collect(tally, replies, owners, spmd=False))
 
     def _collect(
-        self, futures: list[Future[Any]], owners: list[NodeSession], spmd: bool
+        self, tally: Tally, replies: list[Reply], owners: list[NodeSession], spmd: bool
     ) -> list[Any]:
-        """Wait for every future; raise the root failure.
+        """Wait for every reply; return the values, or raise the root failure.
 
         `spmd` (a broadcast): the calls depend on each other, so a failure stops the rest.
         Otherwise (a gather) the calls are independent and all run to their end.
         """
-        _wait_replies(owners, futures, spmd)
-        if not spmd:
-            wait_futures(futures)
-            failed = sorted((f.exception() for f in futures if f.exception()), key=_blame_rank)
-            if failed:
-                raise failed[0]  # type: ignore[misc]
-            return [future.result() for future in futures]
-        done, running = wait_futures(futures, return_when=FIRST_EXCEPTION)
-        first = next((f for f in futures if f in done and f.exception() is not None), None)
-        if first is not None and running:
-            error = first.exception()
-            grace = 0.0 if isinstance(error, WorkerError) else self._broadcast_grace
-            _, running = wait_futures(running, timeout=grace)
-            if running:
-                self._break(
-                    f"node {owners[futures.index(first)].node} failed ({type(error).__name__}) "
-                    "while the others were still running, and they were stopped; start a new pool",
-                    [s for s, f in zip(owners, futures, strict=True) if not f.done()],
-                )
+        group = list({id(s.stream): s.stream for s in owners}.values())
+        group[0].wait_replies(group, tally.all_done if not spmd else tally.all_done_or_failed)
+        if spmd:
+            tally.wait(tally.all_done_or_failed)
+            if tally.failures and not tally.all_done():
+                first = tally.failures[0]
+                grace = 0.0 if isinstance(first.error, WorkerError) else self._broadcast_grace
+                if not tally.wait(tally.all_done, grace):
+                    self._break(
+                        f"node {owners[replies.index(first)].node} failed "
+                        f"({type(first.error).__name__}) while the others were still running, "
+                        "and they were stopped; start a new pool",
+                        [s for s, r in zip(owners, replies, strict=True) if not r.done()],
+                    )
+                    tally.wait(tally.all_done, 5)
+        else:
+            tally.wait(tally.all_done)
+        if not tally.failures:
+            return [reply.value for reply in replies]
         # A dead node is the root cause of what the others then report (a collective that lost
         # its peer, or being stopped), so its error is the one raised.
         failed = sorted(
-            (f.exception() for f in futures if f.done() and f.exception() is not None),
-            key=_blame_rank,
+            (r.error for r in replies if r.done() and r.error is not None), key=_blame_rank
         )
-        if not failed:
-            return [future.result() for future in futures]
-        root: BaseException = failed[0]  # type: ignore[assignment]
-        if isinstance(root, WorkerError) and not root.stopped and len(owners) > 1:
+        root = failed[0]
+        if spmd and isinstance(root, WorkerError) and not root.stopped and len(owners) > 1:
             # The survivors of a broadcast that lost a rank hold a broken collective state.
             self._break(f"node {root.node} died during a broadcast; start a new pool", owners)
         raise root
@@ -140,28 +146,68 @@ class Dispatch:
         self.broken = self.broken or reason
         for session in stop:
             session.abort_soon(reason)
-        wait_futures([f for s in stop for f in list(s.pending.values())], timeout=5)
 
 
-def _wait_replies(owners: list[NodeSession], futures: list[Future[Any]], spmd: bool) -> None:
-    """Let the owners' streams read the replies in this thread, where they can, until every
-    future is done or (`spmd`) one failed, so the SPMD rules apply at once."""
-    # Completions are counted as they happen: polling every future after each read would cost
-    # a lock per future per read, which on a broadcast is most of the client's work.
-    finished: list[Future[Any]] = []
-    failures_: list[Future[Any]] = []
+class Tally:
+    """The replies of one dispatch, counted as they settle (on any thread), so that waiting
+    for them costs no lock per reply; a waiter that must sleep is woken as they settle."""
 
-    def on_done(future: Future[Any]) -> None:
-        if future.exception() is not None:
-            failures_.append(future)
-        finished.append(future)  # list.append is atomic: replies may resolve on any thread
+    __slots__ = ("_cond", "_settled", "_waiting", "failures", "total")
 
-    for future in futures:
-        future.add_done_callback(on_done)
-    group = list({id(s.stream): s.stream for s in owners}.values())
-    group[0].wait_replies(
-        group, lambda: len(finished) == len(futures) or (spmd and bool(failures_))
-    )
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.failures: list[Reply] = []  # in the order they failed
+        self._settled: list[Reply] = []  # list.append is atomic under the GIL
+        self._waiting = False
+        self._cond = threading.Condition(threading.Lock())
+
+    def settle(self, reply: Reply) -> None:
+        if reply.error is not None:
+            self.failures.append(reply)
+        self._settled.append(reply)
+        if self._waiting:  # read after the append: a waiter that set it sees the append
+            with self._cond:
+                self._cond.notify_all()
+
+    def all_done(self) -> bool:
+        return len(self._settled) == self.total
+
+    def all_done_or_failed(self) -> bool:
+        return len(self._settled) == self.total or bool(self.failures)
+
+    def wait(self, enough: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Sleep until `enough()` or `timeout`; whether it is enough."""
+        if enough():
+            return True
+        with self._cond:
+            self._waiting = True
+            return self._cond.wait_for(enough, timeout)
+
+
+class Reply:
+    """One call's outcome in a `Tally`: lighter than a `Future` (no lock, set exactly once)."""
+
+    __slots__ = ("_done", "_tally", "error", "value")
+
+    def __init__(self, tally: Tally) -> None:
+        self._tally = tally
+        self._done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return True
+
+    def set_result(self, result: Any) -> None:
+        self.value, self._done = result, True
+        self._tally.settle(self)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self.error, self._done = exception, True
+        self._tally.settle(self)
+
+    def done(self) -> bool:
+        return self._done
 
 
 def _blame_rank(error: BaseException | None) -> int:

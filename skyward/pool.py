@@ -313,7 +313,7 @@ class ComputePool:
 
     def submit(self, call: PendingCall[T], node: int | None = None) -> Future[T]:
         """Start `call` on one node (the next in turn, or `node`) and return its future."""
-        return self._check_open().submit(call, node)[1]
+        return self._check_open().submit(call, node)
 
     def run(self, call: PendingCall[T], node: int | None = None) -> T:
         """Run `call` on one node and return its result (what ``call >> pool`` does)."""

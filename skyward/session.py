@@ -19,8 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from skyward import failures
 from skyward.errors import PluginError, PoolClosedError, RemoteError, WorkerError
@@ -37,6 +36,19 @@ OUTPUT_DRAIN_SECONDS = 0.3
 EXPLAIN_SECONDS = 3.0
 
 M = TypeVar("M", messages.Started, messages.Ready)
+
+
+class Outcome(Protocol):
+    """Where a call's result or exception goes: a `concurrent.futures.Future`, or the lighter
+    `dispatch.Reply`. The session sets each outcome it holds exactly once."""
+
+    def set_running_or_notify_cancel(self) -> bool: ...
+    def set_result(self, result: Any) -> None: ...
+    def set_exception(self, exception: BaseException | None) -> None: ...
+    def done(self) -> bool: ...
+
+
+Calls = list[tuple["CallFrames", Outcome]]
 Explain = Callable[[], Awaitable[NodeLoss | None]]
 
 
@@ -91,7 +103,7 @@ class NodeSession:
         self.node = node
         self.stream = stream
         self.lines: deque[str] = deque(earlier_lines, maxlen=KEPT_LINES)
-        self.pending: dict[int, Future[Any]] = {}
+        self.pending: dict[int, Outcome] = {}
         self.dead: WorkerError | None = None
         self.exit_status: int | None = None
         self.stage = Stage.STARTING
@@ -189,8 +201,15 @@ class NodeSession:
         """Write one control message."""
         self.stream.write(frames.encode(message, segments))
 
-    def submit(self, calls: list[tuple[CallFrames, Future[Any]]]) -> None:
+    def submit(self, calls: Calls) -> None:
         """Send calls in one write; their results resolve the futures."""
+        self.flush(calls, self.enqueue(calls))
+
+    def enqueue(self, calls: Calls) -> list[frames.Buffer]:
+        """Register calls as pending and return the bytes that send them (`flush` writes them).
+
+        Split from the write so a broadcast writes to every node back to back: a write wakes
+        that node's agent, which then competes for the cores with the rest of the loop."""
         chunks: list[frames.Buffer] = []
         with self._lock:
             for call, future in calls:
@@ -203,15 +222,20 @@ class NodeSession:
                 self._sent_functions.add(call.fn_id)
                 self.pending[call.call_id] = future
                 chunks += call.chunks(first_time)
-            if not chunks:
-                return
-            try:
-                self.stream.write(_coalesce(chunks))
-            except OSError as exc:
-                error = self._error(f"could not send to node {self.node}: {exc}")
-                for call, future in calls:
-                    if self.pending.pop(call.call_id, None) is future:
-                        future.set_exception(error)
+        return chunks if len(chunks) == 1 else _coalesce(chunks)
+
+    def flush(self, calls: Calls, chunks: list[frames.Buffer]) -> None:
+        """Write what `enqueue` returned for `calls`; a failed write fails those calls."""
+        if not chunks:
+            return
+        try:
+            self.stream.write(chunks)
+        except OSError as exc:
+            error = self._error(f"could not send to node {self.node}: {exc}")
+            with self._lock:
+                failed = [f for c, f in calls if self.pending.pop(c.call_id, None) is f]
+            for future in failed:
+                future.set_exception(error)
 
     # -- receiving ---------------------------------------------------------------------------
 

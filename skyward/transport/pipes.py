@@ -241,12 +241,18 @@ class _ControlReader:
                 while not done() and not only._ended:
                     only._read_once()  # one pipe: sleep in read() itself
                 return
-            while live and not done():
-                ready, _, _ = select.select([r._fd for r in live], [], [], poll)
-                for reader in live:
-                    if reader._fd in ready:
-                        reader._read_once()
-                live = [r for r in live if not r._ended]
+            by_fd = {r._fd: r for r in live}
+            poller = select.poll()
+            for fd in by_fd:
+                poller.register(fd, select.POLLIN)
+            timeout_ms = poll * 1000
+            while by_fd and not done():
+                for fd, _ in poller.poll(timeout_ms):
+                    reader = by_fd[fd]
+                    reader._read_once()
+                    if reader._ended:
+                        poller.unregister(fd)
+                        del by_fd[fd]
         finally:
             for reader in held:
                 reader._lock.release()

@@ -159,13 +159,13 @@ class Tally:
         self.failures: list[Reply] = []  # in the order they failed
         self._settled: list[Reply] = []  # list.append is atomic under the GIL
         self._waiting = False
-        self._cond = threading.Condition(threading.Lock())
+        self._cond: threading.Condition | None = None  # made by the first waiter that sleeps
 
     def settle(self, reply: Reply) -> None:
         if reply.error is not None:
             self.failures.append(reply)
         self._settled.append(reply)
-        if self._waiting:  # read after the append: a waiter that set it sees the append
+        if self._waiting and self._cond is not None:  # read after the append: see `wait`
             with self._cond:
                 self._cond.notify_all()
 
@@ -179,7 +179,11 @@ class Tally:
         """Sleep until `enough()` or `timeout`; whether it is enough."""
         if enough():
             return True
+        if self._cond is None:
+            self._cond = threading.Condition(threading.Lock())
         with self._cond:
+            # Set before `enough()` is checked again under the lock: a reply that settles after
+            # that check sees the flag and notifies; one that settled before, the check sees.
             self._waiting = True
             return self._cond.wait_for(enough, timeout)
 

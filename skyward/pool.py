@@ -39,7 +39,7 @@ from skyward.errors import (
 from skyward.image import Image
 from skyward.info import InstanceInfo
 from skyward.plugins.base import Plugin
-from skyward.providers.base import Node, NodeLoss, Provider
+from skyward.providers.base import Cluster, Node, NodeLoss, Provider
 from skyward.transport import frames
 from skyward.transport.frames import Buffer
 
@@ -87,7 +87,7 @@ class ComputePool:
         name: str = "pool",
     ) -> None:
         if nodes is None:
-            nodes = getattr(provider, "default_nodes", 1)
+            nodes = provider.default_nodes() if provider is not None else 1
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ConfigError(f"nodes must be a whole number >= 1, got {nodes!r}")
         if image is not None and not isinstance(image, Image):
@@ -111,10 +111,10 @@ class ComputePool:
             accelerator=Accelerator.parse(accelerator) if accelerator else None,
             provider=getattr(provider, "name", type(provider).__name__.lower()),
         )
-        implied = getattr(provider, "implied_accelerator", None)
+        implied = provider.implied_accelerator()
         if self.spec.accelerator is None and implied is not None:
             # e.g. sky.AWS(instance_type="p4d.24xlarge"): plugins must see its GPUs
-            self.spec = replace(self.spec, accelerator=implied())
+            self.spec = replace(self.spec, accelerator=implied)
         self.provider.validate(self.spec)
         self.image: Image = image or Image()
         self.startup_timeout = startup_timeout
@@ -122,7 +122,7 @@ class ComputePool:
         self.broadcast_grace = broadcast_grace
         self.heartbeat_timeout = heartbeat_timeout
         self.console = Console(enabled=stream_output)
-        self.nodes: list[Node] = []
+        self.cluster: Cluster | None = None
         self.infos: list[InstanceInfo] = []
         self._conns: list[AgentConnection] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,6 +134,11 @@ class ComputePool:
         self._previous_sigterm: Any = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._plugins_blob = b""
+
+    @property
+    def nodes(self) -> list[Node]:
+        """The pool's nodes, in node order (none before the launch)."""
+        return self.cluster.nodes if self.cluster is not None else []
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -194,8 +199,8 @@ class ComputePool:
         self.console.status(
             f"{self.pool_id}: launching {self.spec.nodes} node(s) on {self.spec.provider}"
         )
-        self.nodes = await self.provider.launch(self.spec)
-        await self.provider.prepare(self.nodes, self.image, self.console.build_log)
+        self.cluster = await self.provider.launch(self.spec, self.console.build_log)
+        await self.provider.prepare(self.cluster, self.image, self.console.build_log)
         await self._start_agents(plugins_blob)
         self._heartbeat_task = asyncio.get_running_loop().create_task(self._watch_heartbeats())
         self.console.status(f"{self.pool_id}: ready ({self.spec.nodes} node(s))")
@@ -242,15 +247,13 @@ class ComputePool:
                 f"node {node} is not lost (it is alive, or was stopped because another node "
                 f"failed); replace() takes a node that died: {lost or 'none did'}"
             )
-        if getattr(self.provider, "replace", None) is None:
-            raise ConfigError(f"the {self.spec.provider} provider cannot replace nodes")
         self._run(self._replace(node))
 
     async def _replace(self, index: int) -> None:
         self.console.status(f"{self.pool_id}: replacing node {index}")
-        fresh: Node = await self.provider.replace(self.nodes[index])  # type: ignore[attr-defined]
-        self.nodes[index] = fresh
-        await self.provider.prepare([fresh], self.image, self.console.build_log)
+        assert self.cluster is not None
+        await self.provider.replace(self.cluster, index)
+        await self.provider.prepare(self.cluster, self.image, self.console.build_log)
         await self._stop_agents(self.shutdown_timeout)
         await self._start_agents(self._plugins_blob)
         self._broken = None
@@ -354,8 +357,8 @@ class ComputePool:
     async def _terminate(self) -> None:
         for conn in self._conns:
             conn.stream.kill()
-        if self.nodes:
-            await self.provider.terminate(self.nodes)
+        if self.cluster is not None:
+            await self.provider.terminate(self.cluster)
 
     async def _watch_heartbeats(self) -> None:
         while not self._closed:
@@ -370,10 +373,10 @@ class ComputePool:
                     )
 
     def _explainer(self, node: Node) -> Callable[[], Awaitable[NodeLoss | None]] | None:
-        explain = getattr(self.provider, "explain", None)
-        if explain is None:
+        cluster = self.cluster
+        if cluster is None:
             return None
-        return lambda: explain(node)
+        return lambda: self.provider.explain(cluster, node)
 
     def _node_died(self, conn: AgentConnection, error: WorkerError) -> None:
         self.console.node_line(conn.node, f"[skyward] {str(error).splitlines()[0]}")

@@ -359,7 +359,7 @@ def test_the_providers_account_of_a_lost_node_reaches_the_error() -> None:
     class Reclaimed(sky.Local):
         """Local nodes, with a provider that says the node was reclaimed (as EC2 says)."""
 
-        async def explain(self, node: object) -> NodeLoss:
+        async def explain(self, cluster: object, node: object) -> NodeLoss:
             return NodeLoss(
                 "instance i-123 was preempted: EC2 reclaimed the spot instance", preempted=True
             )

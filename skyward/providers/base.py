@@ -1,18 +1,20 @@
-"""The provider protocol: turn a `ClusterSpec` into nodes, make them runnable, take them away.
+"""The provider protocol: turn a `ClusterSpec` into a `Cluster` of nodes, prepare them, remove them.
 
-A provider is a handful of async verbs, each safe to call again and safe on a partial pool:
+A provider is one class over a handful of async verbs (a folder of plain functions behind it for
+a cloud). Every capability the pool uses is a method here; the optional ones have defaults:
 
-- `validate(spec)`  checks the request before anything is created or paid for;
-- `launch(spec)`    creates all N nodes or raises, leaving nothing behind;
-- `prepare(nodes, image, log)`  builds the image's environment on every node;
-- `terminate(nodes)`  removes every node and everything created for them.
+- `default_nodes()`        the pool size when the user gives none (SSH: one per host);
+- `implied_accelerator()`  what an explicit instance type carries, so plugins see it (AWS);
+- `validate(spec)`         checks the request before anything is created or paid for;
+- `launch(spec, log)`      creates all N nodes or raises, leaving nothing behind; returns the
+                           `Cluster`: the nodes and everything the provider keeps for this pool;
+- `prepare(cluster, image, log)`  builds the image's environment on every node;
+- `terminate(cluster)`     removes every node and everything made for them; idempotent;
+- `replace(cluster, index)`  a fresh node in place of a lost one (default: not supported);
+- `explain(cluster, node)` why a node went away (a reclaimed spot instance), or None.
 
-A provider may also offer ``async explain(node) -> NodeLoss | None``: why a node whose agent
-died went away (a reclaimed spot instance), which the pool then puts in the `WorkerError`; and
-``async replace(node) -> Node``: a fresh node with the same index, for `ComputePool.replace`;
-``default_nodes``: the pool size when the user gives none (SSH: one per host); and
-``implied_accelerator() -> Accelerator | None``: what an explicit instance type carries, so
-plugins see it (AWS).
+Per-pool state lives in the `Cluster` a provider returns from `launch` (subclass it), never on
+the provider object: one provider object may serve several pools at once.
 
 A `Node` knows its index, its addresses and how to start the agent on itself.
 """
@@ -22,9 +24,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
-from skyward.cluster import ClusterSpec
+from skyward.cluster import Accelerator, ClusterSpec
+from skyward.errors import ConfigError
 from skyward.image import Image
 from skyward.transport.base import AgentStream
 
@@ -56,23 +58,49 @@ class Node(ABC):
         return f"<{type(self).__name__} {self.index} {self.public_addr}>"
 
 
-class Provider(Protocol):
-    """What a `ComputePool` needs from a provider."""
+@dataclass
+class Cluster:
+    """What a provider made for one pool: its nodes, in node order. Providers subclass it to
+    keep their per-pool state (connections, instance ids, keys) beside the nodes."""
 
-    name: str
+    spec: ClusterSpec
+    nodes: list[Node]
+
+
+class Provider(ABC):
+    """What a `ComputePool` needs from a provider; subclass and implement the abstract verbs."""
+
+    name: str = "provider"
+
+    def default_nodes(self) -> int:
+        """How many nodes a pool has when the user does not say."""
+        return 1
+
+    def implied_accelerator(self) -> Accelerator | None:
+        """The accelerator the provider's own settings carry (an explicit instance type)."""
+        return None
 
     def validate(self, spec: ClusterSpec) -> None:
         """Raise `ConfigError` if the request cannot be served; creates nothing."""
-        ...
+        return None
 
-    async def launch(self, spec: ClusterSpec) -> list[Node]:
+    @abstractmethod
+    async def launch(self, spec: ClusterSpec, log: Log) -> Cluster:
         """Create all `spec.nodes` nodes, or raise and leave nothing behind."""
-        ...
 
-    async def prepare(self, nodes: list[Node], image: Image, log: Log) -> None:
-        """Build the image's environment on every node (once per image hash)."""
-        ...
+    @abstractmethod
+    async def prepare(self, cluster: Cluster, image: Image, log: Log) -> None:
+        """Build the image's environment on every node of `cluster` (once per image hash)."""
 
-    async def terminate(self, nodes: list[Node]) -> None:
+    @abstractmethod
+    async def terminate(self, cluster: Cluster) -> None:
         """Remove the nodes and what was created for them; idempotent."""
-        ...
+
+    async def replace(self, cluster: Cluster, index: int) -> Node:
+        """Put a fresh node in ``cluster.nodes[index]`` (whose node was lost) and return it;
+        the environment is then prepared by `prepare`."""
+        raise ConfigError(f"the {self.name} provider cannot replace nodes")
+
+    async def explain(self, cluster: Cluster, node: Node) -> NodeLoss | None:
+        """Why `node` went away (e.g. a spot preemption), or None when the provider cannot say."""
+        return None

@@ -39,6 +39,13 @@ class Query:
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
+    @classmethod
+    def from_json(cls, text: str) -> Query:
+        data = json.loads(text)
+        data["apt"] = tuple(data["apt"])
+        data["requirements"] = tuple(data["requirements"])
+        return cls(**data)
+
 
 @dataclass(frozen=True)
 class Report:
@@ -78,7 +85,7 @@ def check(query: Query) -> Report:
     env_dir = os.path.join(home, "envs", query.env)
     ready = os.path.exists(os.path.join(env_dir, READY_MARKER))
     uv = os.path.join(home, "bootstrap", f"uv-{query.uv}", "bin", "uv")
-    satisfied: bool | None = False
+    satisfied: bool | None = None if ready else False
     if query.probe and not ready:
         try:
             from skyward.worker.probe import satisfied as probe
@@ -132,10 +139,7 @@ def main() -> None:
 
     skyward's shipped source, when there, comes first on the path, so the probe is the client's.
     """
-    data = json.loads(sys.argv[1])
-    data["apt"] = tuple(data["apt"])
-    data["requirements"] = tuple(data["requirements"])
-    query = Query(**data)
+    query = Query.from_json(sys.argv[1])
     if query.src:
         home = os.path.expanduser(query.cache)
         sys.path.insert(0, os.path.join(home, "src", query.src))

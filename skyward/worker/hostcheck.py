@@ -39,13 +39,6 @@ class Query:
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
-    @classmethod
-    def from_json(cls, text: str) -> Query:
-        data = json.loads(text)
-        data["apt"] = tuple(data["apt"])
-        data["requirements"] = tuple(data["requirements"])
-        return cls(**data)
-
 
 @dataclass(frozen=True)
 class Report:
@@ -139,7 +132,10 @@ def main() -> None:
 
     skyward's shipped source, when there, comes first on the path, so the probe is the client's.
     """
-    query = Query.from_json(sys.argv[1])
+    data = json.loads(sys.argv[1])
+    query = Query(
+        **{**data, "apt": tuple(data["apt"]), "requirements": tuple(data["requirements"])}
+    )
     if query.src:
         home = os.path.expanduser(query.cache)
         sys.path.insert(0, os.path.join(home, "src", query.src))

@@ -29,7 +29,7 @@ from moto import mock_aws  # noqa: E402
 
 from skyward.cluster import Accelerator, ClusterSpec  # noqa: E402
 from skyward.providers.aws import AWS, instance_types, userdata  # noqa: E402
-from skyward.providers.aws.provider import _PoolState  # noqa: E402
+from skyward.providers.aws.provider import AWSCluster  # noqa: E402
 
 MOTO_AMI = "ami-1e749f67"
 
@@ -55,17 +55,18 @@ def measure(nodes: int) -> tuple[Counter[str], Counter[str]]:
             session=session,
         )  # fmt: skip
         spec = ClusterSpec(nodes, f"bench-{nodes}", Accelerator.parse("A100"), "aws")
-        state = _PoolState(
-            spec.pool_id,
-            Path(tempfile.mkdtemp(prefix="skyward-bench-")),
-            userdata.HostKey.generate("bench"),
+        cluster = AWSCluster(
+            spec,
+            [],
+            key_dir=Path(tempfile.mkdtemp(prefix="skyward-bench-")),
+            host_key=userdata.HostKey.generate("bench"),
         )
         choice = instance_types.choose(spec.accelerator, None)
-        instances = aws._provision(state, spec, choice)
+        instances = aws._provision(cluster, choice)
         assert len(instances) == nodes
         launch = Counter(calls)
         calls.clear()
-        aws._remove(state)
+        aws._remove(cluster)
         teardown = Counter(calls)
         return launch, teardown
 

@@ -83,17 +83,17 @@ def pool_start(provider: SSH, nodes: int) -> tuple[float, dict[str, float]]:
     steps: dict[str, float] = {}
     real_launch, real_prepare = provider.launch, provider.prepare
 
-    async def launch(spec: Any) -> Any:
+    async def launch(spec: Any, log: Any) -> Any:
         began = time.perf_counter()
         try:
-            return await real_launch(spec)
+            return await real_launch(spec, log)
         finally:
             steps["connect"] = time.perf_counter() - began
 
-    async def prepare(nodes_: Any, image: Any, log: Any) -> None:
+    async def prepare(cluster: Any, image: Any, log: Any) -> None:
         began = time.perf_counter()
         try:
-            await real_prepare(nodes_, image, log)
+            await real_prepare(cluster, image, log)
         finally:
             steps["check"] = time.perf_counter() - began
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import skyward as sky
 from skyward.providers.environment import env_spec
-from skyward.worker import envbuild
+from skyward.worker import envbuild, hostcheck
 
 
 @sky.compute
@@ -103,3 +106,55 @@ def test_scoped_indexes_become_explicit_uv_sources() -> None:
     }
     assert project["project"]["dependencies"] == ["jax[cuda12]", "optax"]
     assert os.path.basename(sys.executable)
+
+
+def test_one_decision_for_every_provider() -> None:
+    report = hostcheck.Report(
+        python="/usr/bin/python3",
+        version="3.12.3",
+        uid=1000,
+        src=True,
+        uv=None,
+        env=None,
+        setup=False,
+        apt_missing=(),
+        satisfied=True,
+    )
+    assert hostcheck.decide(report, None, has_setup=True) == hostcheck.Decision(
+        "/usr/bin/python3", setup=True
+    )
+    assert hostcheck.decide(replace(report, setup=True), "3.12", True).setup is False
+    assert hostcheck.decide(report, "3.11", False).python is None, "wrong Python: build"
+    assert hostcheck.decide(replace(report, satisfied=False), None, False).python is None
+    assert hostcheck.decide(replace(report, satisfied=None), None, False).python is None
+    built = replace(report, env="/c/envs/h/bin/python", satisfied=None)
+    assert hostcheck.decide(built, "3.11", True) == hostcheck.Decision("/c/envs/h/bin/python")
+
+
+def test_the_host_check_runs_as_its_own_source_with_any_interpreter(tmp_path: Path) -> None:
+    """The remote hosts run the module's source with `python3 -c`; Local calls it in-process."""
+    query = hostcheck.Query(
+        cache=str(tmp_path), env="h", src="s", apt=("skyward-no-such-deb",), requirements=("x",)
+    )
+    source = inspect.getsource(hostcheck)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", source, query.to_json()],  # no site: no skyward
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    remote = hostcheck.Report.from_json(done.stdout)
+    assert remote.src is False and remote.env is None and remote.uv is None
+    assert remote.apt_missing == ("skyward-no-such-deb",)
+    assert remote.satisfied is None, "skyward is not importable there: the probe must wait"
+    (tmp_path / "envs" / "h").mkdir(parents=True)
+    (tmp_path / "envs" / "h" / envbuild.READY_MARKER).write_text("{}")
+    local = hostcheck.check(query)
+    assert local.env == str(tmp_path / "envs" / "h" / "bin" / "python")
+    assert local.satisfied is None, "a built environment wins: no probe"
+    assert replace(remote, env=local.env, python=local.python) == replace(
+        local, version=remote.version
+    )

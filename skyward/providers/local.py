@@ -1,16 +1,17 @@
 """The Local provider: every node is a child process on this machine.
 
 The embedded default. Nodes talk to each other over loopback; the client talks to each agent over
-its stdin/stdout pipes. When this interpreter already satisfies the image, the nodes run it
-directly; otherwise the environment is built with uv once per image hash and reused.
+its stdin/stdout pipes. What the nodes run is decided as on a remote host, by
+`skyward.worker.hostcheck` (here in-process): an environment already built for the image, else
+this interpreter when it satisfies the image, else an environment built with uv once per image
+hash. skyward reaches the nodes as it reaches remote hosts (`skyward.providers.source`): the
+content-hashed copy under the cache directory, first on their ``PYTHONPATH``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -18,15 +19,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import skyward
 from skyward.cluster import ClusterSpec
 from skyward.errors import BootstrapError, ConfigError
 from skyward.image import Image
 from skyward.providers.base import Cluster, Log, Node, Provider
 from skyward.providers.environment import env_spec
+from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.base import AgentStream
 from skyward.transport.pipes import spawn
-from skyward.worker import envbuild, probe
+from skyward.worker import envbuild, hostcheck
 from skyward.worker.agent import LINGER_ENV
 
 LOOPBACK = "127.0.0.1"
@@ -54,10 +55,11 @@ def _usable_cores() -> int:
 
 @dataclass
 class LocalCluster(Cluster):
-    """A Local pool: the interpreter its nodes run, and how long each end polls for replies."""
+    """A Local pool: the interpreter its nodes run, once prepared, and how long they poll."""
 
     python: str | None = None
     linger: float = 0.0
+    prepared: str = ""  # the environment hash `python` was chosen for
 
 
 class LocalNode(Node):
@@ -68,10 +70,9 @@ class LocalNode(Node):
         self._cluster = cluster
 
     async def start_agent(self, env: Mapping[str, str]) -> AgentStream:
-        python = self._cluster.python
+        python, linger = self._cluster.python, self._cluster.linger
         if python is None:
             raise BootstrapError("the environment was not prepared before the agent started")
-        linger = self._cluster.linger
         full_env = {
             **os.environ,
             **env,
@@ -114,25 +115,42 @@ class Local(Provider):
 
     async def replace(self, cluster: Cluster, index: int) -> Node:
         """A new process slot for a node whose process died."""
-        assert isinstance(cluster, LocalCluster)
-        cluster.nodes[index] = LocalNode(index, cluster)
+        cluster.nodes[index] = LocalNode(index, _local(cluster))
         return cluster.nodes[index]
 
     async def prepare(self, cluster: Cluster, image: Image, log: Log) -> None:
-        assert isinstance(cluster, LocalCluster)
-        _check_apt(image.apt)
+        local = _local(cluster)
         spec = env_spec(image)
+        if local.prepared == spec.hash:
+            return
         cache = cache_dir()
+        query = hostcheck.Query(
+            cache=str(cache),
+            env=spec.hash,
+            src=source_hash(),
+            apt=image.apt,
+            requirements=spec.pip,
+            probe=self._base_python is None,  # an explicit interpreter is always built from
+        )
+        report = await asyncio.to_thread(hostcheck.check, query)
+        if report.apt_missing:
+            missing = report.apt_missing
+            raise BootstrapError(
+                f"Image(apt=...) asks for {', '.join(missing)}, not installed on this machine; "
+                f"the Local provider never runs apt for you: install them (apt-get install "
+                f"{' '.join(missing)}) and start the pool again"
+            )
+        if not report.src:
+            await asyncio.to_thread(_unpack_source, cache)
+        decision = hostcheck.decide(report, image.python, bool(spec.setup))
         try:
-            if self._base_python is None and _satisfied_here(image):
-                await asyncio.to_thread(envbuild.run_setup_once, spec, cache, log)
-                cluster.python = sys.executable
-            else:
-                uv = _uv_binary()
+            if decision.python is None:
                 built = await asyncio.to_thread(
-                    envbuild.build, spec, cache, uv, log, base_python=self._base_python
+                    envbuild.build, spec, cache, _uv_binary(), log, base_python=self._base_python
                 )
-                cluster.python = str(built)
+                decision = hostcheck.Decision(str(built))
+            elif decision.setup:
+                await asyncio.to_thread(envbuild.run_setup_once, spec, cache, log)
         except envbuild.BuildFailed as exc:
             raise BootstrapError(
                 f"building the environment {spec.hash} (cache {cache / 'envs' / spec.hash}) "
@@ -140,37 +158,33 @@ class Local(Provider):
                 f"failed: {exc}\n--- last lines ---\n{exc.output}",
                 output=exc.output,
             ) from None
+        local.python = decision.python
+        local.prepared = spec.hash
 
     async def terminate(self, cluster: Cluster) -> None:
         # Agents are killed by the pool with their process groups; nothing else exists.
         return None
 
 
-def _satisfied_here(image: Image) -> bool:
-    """Whether this interpreter already has every requirement of `image` (and the Python)."""
-    if image.python and not platform.python_version().startswith(image.python):
-        return False
-    return probe.satisfied(image.pip)
+def _local(cluster: Cluster) -> LocalCluster:
+    if not isinstance(cluster, LocalCluster):
+        raise TypeError(f"{cluster!r} is not a Local pool")
+    return cluster
 
 
-def _check_apt(packages: tuple[str, ...]) -> None:
-    if not packages:
-        return
-    missing = []
-    for package in packages:
-        result = subprocess.run(
-            ["dpkg-query", "-W", "-f=${Status}", package],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if "install ok installed" not in result.stdout:
-            missing.append(package)
-    if missing:
+def _unpack_source(cache: Path) -> None:
+    """skyward's content-hashed copy under `cache`, by the same command as on remote hosts."""
+    done = subprocess.run(
+        ["sh", "-c", unpack_command("$SKYWARD_SRC")],
+        input=source_tarball(),
+        env={**os.environ, "SKYWARD_SRC": str(cache / "src")},
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
         raise BootstrapError(
-            f"Image(apt=...) asks for {', '.join(missing)}, not installed on this machine; the "
-            f"Local provider never runs apt for you: install them (apt-get install "
-            f"{' '.join(missing)}) and start the pool again"
+            f"copying skyward to {cache / 'src'} failed (exit status {done.returncode}): "
+            f"{done.stderr.decode(errors='replace').strip()}"
         )
 
 
@@ -187,18 +201,8 @@ def _uv_binary() -> str:
 
 
 def _pythonpath() -> str:
-    """This client's own skyward first, then the directory of the script that started it."""
-    package = Path(skyward.__file__).resolve().parent
-    digest = hashlib.sha256(str(package).encode()).hexdigest()[:12]
-    shim = cache_dir() / "src" / digest
-    link = shim / "skyward"
-    if not link.exists():
-        shim.mkdir(parents=True, exist_ok=True)
-        tmp = shim / f".skyward-{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(package, target_is_directory=True)
-        os.replace(tmp, link)
-    parts = [str(shim)]
+    """This client's own skyward (its shipped copy) first, then the directory of the script."""
+    parts = [str(cache_dir() / "src" / source_hash())]
     script_dir = sys.path[0] if sys.path and sys.path[0] else os.getcwd()
     parts.append(script_dir)
     existing = os.environ.get("PYTHONPATH")

@@ -21,10 +21,7 @@ from typing import Any
 import asyncssh
 
 from skyward.errors import ConfigError, ProvisionError
-from skyward.transport.base import AgentStream, Receiver
-from skyward.transport.frames import Buffer
 
-_READ_SIZE = 1 << 16
 PID_MARKER = b"SKYWARD-PID "
 OUTPUT_TAIL_LINES = 40
 _STREAM_LIMIT = 1 << 20
@@ -315,54 +312,13 @@ async def _read_pid(stdout: asyncssh.SSHReader[bytes]) -> int:
             return int(line[len(PID_MARKER) :].strip())
 
 
-async def _pump(reader: asyncssh.SSHReader[bytes], receiver: Receiver) -> None:
-    """Feed a channel's bytes to `receiver`; a lost connection reads as the end, as a pipe's."""
-    try:
-        while chunk := await reader.read(_READ_SIZE):
-            receiver(chunk)
-    except (OSError, asyncssh.Error):
-        pass
-    receiver(b"")
-
-
 class RemoteProcess:
-    """A command running on a host; an `AgentStream` when the command is the agent."""
+    """A command started on a host (see `SSHHost.run`); agents use `channels.AgentChannel`."""
 
     def __init__(self, host: SSHHost, process: asyncssh.SSHClientProcess[bytes], pid: int) -> None:
         self.host = host
         self.process = process
         self.pid = pid
-        self._loop = asyncio.get_running_loop()
-        self._pumps: list[asyncio.Task[None]] = []
-
-    def start(self, on_control: Receiver, on_output: Receiver) -> None:
-        self._pumps = [
-            self._loop.create_task(_pump(self.process.stdout, on_control)),
-            self._loop.create_task(_pump(self.process.stderr, on_output)),
-        ]
-
-    def write(self, chunks: Sequence[Buffer]) -> None:
-        # asyncssh channels belong to the loop; going through call_soon_threadsafe from every
-        # thread (the loop's own included) keeps all writes in one order.
-        data = [bytes(chunk) for chunk in chunks]
-        self._loop.call_soon_threadsafe(self._write_now, data)
-
-    def _write_now(self, data: list[bytes]) -> None:
-        with contextlib.suppress(OSError, asyncssh.Error):
-            for chunk in data:
-                self.process.stdin.write(chunk)
-
-    def close_input(self) -> None:
-        """Send EOF (the agent then exits) but keep the channel, so its output still arrives."""
-        self._loop.call_soon_threadsafe(self._eof)
-
-    def _eof(self) -> None:
-        with contextlib.suppress(OSError, asyncssh.Error):
-            self.process.stdin.write_eof()
-
-    def wait_replies(self, group: Sequence[AgentStream], done: Callable[[], bool]) -> None:
-        """Nothing to do here: the event loop reads SSH channels and resolves the futures."""
-        return None
 
     async def exit_status(self) -> int | None:
         try:
@@ -372,10 +328,6 @@ class RemoteProcess:
         if self.process.exit_signal is not None:
             return -_signal_number(self.process.exit_signal[0])
         return self.process.exit_status
-
-    def kill(self) -> None:
-        """Kill the command's whole process group on the host (scheduled on the running loop)."""
-        self.host.schedule_kill(self.pid)
 
 
 def _signal_number(name: str) -> int:

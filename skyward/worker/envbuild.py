@@ -1,7 +1,8 @@
 """Build a node's Python environment with uv, once per image hash, under a cache directory.
 
 Runs on the node (``python -m skyward.worker.envbuild`` reads a JSON `EnvSpec` on stdin and prints
-the environment's interpreter path) and in-process for the Local provider. Standard library only:
+the environment's interpreter path, or with ``--setup-only`` only runs the setup commands once)
+and in-process for the Local provider. Standard library only:
 it runs before the environment it builds exists.
 
 Layout of the cache directory::
@@ -25,7 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-READY_MARKER = ".skyward-ready"
+from skyward.worker.hostcheck import READY_MARKER as READY_MARKER
+
 OUTPUT_TAIL_LINES = 40
 
 
@@ -194,16 +196,26 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def main() -> None:
-    """``python -m skyward.worker.envbuild CACHE UV``: build the spec read from stdin."""
+    """``python -m skyward.worker.envbuild CACHE UV``: build the spec read from stdin and print
+    ``{"python": ...}``; ``CACHE --setup-only``: run its setup commands once, print
+    ``{"ok": true}``.
+    A failure prints ``{"error", "output"}`` and exits 1."""
     cache, uv = Path(sys.argv[1]).expanduser(), sys.argv[2]
     spec = EnvSpec.from_json(sys.stdin.read())
     try:
-        python = build(spec, cache, uv, lambda line: print(line, file=sys.stderr, flush=True))
+        if uv == "--setup-only":
+            run_setup_once(spec, cache, _to_stderr)
+            print(json.dumps({"ok": True}))
+        else:
+            print(json.dumps({"python": str(build(spec, cache, uv, _to_stderr))}))
     except BuildFailed as exc:
         print(json.dumps({"error": str(exc), "output": exc.output}))
         sys.exit(1)
-    print(json.dumps({"python": str(python)}))
 
 
 if __name__ == "__main__":

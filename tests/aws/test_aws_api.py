@@ -23,8 +23,8 @@ from moto import mock_aws
 import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
-from skyward.providers.aws import instance_types, userdata
-from skyward.providers.aws.provider import describe_loss
+from skyward.providers.aws import instance_types, instances, userdata
+from skyward.providers.aws.instances import describe_loss
 from skyward.providers.aws.resources import POOL_TAG, pool_tags
 from tests.aws.conftest import (
     MOTO_AMI,
@@ -179,7 +179,7 @@ def test_launch_creates_exactly_this_and_a_failed_bootstrap_leaves_nothing(
     calls = count_calls(aws.session())
     aws.validate(spec(4, "A100"))
     with pytest.raises(ProvisionError, match="did not accept the verified SSH login"):
-        asyncio.run(aws.launch(spec(4, "A100")))
+        asyncio.run(aws.launch(spec(4, "A100"), print))
 
     instances = seen["instances"]
     assert len(instances) == 4 and calls.count("RunInstances") == 1
@@ -225,7 +225,7 @@ def test_capacity_error_leaves_nothing_and_says_why(ec2: Any, subnet: str, stubs
     )
     aws = provider(stubs, subnet)
     with pytest.raises(ProvisionError) as caught:
-        asyncio.run(aws.launch(spec(4, "A100")))
+        asyncio.run(aws.launch(spec(4, "A100"), print))
     message = str(caught.value)
     assert "InsufficientInstanceCapacity" in message and "Nothing was left running" in message
     assert leftovers(ec2) == []
@@ -241,7 +241,7 @@ def test_instance_that_dies_at_boot_fails_the_whole_pool(
 
     aws.session().events.register("after-call.ec2.RunInstances", kill_one)
     with pytest.raises(ProvisionError, match="1 stopped at once") as caught:
-        asyncio.run(aws.launch(spec(3)))
+        asyncio.run(aws.launch(spec(3), print))
     assert "all were terminated" in str(caught.value)
     assert "cleaning up failed" not in str(caught.value)
     assert leftovers(ec2) == []
@@ -265,7 +265,7 @@ def test_amis_come_from_public_ssm_parameters(ec2: Any, subnet: str, stubs: Stub
     aws = provider(stubs, subnet, ami=None)
     for accelerator in ("L4", None):
         with pytest.raises(ProvisionError):
-            asyncio.run(aws.launch(spec(1, accelerator, pool_id=f"t-{accelerator}")))
+            asyncio.run(aws.launch(spec(1, accelerator, pool_id=f"t-{accelerator}"), print))
     gpu, cpu = stubs.ssm_names
     assert gpu.startswith("/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-")
     assert cpu.startswith("/aws/service/canonical/ubuntu/server/") and "/amd64/" in cpu
@@ -399,18 +399,34 @@ def test_an_instance_type_override_tells_the_jax_plugin_its_gpus() -> None:
 def test_a_replacement_is_one_instance_launched_as_the_pools_were(
     ec2: Any, subnet: str, stubs: Stubs
 ) -> None:
-    from skyward.providers.aws import instance_types, userdata
-    from skyward.providers.aws.provider import _PoolState
-
     aws = provider(stubs, subnet, spot=True)
     pool = spec(2, "A100", pool_id="t-repl")
-    state = _PoolState(pool.pool_id, Path(tempfile.mkdtemp()), userdata.HostKey.generate("t"))
+    key_path = Path(tempfile.mkdtemp()) / "id_ed25519"
     recorded = count_calls(aws.session())
-    first = aws._provision(state, pool, instance_types.choose(pool.accelerator, None))
+    ec2_client = aws.client("ec2")
+
+    def check_cancel() -> None:
+        return None
+
+    params = instances.set_up(
+        ec2_client,
+        aws.client("ssm"),
+        aws.placement,
+        pool,
+        instance_types.choose(pool.accelerator, None),
+        key_path,
+        userdata.HostKey.generate("t"),
+        check_cancel,
+    )
+    ids = instances.run(ec2_client, params, 2, pool.pool_id)
+    first = instances.wait_running(ec2_client, ids, timeout=5, poll=0.01, check_cancel=check_cancel)
     lost = first[1]["InstanceId"]
     before = len(recorded)
 
-    (fresh,) = aws._provision_replacement(state, lost)
+    fresh_ids = instances.replace(ec2_client, params, lost, pool.pool_id)
+    (fresh,) = instances.wait_running(
+        ec2_client, fresh_ids, timeout=5, poll=0.01, check_cancel=check_cancel
+    )
 
     calls = recorded[before:]
     assert calls.count("RunInstances") == 1 and calls.count("TerminateInstances") == 1
@@ -424,5 +440,6 @@ def test_a_replacement_is_one_instance_launched_as_the_pools_were(
         for i in r["Instances"]
     }
     assert states[lost] in ("shutting-down", "terminated")
-    aws._remove(state)  # the replacement is the pool's: teardown finds it too
+    # the replacement is the pool's: teardown finds it by its tags too
+    assert instances.remove_pool(ec2_client, pool.pool_id, [], poll=0.01) == []
     assert leftovers(ec2) == []

@@ -1,6 +1,7 @@
 """`sky.AWS`: a pool's nodes as EC2 instances, reached over verified SSH.
 
-launch, for the whole pool at once (the EC2 call count does not grow with N):
+launch, for the whole pool at once (the EC2 call count does not grow with N); the EC2 steps are
+the plain functions of `instances`, the SSH steps those of `skyward.providers.remote`:
 
 1. check the instance type against ``describe_instance_types`` and resolve the AMI (public SSM
    parameter) and the subnet, before anything is created;
@@ -8,33 +9,29 @@ launch, for the whole pool at once (the EC2 call count does not grow with N):
    traffic inside the group), both tagged ``skyward:pool=<id>``;
 3. one ``run_instances`` for all N (MinCount=MaxCount=N), with user data that installs a host key
    made on the client and starts the idle watchdog; wait until all N run;
-4. connect to every instance with the SSH layer, trusting only that host key; then `prepare` and
-   the agents are the SSH provider's, composed rather than copied.
+4. connect to every instance, trusting only that host key, retrying while they boot; `prepare`
+   and the agents are the remote bootstrap's, as for `sky.SSH`.
 
-Teardown (end of the pool, or any failure or cancellation during launch) runs in a non-daemon
-thread: a Ctrl-C that stops the pool's event loop cannot stop it half-way, and the interpreter
-waits for it before exiting.
+What one pool made lives in its `AWSCluster` (and in the tags, the durable record). Teardown
+(end of the pool, or any failure or cancellation during launch) runs in a non-daemon thread: a
+Ctrl-C that stops the pool's event loop cannot stop it half-way, and the interpreter waits for
+it before exiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import shutil
 import tempfile
 import threading
-import time
-import urllib.request
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-import asyncssh
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
@@ -42,59 +39,40 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, 
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
-from skyward.providers.aws import instance_types, resources, userdata
-from skyward.providers.base import Log, Node, NodeLoss
-from skyward.providers.ssh import SSH, SSHNode
-from skyward.transport.ssh import (
-    Endpoint,
-    SSHConnectError,
-    SSHHost,
-    connect,
-    load_known_hosts,
+from skyward.providers.aws import instance_types, instances, resources, userdata
+from skyward.providers.aws.instances import logger
+from skyward.providers.base import Cluster, Log, Node, NodeLoss, Provider
+from skyward.providers.remote import (
+    Bootstrap,
+    BootWait,
+    ConnectOptions,
+    RemoteNode,
+    close_hosts,
+    connect_all,
+    prepare_nodes,
+    remote_nodes,
 )
+from skyward.transport.ssh import Endpoint, load_known_hosts
 
 T = TypeVar("T")
-logger = logging.getLogger("skyward.aws")
-
-GPU_AMI_PARAMETER = (
-    "/aws/service/deeplearning/ami/{arch}/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
-)
-CPU_AMI_PARAMETER = (
-    "/aws/service/canonical/ubuntu/server/24.04/stable/current/{arch}/hvm/ebs-gp3/ami-id"
-)
-CHECK_IP_URL = "https://checkip.amazonaws.com"
-_GONE_STATES = ("shutting-down", "terminated", "stopping", "stopped")
-_SPOT_CODES = ("Server.SpotInstanceTermination", "Server.SpotInstanceShutdown")
-
-
-class AWSNode(SSHNode):
-    """One EC2 instance of a pool: its SSH connection plus the instance it runs on."""
-
-    def __init__(
-        self, index: int, host: SSHHost, instance: Mapping[str, Any], pool_id: str
-    ) -> None:
-        super().__init__(index, host)
-        self.private_addr = str(instance.get("PrivateIpAddress") or host.endpoint.host)
-        self.instance_id = str(instance["InstanceId"])
-        self.instance_type = str(instance.get("InstanceType", ""))
-        self.spot = instance.get("InstanceLifecycle") == "spot"
-        self.pool_id = pool_id
 
 
 @dataclass
-class _PoolState:
-    """What one pool of this provider has made so far (the tags are the durable record)."""
+class AWSCluster(Cluster):
+    """What one pool has made so far (the tags are the durable record)."""
 
-    pool_id: str
-    key_dir: Path
-    host_key: userdata.HostKey
+    key_dir: Path  # the pool's login key, removed with the pool
+    host_key: userdata.HostKey  # the host key every instance of the pool presents
     cancel: threading.Event = field(default_factory=threading.Event)
     provisioning: Future[list[dict[str, Any]]] | None = None
-    run_params: dict[str, Any] = field(default_factory=dict)
-    instance_ids: list[str] = field(default_factory=list)
-    hosts: list[SSHHost] = field(default_factory=list)
-    ssh: SSH | None = None
+    run_params: dict[str, Any] = field(default_factory=dict)  # replace() asks for the same
+    instance_ids: list[str] = field(default_factory=list)  # every one launched, for teardown
+    node_instances: dict[int, str] = field(default_factory=dict)  # node index -> instance id
     removed: bool = False
+
+    @property
+    def pool_id(self) -> str:
+        return self.spec.pool_id
 
     @property
     def key_path(self) -> Path:
@@ -105,7 +83,7 @@ class _PoolState:
             raise ProvisionError(f"the launch of pool {self.pool_id} was cancelled")
 
 
-class AWS:
+class AWS(Provider):
     """Nodes as EC2 instances, one security group and key pair per pool, nothing left behind.
 
     Args:
@@ -161,28 +139,22 @@ class AWS:
         if idle_timeout <= 0:
             raise ConfigError(f"idle_timeout must be > 0 seconds, got {idle_timeout!r}")
         if ssh_cidr is not None:
-            _check_cidr(ssh_cidr)
+            instances.check_cidr(ssh_cidr)
         self.region = region
         self.instance_type = instance_type
-        self.ami = ami
-        self.spot = spot
-        self.subnet_id = subnet_id
-        self.use_private_ips = use_private_ips
-        self.ssh_cidr = ssh_cidr
-        self.idle_timeout = idle_timeout
+        self.placement = instances.Placement(
+            ami, spot, subnet_id, use_private_ips, ssh_cidr, idle_timeout, placement_group
+        )
         self.user = user
-        self.python = python
-        self.placement_group = placement_group
         self.boot_timeout = boot_timeout
         self.connect_timeout = connect_timeout
         self.keepalive = keepalive
-        self.build_env = dict(build_env or {})
+        self.bootstrap = Bootstrap(python, build_env=dict(build_env or {}))
         self.poll_interval = poll_interval
         self._profile = profile
         self._session = session
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._pools: dict[str, _PoolState] = {}
 
     # -- boto3 -----------------------------------------------------------------------------
 
@@ -231,77 +203,64 @@ class AWS:
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, SSO or an instance role)"
             )
 
-    async def launch(self, spec: ClusterSpec) -> list[Node]:
+    async def launch(self, spec: ClusterSpec, log: Log) -> Cluster:
         choice = instance_types.choose(spec.accelerator, self.instance_type)
-        state = _PoolState(
-            spec.pool_id,
-            Path(tempfile.mkdtemp(prefix=f"skyward-aws-{spec.pool_id}-")),
-            userdata.HostKey.generate(f"skyward-{spec.pool_id}"),
+        cluster = AWSCluster(
+            spec,
+            [],
+            key_dir=Path(tempfile.mkdtemp(prefix=f"skyward-aws-{spec.pool_id}-")),
+            host_key=userdata.HostKey.generate(f"skyward-{spec.pool_id}"),
         )
-        self._pools[spec.pool_id] = state
         try:
-            state.provisioning = _in_thread(
-                lambda: self._provision(state, spec, choice), f"skyward-aws-launch-{spec.pool_id}"
+            cluster.provisioning = _in_thread(
+                lambda: self._provision(cluster, choice), f"skyward-aws-launch-{spec.pool_id}"
             )
-            instances = await asyncio.shield(asyncio.wrap_future(state.provisioning))
-            return list(await self._connect(state, instances))
+            found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
+            cluster.nodes = await self._connect(cluster, found, range(len(found)))
+            return cluster
         except BaseException as exc:
-            state.cancel.set()
+            cluster.cancel.set()
             logger.info("launch of %s failed (%r): removing what it created", spec.pool_id, exc)
             try:
-                await self._teardown(state)
+                await self._teardown(cluster)
             except ProvisionError as cleanup:
                 if isinstance(exc, Exception):
                     raise ProvisionError(f"{exc}\nand then cleaning up failed: {cleanup}") from exc
             raise
 
-    async def replace(self, node: Node) -> Node:
+    async def replace(self, cluster: Cluster, index: int) -> Node:
         """A new instance, launched as the pool's were, in place of a lost one."""
-        if not isinstance(node, AWSNode):
-            raise ConfigError(f"{node!r} is not a node of the AWS provider")
-        state = self._pools[node.pool_id]
-        launched = _in_thread(
-            lambda: self._provision_replacement(state, node.instance_id),
-            f"skyward-aws-replace-{state.pool_id}",
-        )
+        pool = _aws(cluster)
+        await remote_nodes(pool)[index].host.close()
+        lost = pool.node_instances[index]
+
+        def provision() -> list[dict[str, Any]]:
+            ec2 = self.client("ec2")
+            fresh = instances.replace(ec2, pool.run_params, lost, pool.pool_id)
+            pool.instance_ids += fresh
+            return self._wait_running(ec2, pool, fresh)
+
+        launched = _in_thread(provision, f"skyward-aws-replace-{pool.pool_id}")
         try:
-            (instance,) = await asyncio.shield(asyncio.wrap_future(launched))
+            found = await asyncio.shield(asyncio.wrap_future(launched))
         except ClientError as exc:
-            raise ProvisionError(f"launching a replacement for node {node.index}: {exc}") from None
-        address = instance.get("PrivateIpAddress" if self.use_private_ips else "PublicIpAddress")
-        if not address:
-            raise ProvisionError(f"replacement instance {instance['InstanceId']} has no address")
-        known = load_known_hosts([state.host_key.known_hosts_line(str(address))])
-        deadline = asyncio.get_running_loop().time() + self.boot_timeout
-        host = await self._connect_one(str(address), instance["InstanceId"], known, state, deadline)
-        state.hosts.append(host)
-        return AWSNode(node.index, host, instance, state.pool_id)
+            raise ProvisionError(f"launching a replacement for node {index}: {exc}") from None
+        (node,) = await self._connect(pool, found, [index])
+        pool.nodes[index] = node
+        return node
 
-    async def prepare(self, nodes: list[Node], image: Image, log: Log) -> None:
-        for pool_id in {n.pool_id for n in nodes if isinstance(n, AWSNode)}:
-            state = self._pools[pool_id]
-            assert state.ssh is not None
-            await state.ssh.prepare(
-                [n for n in nodes if isinstance(n, AWSNode) and n.pool_id == pool_id], image, log
-            )
+    async def prepare(self, cluster: Cluster, image: Image, log: Log) -> None:
+        await prepare_nodes(cluster, image, self.bootstrap, log)
 
-    async def terminate(self, nodes: list[Node]) -> None:
-        for pool_id in {n.pool_id for n in nodes if isinstance(n, AWSNode)}:
-            state = self._pools.get(pool_id)
-            if state is not None:
-                await self._teardown(state)
+    async def terminate(self, cluster: Cluster) -> None:
+        await self._teardown(_aws(cluster))
 
-    async def explain(self, node: Node) -> NodeLoss | None:
+    async def explain(self, cluster: Cluster, node: Node) -> NodeLoss | None:
         """Why `node`'s instance went away (e.g. spot preemption), or None if it still runs."""
-        if not isinstance(node, AWSNode):
+        instance_id = _aws(cluster).node_instances.get(node.index)
+        if instance_id is None:
             return None
-        ec2 = self.client("ec2")
-        try:
-            found = await asyncio.to_thread(resources.instance_states, ec2, [node.instance_id])
-        except ClientError:
-            return None
-        instance = found.get(node.instance_id)
-        return describe_loss(instance) if instance is not None else None
+        return await asyncio.to_thread(instances.loss_of, self.client("ec2"), instance_id)
 
     # -- orphan sweep ----------------------------------------------------------------------
 
@@ -329,218 +288,48 @@ class AWS:
             raise ProvisionError("could not remove:\n" + "\n".join(f"  {p}" for p in problems))
         return removed
 
-    # -- launch, EC2 half (runs in a thread) ------------------------------------------------
+    # -- launch and replace: the EC2 half runs in a thread ---------------------------------
 
-    def _provision(
-        self, state: _PoolState, spec: ClusterSpec, choice: instance_types.Choice
-    ) -> list[dict[str, Any]]:
+    def _provision(self, pool: AWSCluster, choice: instance_types.Choice) -> list[dict[str, Any]]:
+        ec2 = self.client("ec2")
         try:
-            return self._provision_calls(state, spec, choice)
+            pool.run_params = instances.set_up(
+                ec2,
+                self.client("ssm") if self.placement.ami is None else None,
+                self.placement,
+                pool.spec,
+                choice,
+                pool.key_path,
+                pool.host_key,
+                pool.check_cancel,
+            )
+            pool.instance_ids = instances.run(ec2, pool.run_params, pool.spec.nodes, pool.pool_id)
+            return self._wait_running(ec2, pool, pool.instance_ids)
         except ClientError as exc:
-            raise ProvisionError(_client_error(exc, spec, choice)) from None
+            raise ProvisionError(instances.launch_error(exc, pool.spec, choice)) from None
         except NoCredentialsError:
             raise ConfigError("no AWS credentials found (see `aws configure`)") from None
         except NoRegionError:
             raise ConfigError("no AWS region: pass sky.AWS(region=...)") from None
 
-    def _provision_calls(
-        self, state: _PoolState, spec: ClusterSpec, choice: instance_types.Choice
-    ) -> list[dict[str, Any]]:
-        ec2 = self.client("ec2")
-        # Everything that can be wrong with the request is found out before anything exists.
-        try:
-            info = ec2.describe_instance_types(InstanceTypes=[choice.instance_type])
-        except ClientError as exc:
-            if "InvalidInstanceType" in str(exc):
-                raise ConfigError(
-                    f"instance type {choice.instance_type!r} does not exist in this region: {exc}"
-                ) from None
-            raise
-        details = info["InstanceTypes"][0]
-        instance_types.check(choice, details)
-        arch = instance_types.architecture(details)
-        ami = self.ami or self._resolve_ami(choice.is_gpu, arch)
-        subnet = self._subnet(ec2, choice.instance_type)
-        cidr = self.ssh_cidr or self._client_cidr(ec2, subnet["VpcId"])
-        state.check_cancel()
-
-        tags = resources.pool_tags(spec.pool_id)
-        name = f"skyward-{spec.pool_id}"
-        _write_key_pair(state.key_path)
-        ec2.import_key_pair(
-            KeyName=name,
-            PublicKeyMaterial=state.key_path.with_suffix(".pub").read_bytes(),
-            TagSpecifications=[resources.tag_spec("key-pair", tags)],
+    def _wait_running(self, ec2: Any, pool: AWSCluster, ids: list[str]) -> list[dict[str, Any]]:
+        return instances.wait_running(
+            ec2,
+            ids,
+            timeout=self.boot_timeout,
+            poll=self.poll_interval,
+            check_cancel=pool.check_cancel,
         )
-        group = ec2.create_security_group(
-            GroupName=name,
-            Description=f"skyward pool {spec.pool_id}: SSH from the client, all within the pool",
-            VpcId=subnet["VpcId"],
-            TagSpecifications=[resources.tag_spec("security-group", tags)],
-        )["GroupId"]
-        ec2.authorize_security_group_ingress(
-            GroupId=group,
-            IpPermissions=[
-                {
-                    "IpProtocol": "tcp",
-                    "FromPort": 22,
-                    "ToPort": 22,
-                    "IpRanges": [{"CidrIp": cidr, "Description": "skyward client"}],
-                },
-                {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group}]},
-            ],
-        )
-        placement: dict[str, str] = {"AvailabilityZone": subnet["AvailabilityZone"]}
-        if self.placement_group:
-            ec2.create_placement_group(
-                GroupName=name,
-                Strategy="cluster",
-                TagSpecifications=[resources.tag_spec("placement-group", tags)],
-            )
-            placement["GroupName"] = name
-        state.check_cancel()
 
-        options: dict[str, Any] = {}
-        if self.spot:
-            options["InstanceMarketOptions"] = {
-                "MarketType": "spot",
-                "SpotOptions": {
-                    "SpotInstanceType": "one-time",
-                    "InstanceInterruptionBehavior": "terminate",
-                },
-            }
-        logger.info("starting %d x %s (%s) for %s", spec.nodes, choice.instance_type, ami, name)
-        # Kept for replace(): a replacement is the same request for one instance.
-        state.run_params = dict(
-            ImageId=ami,
-            InstanceType=choice.instance_type,
-            KeyName=name,
-            UserData=userdata.render(spec.pool_id, state.host_key, self.idle_timeout),
-            InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's poweroff ends it
-            NetworkInterfaces=[
-                {
-                    "DeviceIndex": 0,
-                    "SubnetId": subnet["SubnetId"],
-                    "Groups": [group],
-                    "AssociatePublicIpAddress": not self.use_private_ips,
-                    "DeleteOnTermination": True,
-                }
-            ],
-            Placement=placement,
-            MetadataOptions={"HttpTokens": "required"},
-            TagSpecifications=[
-                resources.tag_spec("instance", tags),
-                resources.tag_spec("volume", tags),
-            ],
-            **options,
-        )
-        reply = ec2.run_instances(
-            **state.run_params,
-            MinCount=spec.nodes,  # all-or-nothing: EC2 starts N or none
-            MaxCount=spec.nodes,
-            # Makes the call idempotent: botocore's own retries can never start a second pool.
-            ClientToken=f"{spec.pool_id}-{uuid.uuid4().hex[:12]}",
-        )
-        state.instance_ids = [i["InstanceId"] for i in reply["Instances"]]
-        return self._wait_running(ec2, state, state.instance_ids)
+    # -- launch and replace: the SSH half --------------------------------------------------
 
-    def _provision_replacement(self, state: _PoolState, lost: str) -> list[dict[str, Any]]:
-        """One instance launched as the pool's were, in place of `lost` (terminated first)."""
-        ec2 = self.client("ec2")
-        try:
-            ec2.terminate_instances(InstanceIds=[lost])  # it may be hung rather than gone
-        except ClientError as exc:
-            logger.info("terminating lost instance %s: %s", lost, exc)
-        reply = ec2.run_instances(
-            **state.run_params,
-            MinCount=1,
-            MaxCount=1,
-            ClientToken=f"{state.pool_id}-{uuid.uuid4().hex[:12]}",
-        )
-        fresh = [i["InstanceId"] for i in reply["Instances"]]
-        state.instance_ids += fresh
-        return self._wait_running(ec2, state, fresh)
-
-    def _wait_running(self, ec2: Any, state: _PoolState, ids: list[str]) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + self.boot_timeout
-        count = len(ids)
-        while True:
-            try:
-                found = resources.instance_states(ec2, ids)
-            except ClientError as exc:
-                if "InvalidInstanceID.NotFound" not in str(exc):
-                    raise
-                found = {}  # EC2 is eventually consistent right after run_instances
-            gone = [i for i in found.values() if i["State"]["Name"] in _GONE_STATES]
-            if gone:
-                reasons = "; ".join(f"{i['InstanceId']}: {_loss_words(i)}" for i in gone)
-                raise ProvisionError(
-                    f"EC2 started {count} instance(s) but {len(gone)} stopped at once ({reasons}); "
-                    "a pool needs all of them, so all were terminated. Try again, another "
-                    "subnet/AZ (subnet_id=), fewer nodes, or spot=False"
-                )
-            running = [i for i in found.values() if i["State"]["Name"] == "running"]
-            if len(running) == count:
-                return sorted(running, key=lambda i: (i.get("AmiLaunchIndex", 0), i["InstanceId"]))
-            if time.monotonic() > deadline:
-                raise ProvisionError(
-                    f"only {len(running)} of {count} instance(s) were running after "
-                    f"boot_timeout={self.boot_timeout:g} s; all were terminated"
-                )
-            state.check_cancel()
-            time.sleep(self.poll_interval)
-
-    def _resolve_ami(self, gpu: bool, arch: str) -> str:
-        template = GPU_AMI_PARAMETER if gpu else CPU_AMI_PARAMETER
-        name = template.format(arch=arch if gpu else ("arm64" if arch == "arm64" else "amd64"))
-        try:
-            return str(self.client("ssm").get_parameter(Name=name)["Parameter"]["Value"])
-        except ClientError as exc:
-            raise ProvisionError(
-                f"the AMI could not be looked up from the public SSM parameter {name}: {exc}; "
-                "pass sky.AWS(ami=...)"
-            ) from None
-
-    def _subnet(self, ec2: Any, instance_type: str) -> dict[str, Any]:
-        if self.subnet_id:
-            subnets = ec2.describe_subnets(SubnetIds=[self.subnet_id])["Subnets"]
-            return dict(subnets[0])
-        offerings = ec2.describe_instance_type_offerings(
-            LocationType="availability-zone",
-            Filters=[{"Name": "instance-type", "Values": [instance_type]}],
-        )["InstanceTypeOfferings"]
-        zones = {o["Location"] for o in offerings}
-        defaults = ec2.describe_subnets(Filters=[{"Name": "default-for-az", "Values": ["true"]}])
-        candidates = sorted(
-            (s for s in defaults["Subnets"] if s["AvailabilityZone"] in zones),
-            key=lambda s: str(s["AvailabilityZone"]),
-        )
-        if not candidates:
-            raise ConfigError(
-                f"no default subnet in an availability zone that offers {instance_type}: "
-                "pass sky.AWS(subnet_id=...)"
-            )
-        return dict(candidates[0])
-
-    def _client_cidr(self, ec2: Any, vpc_id: str) -> str:
-        if self.use_private_ips:
-            return str(ec2.describe_vpcs(VpcIds=[vpc_id])["Vpcs"][0]["CidrBlock"])
-        try:
-            with urllib.request.urlopen(CHECK_IP_URL, timeout=10) as answer:
-                address = answer.read().decode().strip()
-            return _check_cidr(f"{address}/32")
-        except (OSError, ValueError, ConfigError) as exc:
-            raise ConfigError(
-                f"this client's public address could not be found ({CHECK_IP_URL}: {exc}); "
-                "pass sky.AWS(ssh_cidr='x.x.x.x/32') to say who may reach port 22"
-            ) from None
-
-    # -- launch, SSH half ------------------------------------------------------------------
-
-    async def _connect(self, state: _PoolState, instances: list[dict[str, Any]]) -> list[AWSNode]:
+    async def _connect(
+        self, pool: AWSCluster, found: list[dict[str, Any]], indexes: Sequence[int]
+    ) -> list[Node]:
+        """Connect to the instances `found` (as nodes `indexes`), trusting only the pool's key."""
+        key = "PrivateIpAddress" if self.placement.use_private_ips else "PublicIpAddress"
         addresses = []
-        for instance in instances:
-            key = "PrivateIpAddress" if self.use_private_ips else "PublicIpAddress"
+        for instance in found:
             address = instance.get(key)
             if not address:
                 raise ProvisionError(
@@ -548,175 +337,65 @@ class AWS:
                     "public addresses, or use_private_ips=True from inside the VPC"
                 )
             addresses.append(str(address))
-        lines = [state.host_key.known_hosts_line(a) for a in addresses]
-        known = load_known_hosts(lines)
-        deadline = asyncio.get_running_loop().time() + self.boot_timeout
-        results = await asyncio.gather(
-            *(
-                self._connect_one(a, i["InstanceId"], known, state, deadline)
-                for a, i in zip(addresses, instances, strict=True)
-            ),
-            return_exceptions=True,
-        )
-        state.hosts = [r for r in results if isinstance(r, SSHHost)]
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            for failure in failures:
-                if not isinstance(failure, Exception):
-                    raise failure
-            raise failures[0]
-        state.ssh = SSH(
-            addresses,
-            user=self.user,
-            key=state.key_path,
-            known_hosts=lines,
-            python=self.python,
-            connect_timeout=self.connect_timeout,
+        options = ConnectOptions(
+            known_hosts=load_known_hosts([pool.host_key.known_hosts_line(a) for a in addresses]),
+            key=str(pool.key_path),
+            config=[],  # no ~/.ssh/config rule (User, HostName...) may redirect this login
+            timeout=self.connect_timeout,
             keepalive=self.keepalive,
-            build_env=self.build_env,
         )
-        return [
-            AWSNode(i, host, instance, state.pool_id)
-            for i, (host, instance) in enumerate(zip(state.hosts, instances, strict=True))
-        ]
-
-    async def _connect_one(
-        self,
-        address: str,
-        instance_id: str,
-        known: asyncssh.SSHKnownHosts | tuple[()],
-        state: _PoolState,
-        deadline: float,
-    ) -> SSHHost:
-        loop = asyncio.get_running_loop()
-        endpoint = Endpoint(address, 22, self.user)
-        while True:
-            timeout = max(1.0, min(self.connect_timeout, deadline - loop.time()))
-            try:
-                # config=[]: no ~/.ssh/config rule (User, HostName...) may redirect this login.
-                return await connect(
-                    endpoint,
-                    known_hosts=known,
-                    key=str(state.key_path),
-                    config=[],
-                    timeout=timeout,
-                    keepalive=self.keepalive,
-                )
-            except SSHConnectError as exc:
-                # While the instance boots, sshd is down, still offers the image's own host key
-                # (rejected: only ours is trusted) or has no authorized key yet. Wait, never trust.
-                if loop.time() + self.poll_interval > deadline:
-                    raise ProvisionError(
-                        f"instance {instance_id} ({address}) did not accept the verified SSH "
-                        f"login within boot_timeout={self.boot_timeout:g} s; last error: {exc}"
-                    ) from None
-                await asyncio.sleep(self.poll_interval)
+        wait = BootWait(
+            asyncio.get_running_loop().time() + self.boot_timeout,
+            self.poll_interval,
+            f"boot_timeout={self.boot_timeout:g} s",
+        )
+        hosts = await connect_all(
+            [Endpoint(a, 22, self.user) for a in addresses],
+            options,
+            wait,
+            [f"instance {i['InstanceId']} ({a})" for i, a in zip(found, addresses, strict=True)],
+        )
+        nodes: list[Node] = []
+        for index, host, instance in zip(indexes, hosts, found, strict=True):
+            pool.node_instances[index] = str(instance["InstanceId"])
+            nodes.append(RemoteNode(index, host, instance.get("PrivateIpAddress")))
+        return nodes
 
     # -- teardown --------------------------------------------------------------------------
 
-    async def _teardown(self, state: _PoolState) -> None:
-        if state.removed:
+    async def _teardown(self, pool: AWSCluster) -> None:
+        if pool.removed:
             return
-        hosts = list(state.hosts)
-        await asyncio.gather(*(h.close() for h in hosts), return_exceptions=True)
-        done = _in_thread(lambda: self._remove(state), f"skyward-aws-teardown-{state.pool_id}")
+        await close_hosts(pool)
+        done = _in_thread(lambda: self._remove(pool), f"skyward-aws-teardown-{pool.pool_id}")
         # Shielded: if the pool's loop is cancelled, the thread still finishes the job.
         await asyncio.shield(asyncio.wrap_future(done))
 
-    def _remove(self, state: _PoolState) -> None:
-        if state.provisioning is not None:
+    def _remove(self, pool: AWSCluster) -> None:
+        if pool.provisioning is not None:
             # Let an in-flight run_instances return first, so its instances are found too.
             with contextlib.suppress(BaseException):
-                state.provisioning.exception()
-        ec2 = self.client("ec2")
-        problems: list[str] = []
+                pool.provisioning.exception()
         try:
-            found = resources.find(ec2, state.pool_id).get(
-                state.pool_id, resources.PoolResources(state.pool_id)
-            )
-            problems = resources.remove(
-                ec2,
-                found,
-                extra_instances=state.instance_ids,
-                poll=self.poll_interval,
-                log=logger.info,
+            problems = instances.remove_pool(
+                self.client("ec2"), pool.pool_id, pool.instance_ids, self.poll_interval
             )
         except (ClientError, BotoCoreError) as exc:
             problems = [str(exc)]
         if problems:
             raise ProvisionError(
-                f"pool {state.pool_id} could not be fully removed:\n"
+                f"pool {pool.pool_id} could not be fully removed:\n"
                 + "\n".join(f"  {p}" for p in problems)
-                + f"\nRun `skyward down {state.pool_id}` to retry."
+                + f"\nRun `skyward down {pool.pool_id}` to retry."
             )
-        state.removed = True
-        shutil.rmtree(state.key_dir, ignore_errors=True)
+        pool.removed = True
+        shutil.rmtree(pool.key_dir, ignore_errors=True)
 
 
-def describe_loss(instance: Mapping[str, Any]) -> NodeLoss | None:
-    """Why an instance is gone, in words (preemption named as such); None while it runs."""
-    status = instance.get("State", {}).get("Name", "")
-    if status in ("pending", "running"):
-        return None
-    reason = instance.get("StateReason", {})
-    code = str(reason.get("Code", ""))
-    message = str(reason.get("Message", "") or instance.get("StateTransitionReason", ""))
-    if code in _SPOT_CODES or (instance.get("InstanceLifecycle") == "spot" and "Spot" in code):
-        return NodeLoss(
-            f"instance {instance.get('InstanceId')} was preempted: EC2 reclaimed the spot "
-            f"instance ({message or code})",
-            preempted=True,
-        )
-    return NodeLoss(
-        f"instance {instance.get('InstanceId')} is {status}: {message or code or 'no reason'}"
-    )
-
-
-def _loss_words(instance: Mapping[str, Any]) -> str:
-    loss = describe_loss(instance)
-    return loss.reason if loss else str(instance["State"]["Name"])
-
-
-def _client_error(exc: ClientError, spec: ClusterSpec, choice: instance_types.Choice) -> str:
-    error = exc.response.get("Error", {})
-    code, message = error.get("Code", "?"), error.get("Message", str(exc))
-    capacity = (
-        "InsufficientInstanceCapacity",
-        "InstanceLimitExceeded",
-        "VcpuLimitExceeded",
-        "MaxSpotInstanceCountExceeded",
-        "SpotMaxPriceTooLow",
-        "InsufficientCapacity",
-        "Unsupported",
-    )
-    what = f"{spec.nodes} x {choice.instance_type}"
-    if code in capacity:
-        return (
-            f"EC2 could not start {what} ({code}: {message}). Nothing was left running. Try "
-            "another region or AZ (subnet_id=), fewer nodes, spot=False, or ask AWS for a quota "
-            "increase"
-        )
-    if code in ("AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId"):
-        return f"AWS refused the request ({code}: {message}); check the credentials' permissions"
-    return f"EC2 call failed while launching {what} ({code}: {message}); nothing was left running"
-
-
-def _check_cidr(cidr: str) -> str:
-    import ipaddress
-
-    try:
-        return str(ipaddress.ip_network(cidr, strict=False))
-    except ValueError:
-        raise ConfigError(f"ssh_cidr {cidr!r} is not a CIDR such as '203.0.113.7/32'") from None
-
-
-def _write_key_pair(path: Path) -> None:
-    """A fresh ed25519 login key for one pool: private key 0600, public key beside it."""
-    key = asyncssh.generate_private_key("ssh-ed25519", comment=f"skyward-{path.parent.name}")
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path.write_bytes(key.export_private_key())
-    path.chmod(0o600)
-    path.with_suffix(".pub").write_bytes(key.export_public_key())
+def _aws(cluster: Cluster) -> AWSCluster:
+    if not isinstance(cluster, AWSCluster):
+        raise TypeError(f"{cluster!r} is not a pool of the AWS provider")
+    return cluster
 
 
 def _in_thread(fn: Callable[[], T], name: str) -> Future[T]:

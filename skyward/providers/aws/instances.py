@@ -1,0 +1,347 @@
+"""A pool's EC2 instances as plain functions: set up, run, wait, describe, replace, remove.
+
+Each function is one step of a launch or a teardown, blocking (the provider runs them in a
+thread) and working from the pool's tags (`resources`), so every step can be tested alone:
+
+- `set_up` checks the instance type, resolves the AMI and subnet, then creates the pool's key
+  pair, security group (22 from the client's CIDR only, all traffic inside the group) and
+  optional placement group, and returns the `run_instances` parameters of the pool;
+- `run` starts N instances with those parameters in ONE call (MinCount=MaxCount=N);
+- `wait_running` waits until all of them run, failing the pool if one stops;
+- `replace` terminates a lost instance and starts one more with the pool's parameters;
+- `loss_of` / `describe_loss` say why an instance went away; `remove_pool` removes
+  everything tagged with the pool's id.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+from botocore.exceptions import ClientError
+
+from skyward.cluster import ClusterSpec
+from skyward.errors import ConfigError, ProvisionError
+from skyward.providers.aws import instance_types, resources, userdata
+from skyward.providers.base import NodeLoss
+
+GPU_AMI_PARAMETER = (
+    "/aws/service/deeplearning/ami/{arch}/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
+)
+CPU_AMI_PARAMETER = (
+    "/aws/service/canonical/ubuntu/server/24.04/stable/current/{arch}/hvm/ebs-gp3/ami-id"
+)
+CHECK_IP_URL = "https://checkip.amazonaws.com"
+_GONE_STATES = ("shutting-down", "terminated", "stopping", "stopped")
+_SPOT_CODES = ("Server.SpotInstanceTermination", "Server.SpotInstanceShutdown")
+_CAPACITY_CODES = (
+    "InsufficientInstanceCapacity",
+    "InstanceLimitExceeded",
+    "VcpuLimitExceeded",
+    "MaxSpotInstanceCountExceeded",
+    "SpotMaxPriceTooLow",
+    "InsufficientCapacity",
+    "Unsupported",
+)
+
+CheckCancel = Callable[[], None]
+logger = logging.getLogger("skyward.aws")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how a pool's instances run: the `sky.AWS` settings the EC2 calls need."""
+
+    ami: str | None = None
+    spot: bool = False
+    subnet_id: str | None = None
+    use_private_ips: bool = False
+    ssh_cidr: str | None = None
+    idle_timeout: float = 300.0
+    placement_group: bool = False
+
+
+def set_up(
+    ec2: Any,
+    ssm: Any,
+    placement: Placement,
+    spec: ClusterSpec,
+    choice: instance_types.Choice,
+    key_path: Path,
+    host_key: userdata.HostKey,
+    check_cancel: CheckCancel,
+) -> dict[str, Any]:
+    """Create the pool's key pair, security group (and placement group); return the
+    `run_instances` parameters of its instances. Everything that can be wrong with the
+    request is found out before anything exists."""
+    try:
+        info = ec2.describe_instance_types(InstanceTypes=[choice.instance_type])
+    except ClientError as exc:
+        if "InvalidInstanceType" in str(exc):
+            raise ConfigError(
+                f"instance type {choice.instance_type!r} does not exist in this region: {exc}"
+            ) from None
+        raise
+    details = info["InstanceTypes"][0]
+    instance_types.check(choice, details)
+    arch = instance_types.architecture(details)
+    ami = placement.ami or _resolve_ami(ssm, choice.is_gpu, arch)
+    subnet = _subnet(ec2, placement.subnet_id, choice.instance_type)
+    cidr = placement.ssh_cidr or _client_cidr(ec2, subnet["VpcId"], placement.use_private_ips)
+    check_cancel()
+
+    tags = resources.pool_tags(spec.pool_id)
+    name = f"skyward-{spec.pool_id}"
+    write_key_pair(key_path)
+    ec2.import_key_pair(
+        KeyName=name,
+        PublicKeyMaterial=key_path.with_suffix(".pub").read_bytes(),
+        TagSpecifications=[resources.tag_spec("key-pair", tags)],
+    )
+    group = ec2.create_security_group(
+        GroupName=name,
+        Description=f"skyward pool {spec.pool_id}: SSH from the client, all within the pool",
+        VpcId=subnet["VpcId"],
+        TagSpecifications=[resources.tag_spec("security-group", tags)],
+    )["GroupId"]
+    ec2.authorize_security_group_ingress(
+        GroupId=group,
+        IpPermissions=[
+            {
+                "IpProtocol": "tcp",
+                "FromPort": 22,
+                "ToPort": 22,
+                "IpRanges": [{"CidrIp": cidr, "Description": "skyward client"}],
+            },
+            {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group}]},
+        ],
+    )
+    where: dict[str, str] = {"AvailabilityZone": subnet["AvailabilityZone"]}
+    if placement.placement_group:
+        ec2.create_placement_group(
+            GroupName=name,
+            Strategy="cluster",
+            TagSpecifications=[resources.tag_spec("placement-group", tags)],
+        )
+        where["GroupName"] = name
+    check_cancel()
+
+    options: dict[str, Any] = {}
+    if placement.spot:
+        options["InstanceMarketOptions"] = {
+            "MarketType": "spot",
+            "SpotOptions": {
+                "SpotInstanceType": "one-time",
+                "InstanceInterruptionBehavior": "terminate",
+            },
+        }
+    return dict(
+        ImageId=ami,
+        InstanceType=choice.instance_type,
+        KeyName=name,
+        UserData=userdata.render(spec.pool_id, host_key, placement.idle_timeout),
+        InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's poweroff ends it
+        NetworkInterfaces=[
+            {
+                "DeviceIndex": 0,
+                "SubnetId": subnet["SubnetId"],
+                "Groups": [group],
+                "AssociatePublicIpAddress": not placement.use_private_ips,
+                "DeleteOnTermination": True,
+            }
+        ],
+        Placement=where,
+        MetadataOptions={"HttpTokens": "required"},
+        TagSpecifications=[
+            resources.tag_spec("instance", tags),
+            resources.tag_spec("volume", tags),
+        ],
+        **options,
+    )
+
+
+def run(ec2: Any, params: Mapping[str, Any], count: int, pool_id: str) -> list[str]:
+    """Start `count` instances with `params` in one call, all or none; their ids."""
+    logger.info(
+        "starting %d x %s (%s) for %s", count, params["InstanceType"], params["ImageId"], pool_id
+    )
+    reply = ec2.run_instances(
+        **params,
+        MinCount=count,  # all-or-nothing: EC2 starts N or none
+        MaxCount=count,
+        # Makes the call idempotent: botocore's own retries can never start a second pool.
+        ClientToken=f"{pool_id}-{uuid.uuid4().hex[:12]}",
+    )
+    return [str(i["InstanceId"]) for i in reply["Instances"]]
+
+
+def replace(ec2: Any, params: Mapping[str, Any], lost: str, pool_id: str) -> list[str]:
+    """Terminate `lost` (it may be hung rather than gone) and start one instance as the pool's
+    were; the new id."""
+    try:
+        ec2.terminate_instances(InstanceIds=[lost])
+    except ClientError as exc:
+        logger.info("terminating lost instance %s: %s", lost, exc)
+    return run(ec2, params, 1, pool_id)
+
+
+def wait_running(
+    ec2: Any, ids: list[str], *, timeout: float, poll: float, check_cancel: CheckCancel
+) -> list[dict[str, Any]]:
+    """Wait until every instance of `ids` runs; in launch order. One stopping fails them all."""
+    deadline = time.monotonic() + timeout
+    count = len(ids)
+    while True:
+        try:
+            found = resources.instance_states(ec2, ids)
+        except ClientError as exc:
+            if "InvalidInstanceID.NotFound" not in str(exc):
+                raise
+            found = {}  # EC2 is eventually consistent right after run_instances
+        gone = [i for i in found.values() if i["State"]["Name"] in _GONE_STATES]
+        if gone:
+            reasons = "; ".join(f"{i['InstanceId']}: {_loss_words(i)}" for i in gone)
+            raise ProvisionError(
+                f"EC2 started {count} instance(s) but {len(gone)} stopped at once ({reasons}); "
+                "a pool needs all of them, so all were terminated. Try again, another "
+                "subnet/AZ (subnet_id=), fewer nodes, or spot=False"
+            )
+        running = [i for i in found.values() if i["State"]["Name"] == "running"]
+        if len(running) == count:
+            return sorted(running, key=lambda i: (i.get("AmiLaunchIndex", 0), i["InstanceId"]))
+        if time.monotonic() > deadline:
+            raise ProvisionError(
+                f"only {len(running)} of {count} instance(s) were running after "
+                f"boot_timeout={timeout:g} s; all were terminated"
+            )
+        check_cancel()
+        time.sleep(poll)
+
+
+def loss_of(ec2: Any, instance_id: str) -> NodeLoss | None:
+    """Why `instance_id` went away (e.g. spot preemption), or None if it runs or is unknown."""
+    try:
+        found = resources.instance_states(ec2, [instance_id])
+    except ClientError:
+        return None
+    instance = found.get(instance_id)
+    return describe_loss(instance) if instance is not None else None
+
+
+def remove_pool(ec2: Any, pool_id: str, extra_instances: list[str], poll: float) -> list[str]:
+    """Remove everything tagged for `pool_id` (and `extra_instances`); what could not be."""
+    found = resources.find(ec2, pool_id).get(pool_id, resources.PoolResources(pool_id))
+    return resources.remove(ec2, found, extra_instances=extra_instances, poll=poll, log=logger.info)
+
+
+def describe_loss(instance: Mapping[str, Any]) -> NodeLoss | None:
+    """Why an instance is gone, in words (preemption named as such); None while it runs."""
+    status = instance.get("State", {}).get("Name", "")
+    if status in ("pending", "running"):
+        return None
+    reason = instance.get("StateReason", {})
+    code = str(reason.get("Code", ""))
+    message = str(reason.get("Message", "") or instance.get("StateTransitionReason", ""))
+    if code in _SPOT_CODES or (instance.get("InstanceLifecycle") == "spot" and "Spot" in code):
+        return NodeLoss(
+            f"instance {instance.get('InstanceId')} was preempted: EC2 reclaimed the spot "
+            f"instance ({message or code})",
+            preempted=True,
+        )
+    return NodeLoss(
+        f"instance {instance.get('InstanceId')} is {status}: {message or code or 'no reason'}"
+    )
+
+
+def launch_error(exc: ClientError, spec: ClusterSpec, choice: instance_types.Choice) -> str:
+    """A failed EC2 call of a launch, in words, with what to try."""
+    error = exc.response.get("Error", {})
+    code, message = error.get("Code", "?"), error.get("Message", str(exc))
+    what = f"{spec.nodes} x {choice.instance_type}"
+    if code in _CAPACITY_CODES:
+        return (
+            f"EC2 could not start {what} ({code}: {message}). Nothing was left running. Try "
+            "another region or AZ (subnet_id=), fewer nodes, spot=False, or ask AWS for a quota "
+            "increase"
+        )
+    if code in ("AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId"):
+        return f"AWS refused the request ({code}: {message}); check the credentials' permissions"
+    return f"EC2 call failed while launching {what} ({code}: {message}); nothing was left running"
+
+
+def check_cidr(cidr: str) -> str:
+    """`cidr` normalised; `ConfigError` when it is not one."""
+    try:
+        return str(ipaddress.ip_network(cidr, strict=False))
+    except ValueError:
+        raise ConfigError(f"ssh_cidr {cidr!r} is not a CIDR such as '203.0.113.7/32'") from None
+
+
+def write_key_pair(path: Path) -> None:
+    """A fresh ed25519 login key for one pool: private key 0600, public key beside it."""
+    key = asyncssh.generate_private_key("ssh-ed25519", comment=f"skyward-{path.parent.name}")
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.write_bytes(key.export_private_key())
+    path.chmod(0o600)
+    path.with_suffix(".pub").write_bytes(key.export_public_key())
+
+
+def _loss_words(instance: Mapping[str, Any]) -> str:
+    loss = describe_loss(instance)
+    return loss.reason if loss else str(instance["State"]["Name"])
+
+
+def _resolve_ami(ssm: Any, gpu: bool, arch: str) -> str:
+    template = GPU_AMI_PARAMETER if gpu else CPU_AMI_PARAMETER
+    name = template.format(arch=arch if gpu else ("arm64" if arch == "arm64" else "amd64"))
+    try:
+        return str(ssm.get_parameter(Name=name)["Parameter"]["Value"])
+    except ClientError as exc:
+        raise ProvisionError(
+            f"the AMI could not be looked up from the public SSM parameter {name}: {exc}; "
+            "pass sky.AWS(ami=...)"
+        ) from None
+
+
+def _subnet(ec2: Any, subnet_id: str | None, instance_type: str) -> dict[str, Any]:
+    if subnet_id:
+        subnets = ec2.describe_subnets(SubnetIds=[subnet_id])["Subnets"]
+        return dict(subnets[0])
+    offerings = ec2.describe_instance_type_offerings(
+        LocationType="availability-zone",
+        Filters=[{"Name": "instance-type", "Values": [instance_type]}],
+    )["InstanceTypeOfferings"]
+    zones = {o["Location"] for o in offerings}
+    defaults = ec2.describe_subnets(Filters=[{"Name": "default-for-az", "Values": ["true"]}])
+    candidates = sorted(
+        (s for s in defaults["Subnets"] if s["AvailabilityZone"] in zones),
+        key=lambda s: str(s["AvailabilityZone"]),
+    )
+    if not candidates:
+        raise ConfigError(
+            f"no default subnet in an availability zone that offers {instance_type}: "
+            "pass sky.AWS(subnet_id=...)"
+        )
+    return dict(candidates[0])
+
+
+def _client_cidr(ec2: Any, vpc_id: str, use_private_ips: bool) -> str:
+    if use_private_ips:
+        return str(ec2.describe_vpcs(VpcIds=[vpc_id])["Vpcs"][0]["CidrBlock"])
+    try:
+        with urllib.request.urlopen(CHECK_IP_URL, timeout=10) as answer:
+            address = answer.read().decode().strip()
+        return check_cidr(f"{address}/32")
+    except (OSError, ValueError, ConfigError) as exc:
+        raise ConfigError(
+            f"this client's public address could not be found ({CHECK_IP_URL}: {exc}); "
+            "pass sky.AWS(ssh_cidr='x.x.x.x/32') to say who may reach port 22"
+        ) from None

@@ -1,0 +1,64 @@
+"""How skyward itself reaches a node: the client's own package, content-hashed, unpacked once.
+
+Every provider ships skyward the same way, so client and nodes never run different versions: the
+client's package dir as a .tar.gz whose hash covers every file's name and bytes, unpacked by one
+shell command to ``<cache>/src/<hash>/skyward`` (on a remote host over SSH, on this machine for
+Local), and that directory's parent on the nodes' ``PYTHONPATH``. Whether it is already there is
+part of the one host check (`skyward.worker.hostcheck`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+from functools import cache
+from pathlib import Path
+
+import skyward
+
+
+@cache
+def _files() -> tuple[tuple[str, bytes], ...]:
+    package = Path(skyward.__file__).resolve().parent
+    paths = sorted(
+        p
+        for p in package.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in {".pyc", ".pyo"}
+    )
+    return tuple((p.relative_to(package.parent).as_posix(), p.read_bytes()) for p in paths)
+
+
+@cache
+def source_hash() -> str:
+    """The content hash of the client's skyward package (file names and bytes)."""
+    digest = hashlib.sha256()
+    for name, data in _files():
+        digest.update(name.encode() + b"\0" + data + b"\0")
+    return digest.hexdigest()[:16]
+
+
+@cache
+def source_tarball() -> bytes:
+    """The client's skyward package as a .tar.gz (built only when a node lacks it)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
+        for name, data in _files():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def unpack_command(src_root: str) -> str:
+    """The shell command that unpacks `source_tarball` (its stdin) under `src_root`, an
+    expression valid inside double quotes (``$HOME/.cache/skyward/src``, ``$SKYWARD_SRC``)."""
+    # Unpack beside, then rename: a host sharing the home never sees half a tree. mv -T fails
+    # when another bootstrap won the race, which is fine.
+    target = f"{src_root}/{source_hash()}"
+    return (
+        f'set -e; mkdir -p "{target}"; T=$(mktemp -d "{src_root}/.tmp-XXXXXX"); '
+        f'tar -xzf - -C "$T"; mv -T "$T/skyward" "{target}/skyward" 2>/dev/null || true; '
+        f'rm -rf "$T"; test -f "{target}/skyward/__init__.py"'
+    )

@@ -1,0 +1,146 @@
+"""What an interpreter already has for an image, and what to do about it: one check, one decision.
+
+`check` looks at the interpreter it runs in and at skyward's cache directory: the Python
+version, skyward's source, uv, an environment already built for the image, the setup marker, the
+apt packages missing, and whether the interpreter satisfies the image's requirements. `decide`
+turns that `Report` into the interpreter the nodes run, or a build. Every provider uses these
+two: Local calls `check` in-process; on a remote host this module's own source runs with the
+host's interpreter (``python3 -c SOURCE QUERY_JSON``), one command that prints the report.
+
+Standard library only: it runs before skyward's source or any environment is on the host. The
+requirement probe is `skyward.worker.probe`, imported when skyward can be imported (on a host's
+first contact it cannot: the report says so with ``satisfied=None``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+READY_MARKER = ".skyward-ready"  # as in skyward.worker.envbuild (not imported: stdlib only)
+
+
+@dataclass(frozen=True)
+class Query:
+    """What to look for: paths under `cache`, the image's requirements and apt packages."""
+
+    cache: str  # skyward's cache directory; ``~`` is expanded where the check runs
+    env: str  # the environment's hash (`EnvSpec.hash`)
+    src: str = ""  # the hash of skyward's shipped source, "" when not shipped
+    uv: str = ""  # the uv version looked for under bootstrap/, "" for none
+    apt: tuple[str, ...] = ()
+    requirements: tuple[str, ...] = ()
+    probe: bool = True  # whether this interpreter may serve the nodes (then: probe it)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+@dataclass(frozen=True)
+class Report:
+    """What `check` found."""
+
+    python: str  # this interpreter
+    version: str  # its version, e.g. "3.12.3"
+    uid: int
+    src: bool  # skyward's source (`Query.src`) is unpacked in the cache
+    uv: str | None  # the uv binary of `Query.uv`, when installed
+    env: str | None  # the built environment's interpreter, when complete
+    setup: bool  # the image's setup commands already ran for this interpreter
+    apt_missing: tuple[str, ...]
+    # Whether this interpreter has every requirement; None when not probed: an environment is
+    # already built (it wins, so a warm start skips the slowest part), or skyward (the probe)
+    # cannot be imported yet.
+    satisfied: bool | None
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        data = json.loads(text)
+        data["apt_missing"] = tuple(data["apt_missing"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the nodes run: `python` as it is, or (None) an environment built with uv."""
+
+    python: str | None
+    setup: bool = False  # run the image's setup commands once before using `python`
+
+
+def check(query: Query) -> Report:
+    """Look at this interpreter and the cache directory for `query`."""
+    home = os.path.expanduser(query.cache)
+    env_dir = os.path.join(home, "envs", query.env)
+    ready = os.path.exists(os.path.join(env_dir, READY_MARKER))
+    uv = os.path.join(home, "bootstrap", f"uv-{query.uv}", "bin", "uv")
+    satisfied: bool | None = None if ready else False
+    if query.probe and not ready:
+        try:
+            from skyward.worker.probe import satisfied as probe
+        except ImportError:
+            satisfied = None
+        else:
+            satisfied = probe(query.requirements)
+    return Report(
+        python=sys.executable,
+        version=platform.python_version(),
+        uid=os.getuid(),
+        src=bool(query.src) and os.path.isfile(_source_init(home, query.src)),
+        uv=uv if query.uv and os.access(uv, os.X_OK) else None,
+        env=os.path.join(env_dir, "bin", "python") if ready else None,
+        setup=os.path.exists(os.path.join(home, "setup", f"{query.env}.done")),
+        apt_missing=tuple(p for p in query.apt if not _dpkg_installed(p)),
+        satisfied=satisfied,
+    )
+
+
+def decide(report: Report, python_version: str | None, has_setup: bool) -> Decision:
+    """The interpreter for the nodes: an environment already built for the image wins; then the
+    inspected interpreter when it has the Python version and every requirement; else a build."""
+    if report.env is not None:
+        return Decision(report.env)
+    version_ok = not python_version or report.version.startswith(python_version)
+    if report.satisfied and version_ok:
+        return Decision(report.python, setup=has_setup and not report.setup)
+    return Decision(None)
+
+
+def _source_init(home: str, src: str) -> str:
+    return os.path.join(home, "src", src, "skyward", "__init__.py")
+
+
+def _dpkg_installed(package: str) -> bool:
+    try:
+        result = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Status}", package],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except FileNotFoundError:  # not a Debian system: nothing counts as installed
+        return False
+    return "install ok installed" in result.stdout
+
+
+def main() -> None:
+    """``python -c SOURCE QUERY_JSON`` (or ``-m skyward.worker.hostcheck``): print the report.
+
+    skyward's shipped source, when there, comes first on the path, so the probe is the client's.
+    """
+    data = json.loads(sys.argv[1])
+    query = Query(
+        **{**data, "apt": tuple(data["apt"]), "requirements": tuple(data["requirements"])}
+    )
+    if query.src:
+        home = os.path.expanduser(query.cache)
+        sys.path.insert(0, os.path.join(home, "src", query.src))
+    print(json.dumps(asdict(check(query))))
+
+
+if __name__ == "__main__":
+    main()

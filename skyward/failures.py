@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from skyward.errors import RemoteError, WorkerError
-from skyward.transport import frames
+from skyward.transport import frames, messages
 
 if TYPE_CHECKING:
     from skyward.session import NodeSession
@@ -60,7 +60,7 @@ class RemoteTraceback(Exception):
 
 
 def rebuild_exception(
-    type_name: str, message: str, remote_tb: str, segments: list[frames.Buffer], node: int
+    report: messages.ErrorReport, segments: list[frames.Buffer], node: int
 ) -> BaseException:
     """The node's exception as itself, with the remote traceback as its cause."""
     exc: BaseException
@@ -72,8 +72,9 @@ def rebuild_exception(
             # SystemExit or KeyboardInterrupt from a node must not end the client's program
             raise TypeError("not an ordinary exception")
     except Exception:
-        exc = RemoteError(type_name, message, remote_tb, node=node)
-    exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback on node {node}:\n{remote_tb.rstrip()}\n"""')
+        exc = RemoteError(report.type_name, report.message, report.traceback, node=node)
+    text = report.traceback.rstrip()
+    exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback on node {node}:\n{text}\n"""')
     with contextlib.suppress(Exception):
         exc.add_note(f"(raised on node {node})")
     return exc

@@ -176,9 +176,9 @@ class NodeSession:
     ) -> PluginError:
         lines = [
             f"plugin {failed.plugin!r} failed in {failed.hook} on node {self.node}: "
-            f"{failed.type_name}: {failed.message}",
+            f"{failed.error.type_name}: {failed.error.message}",
             *failures.laggards(self, peers, failed.plugin),
-            f"remote traceback of node {self.node}:\n{failed.traceback.rstrip()}",
+            f"remote traceback of node {self.node}:\n{failed.error.traceback.rstrip()}",
         ]
         return PluginError("\n".join(lines), plugin=failed.plugin, hook=failed.hook, node=self.node)
 
@@ -279,11 +279,7 @@ class NodeSession:
     def _reject(self, raised: messages.Raised, segments: list[frames.Buffer]) -> None:
         future = self.pending.pop(raised.call_id, None)
         if future is not None:
-            future.set_exception(
-                failures.rebuild_exception(
-                    raised.type_name, raised.message, raised.traceback, segments, self.node
-                )
-            )
+            future.set_exception(failures.rebuild_exception(raised.error, segments, self.node))
 
     def _on_output_bytes(self, data: bytes) -> None:
         if not data:

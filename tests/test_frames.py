@@ -118,9 +118,9 @@ def test_every_message_travels_as_itself() -> None:
         messages.Started(10, "host", "3.11.7", "0.1.0", {"head": 5000}),
         messages.Progress("jax", "around_app"),
         messages.Ready(),
-        messages.HookFailed("jax", "around_app", "ValueError", "no", "Traceback..."),
+        messages.HookFailed("jax", "around_app", messages.ErrorReport("ValueError", "no", "Tb")),
         messages.Result(3),
-        messages.Raised(4, "KeyError", "'k'", "Traceback..."),
+        messages.Raised(4, messages.ErrorReport("KeyError", "'k'", "Traceback...")),
         messages.Heartbeat(),
     ]
     blob = b"".join(bytes(c) for m in sent for c in frames.encode(m, [b"x"]))

@@ -28,12 +28,9 @@ _MAX_PREAMBLE = 1 << 16
 
 async def open_agent(host: SSHHost, command: str, timeout: float = 30.0) -> AgentChannel:
     """Start `command` (the agent) in its own process group on `host`; its stream."""
-    if host.closed:
-        raise ProvisionError(f"the connection to {host} was closed")
-    wrapped = f"echo {PID_MARKER.decode()}$$; {command}"
     loop = asyncio.get_running_loop()
     channel, session = await host.conn.create_session(
-        lambda: AgentChannel(host, loop), wrapped, encoding=None
+        lambda: AgentChannel(host, loop), host.wrap(command), encoding=None
     )
     assert isinstance(session, AgentChannel)
     try:
@@ -41,9 +38,7 @@ async def open_agent(host: SSHHost, command: str, timeout: float = 30.0) -> Agen
     except BaseException:
         channel.close()
         raise
-    host.groups.add(pid)
-    if host.closed:  # terminated while the channel opened: take it down at once
-        host.schedule_kill(pid)
+    host.adopt(pid)
     return session
 
 

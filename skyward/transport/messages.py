@@ -9,7 +9,7 @@ A conversation with one agent::
                                 <-  Progress(plugin, hook)   (before each plugin's around_app)
                                 <-  Ready()  or  HookFailed(plugin, hook, ...) + exception
     Call(call_id, fn_id, fn) + args ->
-                                <-  Result(call_id) + value  or  Raised(call_id, ...) + exception
+                                <-  Result(call_id) + value  or  Raised(call_id, error) + exception
                                 <-  Heartbeat()              (every 2 s while the agent lives)
     Shutdown()                  ->                          (the agent unwinds its plugins, exits)
 
@@ -87,15 +87,22 @@ class Ready:
 
 
 @dataclass(frozen=True, slots=True)
+class ErrorReport:
+    """An exception raised on the node, in words: enough to show it if it cannot be unpickled."""
+
+    type_name: str  # module.QualName, or the bare name of a builtin
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True, slots=True)
 class HookFailed:
     """agent -> client: a plugin hook raised; segments: the pickled exception, if it pickles."""
 
     KIND: ClassVar[int] = 13
     plugin: str
     hook: str
-    type_name: str
-    message: str
-    traceback: str
+    error: ErrorReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +119,7 @@ class Raised:
 
     KIND: ClassVar[int] = 15
     call_id: int
-    type_name: str
-    message: str
-    traceback: str
+    error: ErrorReport
 
 
 @dataclass(frozen=True, slots=True)

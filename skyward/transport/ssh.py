@@ -1,4 +1,4 @@
-"""The shared SSH layer: verified connections, remote commands in killable groups, agent streams.
+"""The shared SSH layer: verified connections, and remote commands in killable groups.
 
 Used by the SSH provider and by any provider whose nodes are reached over SSH (AWS). One
 `SSHHost` is one asyncssh connection to one host, kept for the pool's life. Every remote command
@@ -222,20 +222,27 @@ class SSHHost:
     def __str__(self) -> str:
         return str(self.endpoint)
 
-    async def start(self, command: str) -> RemoteProcess:
-        """Start `command` (a shell command line) in its own process group on the host."""
+    def wrap(self, command: str) -> str:
+        """`command` behind the wrapper that prints its pid (its process group) first."""
         if self.closed:
             raise ProvisionError(f"the connection to {self} was closed")
-        wrapped = f"echo {PID_MARKER.decode()}$$; {command}"
-        process = await self.conn.create_process(wrapped, encoding=None)
+        return f"echo {PID_MARKER.decode()}$$; {command}"
+
+    def adopt(self, pid: int) -> None:
+        """Count process group `pid` as this connection's (killed with it)."""
+        self.groups.add(pid)
+        if self.closed:  # terminated while the channel opened: take it down at once
+            self.schedule_kill(pid)
+
+    async def start(self, command: str) -> RemoteProcess:
+        """Start `command` (a shell command line) in its own process group on the host."""
+        process = await self.conn.create_process(self.wrap(command), encoding=None)
         try:
             pid = await asyncio.wait_for(_read_pid(process.stdout), 30)
         except BaseException:
             process.close()
             raise
-        self.groups.add(pid)
-        if self.closed:  # terminated while the channel opened: take it down at once
-            self.schedule_kill(pid)
+        self.adopt(pid)
         return RemoteProcess(self, process, pid)
 
     async def run(

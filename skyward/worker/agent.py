@@ -116,10 +116,7 @@ class Agent:
         except BaseException as exc:
             # The plugin's own exception is what the client shows, with its own traceback.
             cause = exc.__cause__ if isinstance(exc, PluginError) and exc.__cause__ else exc
-            tb = "".join(traceback.format_exception(cause))
-            failed = messages.HookFailed(
-                current[0], "around_app", _type_name(cause), str(cause), tb
-            )
+            failed = messages.HookFailed(current[0], "around_app", _report(cause))
             self.send(failed, pickling.try_dumps(cause))
             return False
         return True
@@ -146,11 +143,9 @@ class Agent:
             del segments  # a large argument is freed as soon as the function lets go of it
             value = fn(*args, **kwargs)
         except BaseException as exc:
-            tb = traceback.format_exc()
             # sys.exit() or KeyboardInterrupt in the user's code fails that call only; the agent
             # keeps serving.
-            raised = messages.Raised(call_id, _type_name(exc), str(exc), tb)
-            self.send(raised, pickling.try_dumps(exc))
+            self.send(messages.Raised(call_id, _report(exc)), pickling.try_dumps(exc))
             return
         try:
             result = pickling.fast_dumps(value)
@@ -159,7 +154,8 @@ class Agent:
                 f"the return value ({type(value).__name__}) could not be pickled for the trip "
                 f"back to the client: {exc}; return plain data (numbers, arrays, dicts) instead"
             )
-            raised = messages.Raised(call_id, _type_name(error), str(error), traceback.format_exc())
+            # the pickler's own traceback says what in the value could not travel
+            raised = messages.Raised(call_id, _report(error, traceback.format_exc()))
             self.send(raised, pickling.try_dumps(error))
             return
         self.send(messages.Result(call_id), result)
@@ -191,9 +187,12 @@ def _linger_seconds() -> float:
         return 0.0
 
 
-def _type_name(exc: BaseException) -> str:
+def _report(exc: BaseException, tb: str | None = None) -> messages.ErrorReport:
+    """`exc` in words, with its own traceback unless `tb` is given."""
     cls = type(exc)
-    return f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__name__
+    name = f"{cls.__module__}.{cls.__qualname__}" if cls.__module__ != "builtins" else cls.__name__
+    text = tb if tb is not None else "".join(traceback.format_exception(exc))
+    return messages.ErrorReport(name, str(exc), text)
 
 
 def _free_ports(names: tuple[str, ...]) -> dict[str, int]:

@@ -69,7 +69,11 @@ class Dispatch:
         tally = Tally(1)
         reply = Reply(tally)
         session.submit([(self._frames(call, payload), reply)])
-        value: T = self._collect(tally, [reply], [session], spmd=False)[0]
+        session.stream.wait_replies((session.stream,), reply.done)
+        tally.wait(reply.done)
+        if reply.error is not None:
+            raise reply.error
+        value: T = reply.value
         return value
 
     def broadcast(self, call: PendingCall[T]) -> list[T]:

@@ -20,7 +20,9 @@ never inside the message. Shared by the client and the agent: standard library o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Any, ClassVar
 
 
@@ -157,9 +159,22 @@ _TYPES: tuple[type[Any], ...] = (
     Heartbeat,
 )
 _BY_KIND: dict[int, type[Any]] = {cls.KIND: cls for cls in _TYPES}
-_FIELDS: dict[type[Any], tuple[str, ...]] = {
-    cls: tuple(f.name for f in fields(cls)) for cls in _TYPES
-}
+
+
+def _packer(cls: type[Any]) -> Callable[[Any], tuple[Any, ...]]:
+    """A function from a `cls` message to its wire tuple (built once per class: this runs on
+    every call's way out and back)."""
+    kind, names = cls.KIND, tuple(f.name for f in fields(cls))
+    if not names:
+        return lambda message: (kind,)
+    if len(names) == 1:
+        get_one = attrgetter(names[0])
+        return lambda message: (kind, get_one(message))
+    get_all = attrgetter(*names)
+    return lambda message: (kind, *get_all(message))
+
+
+_PACKERS: dict[type[Any], Callable[[Any], tuple[Any, ...]]] = {cls: _packer(cls) for cls in _TYPES}
 
 
 class MessageError(Exception):
@@ -169,7 +184,7 @@ class MessageError(Exception):
 
 def to_wire(message: Message) -> tuple[Any, ...]:
     """The tuple that travels for `message`: its kind, then its fields in order."""
-    return (message.KIND, *[getattr(message, name) for name in _FIELDS[type(message)]])
+    return _PACKERS[type(message)](message)
 
 
 def from_wire(meta: Any) -> Message:

@@ -61,6 +61,10 @@ class SubprocessStream:
 
     def wait_replies(self, group: Sequence[AgentStream], done: Callable[[], bool]) -> None:
         """Read the replies of `group`'s local agents in this thread until `done()`."""
+        if len(group) == 1 and group[0] is self:  # one call's reply: the common case
+            if self._control is not None:
+                self._control.read_until(done, self._linger)
+            return
         readers = [
             stream._control
             for stream in group

@@ -9,7 +9,9 @@ route off the machine, so that build installs uv and the agent's packages from a
 this client's own (tests/support/wheels.py), as the AWS contract tests do. A MISS is printed,
 never an exit status.
 
-- rtt: no-op ``call >> pool`` over SSH vs an echo round trip over an open asyncssh channel.
+- rtt: no-op ``call >> pool`` over SSH vs an echo round trip over an open asyncssh channel
+  with the same ciphers (timed inside an event loop run by the same thread), sampled in
+  alternating blocks; an echo over asyncssh's default ciphers is printed for scale.
 - bootstrap: pool start (connect, check, agent) on 3 hosts at once vs on 1 host.
 - restart: a second pool with the environment already there, split into connect / check /
   agent start + handshake.
@@ -24,7 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import skyward as sky
 from skyward.providers.ssh import SSH
+from skyward.transport.ssh import ENCRYPTION_ALGS
 from tests.support import sshd, wheels
 
 
 @sky.compute
 def noop() -> None:
     return None
-
-
-def median_seconds(op: Callable[[], object], runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        began = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
 
 
 def report(name: str, value: float, baseline: float, target: float, unit: str = "ms") -> None:
@@ -61,21 +55,67 @@ def report(name: str, value: float, baseline: float, target: float, unit: str = 
     )
 
 
-async def raw_echo_rtt(server: sshd.SshdServer, key: str, runs: int) -> float:
-    """Median round trip of one line through ``cat`` on an already-open channel."""
-    known = asyncssh.import_known_hosts(server.known_hosts_line() + "\n")
-    async with asyncssh.connect(
-        server.host, server.port, username="root", client_keys=[key], known_hosts=known
-    ) as conn:
-        process = await conn.create_process("cat", encoding=None)
+class RawEcho:
+    """An echo round trip through ``cat`` on an already-open asyncssh channel, timed inside an
+    event loop that this thread runs one block at a time, so blocks alternate with the pool's."""
+
+    def __init__(self, server: sshd.SshdServer, key: str, algs: Sequence[str] = ()) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._server, self._key = server, key
+        self._options = {"encryption_algs": list(algs)} if algs else {}
+        self._conn: Any = None
+        self._process: Any = self._loop.run_until_complete(self._open())
+
+    async def _open(self) -> Any:
+        known = asyncssh.import_known_hosts(self._server.known_hosts_line() + "\n")
+        self._conn = await asyncssh.connect(
+            self._server.host,
+            self._server.port,
+            username="root",
+            client_keys=[self._key],
+            known_hosts=known,
+            **self._options,
+        )
+        return await self._conn.create_process("cat", encoding=None)
+
+    async def _block(self, runs: int) -> list[float]:
         times = []
         for _ in range(runs):
             began = time.perf_counter()
-            process.stdin.write(b"x\n")
-            await process.stdout.readline()
+            self._process.stdin.write(b"x\n")
+            await self._process.stdout.readline()
             times.append(time.perf_counter() - began)
-        process.stdin.write_eof()
-        return statistics.median(times)
+        return times
+
+    def block(self, runs: int) -> list[float]:
+        result: list[float] = self._loop.run_until_complete(self._block(runs))
+        return result
+
+    def close(self) -> None:
+        async def shut() -> None:
+            self._process.stdin.write_eof()
+            self._conn.close()
+            await self._conn.wait_closed()
+
+        self._loop.run_until_complete(shut())
+        self._loop.close()
+
+
+def interleaved_rtt(
+    pool: sky.ComputePool, echoes: Sequence[RawEcho], runs: int
+) -> tuple[float, list[float]]:
+    """Medians of the pool's no-op call and of each raw echo, sampled in alternating blocks."""
+    calls: list[float] = []
+    floors: list[list[float]] = [[] for _ in echoes]
+    block = max(1, runs // 10)
+    while len(calls) < runs:
+        for _ in range(block):
+            began = time.perf_counter()
+            noop() >> pool
+            calls.append(time.perf_counter() - began)
+        for echo, samples in zip(echoes, floors, strict=True):
+            samples += echo.block(block)
+    return statistics.median(calls), [statistics.median(samples) for samples in floors]
 
 
 def pool_start(provider: SSH, nodes: int) -> tuple[float, dict[str, float]]:
@@ -114,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     if not sshd.is_root():
         sys.exit("bench_ssh needs root (it starts sshd and network namespaces)")
-    runs = 100 if args.quick else 1000
+    runs = 400 if args.quick else 2000
     starts = 3 if args.quick else 7
     work = Path(tempfile.mkdtemp(prefix="skyward-bench-ssh-"))
     try:
@@ -134,12 +174,24 @@ def run(work: Path, runs: int, starts: int) -> None:
             known_hosts=[server.known_hosts_line()],
             python=sys.executable,
         )
-        with sky.ComputePool(provider=provider, nodes=1, stream_output=False) as pool:
-            for _ in range(20):
-                noop() >> pool
-            call = median_seconds(lambda: noop() >> pool, runs)
-        echo = asyncio.run(raw_echo_rtt(server, str(key.private_path), runs))
-        report("rtt: noop >> pool", call, echo, 1.5)
+        # The floor talks over the same ciphers as skyward's connections; asyncssh's default
+        # (ChaCha20-Poly1305 first) is shown for scale.
+        echoes = [
+            RawEcho(server, str(key.private_path), ENCRYPTION_ALGS),
+            RawEcho(server, str(key.private_path)),
+        ]
+        try:
+            with sky.ComputePool(provider=provider, nodes=1, stream_output=False) as pool:
+                for _ in range(20):
+                    noop() >> pool
+                for echo in echoes:
+                    echo.block(20)
+                call, (floor, default) = interleaved_rtt(pool, echoes, runs)
+        finally:
+            for echo in echoes:
+                echo.close()
+        report("rtt: noop >> pool", call, floor, 1.5)
+        print(f"    for scale, an echo over asyncssh's default ciphers: {default * 1000:.3f} ms")
 
     sshd.SshUser.ensure().authorize(key)
     with sshd.NetnsHosts(3, subnet="10.213.4.0/24", authorized_keys=[key]) as net:

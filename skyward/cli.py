@@ -14,6 +14,7 @@ from typing import Any
 
 from skyward import __version__
 from skyward.providers.local import cache_dir
+from skyward.providers.source import source_hash
 from skyward.worker import envbuild
 
 
@@ -36,11 +37,21 @@ def _cache_list(cache: Path) -> int:
     return 0
 
 
+def _old_sources(cache: Path) -> list[Path]:
+    """Copies of skyward other than this client's own (one is made per version of the source)."""
+    src = cache / "src"
+    if not src.exists():
+        return []
+    return sorted(p for p in src.iterdir() if p.is_dir() and p.name != source_hash())
+
+
 def _cache_clear(cache: Path) -> int:
     envs = _environments(cache)
-    for env in envs:
-        shutil.rmtree(env, ignore_errors=True)
+    sources = _old_sources(cache)
+    for path in [*envs, *sources]:
+        shutil.rmtree(path, ignore_errors=True)
     print(f"removed {len(envs)} environment(s) from {cache / 'envs'}")
+    print(f"removed {len(sources)} old copy(ies) of skyward from {cache / 'src'}")
     return 0
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from skyward import __version__
 from skyward.cli import main
+from skyward.providers.source import source_hash
 
 
 def test_cache_list_and_clear(
@@ -23,8 +24,14 @@ def test_cache_list_and_clear(
     assert main(["cache", "list"]) == 0
     listed = capsys.readouterr().out
     assert "0123456789abcdef" in listed and "2.0 MB" in listed and "ready" in listed
+    old_copy = tmp_path / "src" / "feedfacefeedface" / "skyward"
+    old_copy.mkdir(parents=True)
+    current = tmp_path / "src" / source_hash() / "skyward"  # this client's own: kept
+    current.mkdir(parents=True)
     assert main(["cache", "clear"]) == 0
     assert not env.exists()
+    assert not old_copy.parent.exists() and current.exists()
+    assert "removed 1 old copy(ies) of skyward" in capsys.readouterr().out
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

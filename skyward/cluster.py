@@ -47,3 +47,6 @@ class ClusterSpec:
     accelerator: Accelerator | None = None
     provider: str = "local"
     image_hash: str = ""
+    # The highest CUDA every node's driver supports ("13.0"), when the provider knows it before
+    # launch; None otherwise (the JAX plugin then assumes CUDA 12 for a GPU).
+    cuda: str | None = None

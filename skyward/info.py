@@ -34,6 +34,7 @@ class InstanceInfo:
     accelerator_count: int = 0
     provider: str = "local"
     ports: dict[str, int] = field(default_factory=dict)
+    devices: tuple[int, ...] = ()  # the GPUs this node owns, numbered as on its machine
 
     @property
     def is_head(self) -> bool:
@@ -49,6 +50,7 @@ class InstanceInfo:
         """Inverse of `to_json`."""
         data = json.loads(text)
         data["peers"] = tuple(data["peers"])
+        data["devices"] = tuple(data.get("devices", ()))
         return cls(**data)
 
 

@@ -31,6 +31,7 @@ from skyward.errors import (
     PoolClosedError,
     SerializationError,
 )
+from skyward.handshake import handshake
 from skyward.image import Image
 from skyward.info import InstanceInfo
 from skyward.loop import LoopThread, sigterm_unwinds
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
     from skyward.compute import PendingCall
 
 T = TypeVar("T")
-HEAD_PORT = "head"
 
 
 class ComputePool:
@@ -112,6 +112,7 @@ class ComputePool:
             provider=provider.name,
         )
         self.provider.validate(self.spec)
+        self.spec = replace(self.spec, cuda=provider.expected_cuda(self.spec))
         self.image: Image = image or Image()
         self.startup_timeout = startup_timeout
         self.shutdown_timeout = shutdown_timeout
@@ -212,45 +213,15 @@ class ComputePool:
             for node, stream in zip(cluster.nodes, streams, strict=True)
         ]
         try:
-            await asyncio.wait_for(self._handshake(cluster), self.startup_timeout)
+            self.infos = await asyncio.wait_for(
+                handshake(
+                    self._sessions, cluster.nodes, self.spec, self.plugins, self._plugins_blob
+                ),
+                self.startup_timeout,
+            )
         except TimeoutError:
             late = f"the pool did not become ready within startup_timeout={self.startup_timeout:g}"
             raise BootstrapError(failures.stuck_report(f"{late} s", self._sessions)) from None
-
-    async def _handshake(self, cluster: Cluster) -> None:
-        names = tuple(dict.fromkeys((HEAD_PORT, *(n for p in self.plugins for n in p.ports))))
-        started = await asyncio.gather(*(s.open(names) for s in self._sessions))
-        from skyward import __version__
-
-        versions = {s.skyward_version for s in started}
-        if versions != {__version__}:
-            raise BootstrapError(
-                f"the nodes run skyward {sorted(versions)} but this client runs {__version__}"
-            )
-        peers = tuple(node.private_addr for node in cluster.nodes)
-        accelerator = self.spec.accelerator
-        ports = started[0].ports
-        self.infos = [
-            InstanceInfo(
-                node=node.index,
-                total_nodes=len(cluster.nodes),
-                head_addr=peers[0],
-                head_port=ports[HEAD_PORT],
-                peers=peers,
-                pool_id=self.pool_id,
-                accelerator=accelerator.name if accelerator else None,
-                accelerator_count=accelerator.count if accelerator else 0,
-                provider=self.spec.provider,
-                ports=dict(ports),
-            )
-            for node in cluster.nodes
-        ]
-        await asyncio.gather(
-            *(
-                session.hello(info, self._plugins_blob, self._sessions)
-                for session, info in zip(self._sessions, self.infos, strict=True)
-            )
-        )
 
     def replace(self, node: int) -> None:
         """Put a fresh node in place of node `node`, which died, and restart every agent.

@@ -5,6 +5,7 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
 
 - `default_nodes()`        the pool size when the user gives none (SSH: one per host);
 - `implied_accelerator()`  what an explicit instance type carries, so plugins see it (AWS);
+- `expected_cuda(spec)`    the highest CUDA the nodes' drivers support, if known before launch;
 - `validate(spec)`         checks the request before anything is created or paid for;
 - `launch(spec, log)`      creates all N nodes or raises, leaving nothing behind; returns the
                            `Cluster`: the nodes and everything the provider keeps for this pool;
@@ -29,6 +30,7 @@ from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError
 from skyward.image import Image
 from skyward.transport.base import AgentStream
+from skyward.worker.gpus import Gpu
 
 Log = Callable[[str], None]
 
@@ -49,6 +51,9 @@ class Node(ABC):
         self.index = index
         self.private_addr = private_addr  # how the other nodes reach it
         self.public_addr = public_addr  # how the client reaches it
+        # The GPUs this node owns, once its provider knows them (Local at launch, a remote
+        # host when it is prepared); `instance_info()` reports them.
+        self.gpus: tuple[Gpu, ...] = ()
 
     @abstractmethod
     async def start_agent(self, env: Mapping[str, str]) -> AgentStream:
@@ -78,6 +83,11 @@ class Provider(ABC):
 
     def implied_accelerator(self) -> Accelerator | None:
         """The accelerator the provider's own settings carry (an explicit instance type)."""
+        return None
+
+    def expected_cuda(self, spec: ClusterSpec) -> str | None:
+        """The highest CUDA every node's driver will support ("13.0"), when the provider knows
+        before launch (Local: this machine's driver); plugins pick their wheels by it."""
         return None
 
     def validate(self, spec: ClusterSpec) -> None:

@@ -1,0 +1,70 @@
+"""The start of a pool's agents, all nodes at once: open every session, check that the nodes run
+this client's skyward, give each node its identity (`InstanceInfo`) and plugins, and wait until
+every node is ready. The per-node half of the conversation is `NodeSession`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from skyward.cluster import ClusterSpec
+from skyward.errors import BootstrapError
+from skyward.info import InstanceInfo
+from skyward.plugins.base import Plugin
+from skyward.providers.base import Node
+from skyward.session import NodeSession
+
+HEAD_PORT = "head"  # the port every pool has on node 0 (`InstanceInfo.head_port`)
+
+
+async def handshake(
+    sessions: Sequence[NodeSession],
+    nodes: Sequence[Node],
+    spec: ClusterSpec,
+    plugins: Sequence[Plugin],
+    plugins_blob: bytes,
+) -> list[InstanceInfo]:
+    """Take every node through the handshake; the nodes' identities, in node order."""
+    names = tuple(dict.fromkeys((HEAD_PORT, *(name for p in plugins for name in p.ports))))
+    started = await asyncio.gather(*(session.open(names) for session in sessions))
+    from skyward import __version__
+
+    versions = {s.skyward_version for s in started}
+    if versions != {__version__}:
+        raise BootstrapError(
+            f"the nodes run skyward {sorted(versions)} but this client runs {__version__}"
+        )
+    infos = identities(nodes, spec, started[0].ports)
+    await asyncio.gather(
+        *(
+            session.hello(info, plugins_blob, sessions)
+            for session, info in zip(sessions, infos, strict=True)
+        )
+    )
+    return infos
+
+
+def identities(
+    nodes: Sequence[Node], spec: ClusterSpec, ports: dict[str, int]
+) -> list[InstanceInfo]:
+    """Each node's `InstanceInfo`: node 0's ports for all; its own GPUs where its provider
+    knows them, else what the pool asked for."""
+    peers = tuple(node.private_addr for node in nodes)
+    asked = spec.accelerator
+    return [
+        InstanceInfo(
+            node=node.index,
+            total_nodes=len(nodes),
+            head_addr=peers[0],
+            head_port=ports[HEAD_PORT],
+            peers=peers,
+            pool_id=spec.pool_id,
+            accelerator=node.gpus[0].name if node.gpus else asked.name if asked else None,
+            accelerator_count=len(node.gpus) or (asked.count if asked else 0),
+            provider=spec.provider,
+            ports=dict(ports),
+            devices=tuple(gpu.index for gpu in node.gpus),
+        )
+        for node in nodes
+    ]

@@ -31,11 +31,12 @@ JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def cluster(accelerator: str | None = None, nodes: int = 2) -> ClusterSpec:
+def cluster(accelerator: str | None = None, nodes: int = 2, cuda: str | None = None) -> ClusterSpec:
     return ClusterSpec(
         nodes=nodes,
         pool_id="pool-test",
         accelerator=Accelerator.parse(accelerator) if accelerator else None,
+        cuda=cuda,
     )
 
 
@@ -69,6 +70,25 @@ def test_gpu_accelerator_gets_cuda12_and_the_jax_index_scoped_to_jax() -> None:
     image = sky.plugins.jax().transform(sky.Image(), cluster("A100:8"))
     assert image.pip == ("jax[cuda12]",)
     assert image.indexes == (sky.Index(JAX_RELEASES, packages=("jax", "jaxlib"), flat=True),)
+
+
+@pytest.mark.parametrize(
+    ("driver_cuda", "wheel"),
+    [
+        ("13.0", "jax[cuda13]"),
+        ("13.1", "jax[cuda13]"),
+        ("12.4", "jax[cuda12]"),
+        (None, "jax[cuda12]"),
+    ],
+)
+def test_gpu_wheel_follows_what_the_nodes_driver_supports(
+    driver_cuda: str | None, wheel: str
+) -> None:
+    image = sky.plugins.jax().transform(sky.Image(), cluster("H100", cuda=driver_cuda))
+    assert image.pip == (wheel,)
+    # an explicit cuda= still wins over the driver
+    pinned = sky.plugins.jax(cuda="cuda12").transform(sky.Image(), cluster("H100", cuda="13.0"))
+    assert pinned.pip == ("jax[cuda12]",)
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,11 @@
 """The JAX plugin: the right jax wheel on every node and `jax.distributed` initialized for you.
 
-`transform` picks the wheel from the accelerator (CPU, ``jax[cuda12]``, ``jax[cuda13]``,
-``jax[tpu]``), adds the JAX release index scoped to jax and jaxlib, and drops the user's own
-jax/jaxlib pins that would shadow it. `around_app` exports ``JAX_COORDINATOR_ADDRESS``,
-``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (so scripts written for other JAX launchers work with
-``initialize=False``), then calls ``jax.distributed.initialize`` and, at shutdown,
-``jax.distributed.shutdown``.
+`transform` picks the wheel from the accelerator and the nodes' driver (CPU, ``jax[cuda12]``,
+``jax[cuda13]`` where the driver supports CUDA 13, ``jax[tpu]``), adds the JAX release index
+scoped to jax and jaxlib, and drops the user's own jax/jaxlib pins that would shadow it.
+`around_app` exports ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
+(so scripts written for other JAX launchers work with ``initialize=False``), then calls
+``jax.distributed.initialize`` and, at shutdown, ``jax.distributed.shutdown``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class JaxPlugin(Plugin):
 
     Args:
         cuda: ``"cuda12"``, ``"cuda13"``, ``"tpu"``, ``"cpu"``, an older ``"cu12x"`` tag, or None to
-            choose from the pool's accelerator (CPU when there is none, cuda12 for a GPU).
+            choose from the pool's accelerator (CPU when there is none; for a GPU, cuda13 where
+            the nodes' driver supports CUDA 13, else cuda12).
         version: a jax version to pin (``"0.4.35"``); default: the newest.
         initialize: call ``jax.distributed.initialize``; False only exports the JAX_* variables.
         initialization_timeout: seconds every node has to join the coordinator.
@@ -78,13 +79,18 @@ class JaxPlugin(Plugin):
         self.initialization_timeout = initialization_timeout
 
     def flavour(self, cluster: ClusterSpec) -> str:
-        """The wheel family for `cluster`: the explicit `cuda`, else from its accelerator."""
+        """The wheel family for `cluster`: the explicit `cuda`; else from its accelerator and
+        the highest CUDA its nodes' drivers support (cuda13 where they support CUDA 13, cuda12
+        otherwise or when the provider cannot tell before launch)."""
         if self.cuda is not None:
             return self.cuda
         accelerator = cluster.accelerator
         if accelerator is None:
             return "cpu"
-        return "tpu" if accelerator.is_tpu else "cuda12"
+        if accelerator.is_tpu:
+            return "tpu"
+        major = int(cluster.cuda.split(".")[0]) if cluster.cuda else 12
+        return "cuda13" if major >= 13 else "cuda12"
 
     def transform(self, image: Image, cluster: ClusterSpec) -> Image:
         flavour = self.flavour(cluster)

@@ -25,7 +25,7 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import cloudpickle
 
@@ -34,7 +34,7 @@ from skyward.plugins import Plugin
 from skyward.plugins import jax as jax_plugin
 from skyward.pool import ComputePool
 
-NAMES = ("rtt", "gather", "broadcast", "bulk", "jax")
+NAMES = ("rtt", "gather", "broadcast", "bulk", "jax", "step")
 PIPE_SIZE = 1 << 20  # the agent enlarges its control pipes to this; the floors use the same
 BULK_BYTES = 100_000_000
 HEADER = struct.Struct("!Q")
@@ -108,6 +108,26 @@ def sharded_sum() -> float:
 
 sharded_sum_remote = compute(sharded_sum)
 
+# The step's compiled function and input, per process: built on its first call, then reused.
+_STEP: dict[str, Any] = {}
+
+
+def jitted_step() -> float:
+    """One jitted training-sized step on the process's first device, synchronised by reading
+    back a scalar: a 4096x4096 bf16 matmul on a GPU, 512x512 float32 on the CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    if not _STEP:
+        gpu = jax.devices()[0].platform == "gpu"
+        n, dtype = (4096, jnp.bfloat16) if gpu else (512, jnp.float32)
+        _STEP["x"] = jnp.ones((n, n), dtype)
+        _STEP["step"] = jax.jit(lambda a: (a @ a).sum())
+    return float(_STEP["step"](_STEP["x"]))
+
+
+jitted_step_remote = compute(jitted_step)
+
 # The hand-launched JAX baseline runs the very same function source.
 JAX_CHILD = (
     "import sys\nimport jax\n"
@@ -134,7 +154,7 @@ class Row:
     floor: str  # the floor it is compared with, formatted
     ratio: float  # how many times worse than the floor (>= 1 means slower)
     target: str
-    passed: bool
+    passed: bool | None  # None: a figure reported without a target
     detail: str = ""  # the spread of both samples, printed under the row
 
 
@@ -477,6 +497,30 @@ def bench_bulk(s: Settings) -> Row:
     )
 
 
+def bench_step(s: Settings) -> Row:
+    import jax
+
+    gpu = jax.devices()[0].platform == "gpu"
+    accelerator = "GPU" if gpu else None  # the node gets this machine's GPU when it has one
+    with ComputePool(nodes=1, accelerator=accelerator, stream_output=False) as p:
+
+        def remote() -> None:
+            jitted_step_remote() >> p
+
+        here, there = interleaved([jitted_step, remote], s.calls // 4, s.warmup // 4, blocks=10)
+    floor, figure = statistics.median(here), statistics.median(there)
+    return Row(
+        f"step: jitted matmul >> pool ({'GPU' if gpu else 'CPU'})",
+        us(figure),
+        f"{us(floor)} in-process",
+        figure / floor,
+        "(reported)",
+        None,
+        f"skyward {spread(there, us)}; in-process {spread(here, us)}; the call costs "
+        f"{us(figure - floor)} around the step",
+    )
+
+
 def bench_jax(s: Settings) -> Row:
     # Warm the page cache so neither side pays for the first import of jax from disk.
     subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], check=True)
@@ -507,6 +551,7 @@ BENCHES: dict[str, Callable[[Settings], Row]] = {
     "broadcast": bench_broadcast,
     "bulk": bench_bulk,
     "jax": bench_jax,
+    "step": bench_step,
 }
 
 
@@ -569,7 +614,7 @@ def main() -> None:
         except Exception as exc:  # a report: say what broke and go on with the next figure
             print(f"{name:<38} ERROR {type(exc).__name__}: {exc}", flush=True)
             continue
-        verdict = "PASS" if row.passed else "MISS"
+        verdict = "-" if row.passed is None else "PASS" if row.passed else "MISS"
         print(
             f"{row.name:<38} {row.figure:>16}  {row.floor:<26} {row.ratio:>6.2f}x  "
             f"{row.target:<20} {verdict}",

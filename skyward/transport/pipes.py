@@ -41,6 +41,7 @@ class SubprocessStream:
         self._exit: asyncio.Future[int | None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._control: _ControlReader | None = None
+        self._last_reply = 0.0  # seconds the last lone reply took to come
 
     def start(self, on_control: Receiver, on_output: Receiver) -> None:
         loop = self._loop = asyncio.get_running_loop()
@@ -63,7 +64,13 @@ class SubprocessStream:
         """Read the replies of `group`'s local agents in this thread until `done()`."""
         if len(group) == 1 and group[0] is self:  # one call's reply: the common case
             if self._control is not None:
-                self._control.read_until(done, self._linger)
+                # Poll only while replies come quickly: when the last one took far longer (a
+                # real step, not a small call), polling would only take a core from the node's
+                # own threads (XLA's, on the CPU) for nothing.
+                quick = self._last_reply < 4 * self._linger
+                began = time.perf_counter()
+                self._control.read_until(done, self._linger if quick else 0.0)
+                self._last_reply = time.perf_counter() - began
             return
         readers = [
             stream._control

@@ -2,24 +2,33 @@
 
 `check` looks at the interpreter it runs in and at skyward's cache directory: the Python
 version, skyward's source, uv, an environment already built for the image, the setup marker, the
-apt packages missing, and whether the interpreter satisfies the image's requirements. `decide`
-turns that `Report` into the interpreter the nodes run, or a build. Every provider uses these
-two: Local calls `check` in-process; on a remote host this module's own source runs with the
-host's interpreter (``python3 -c SOURCE QUERY_JSON``), one command that prints the report.
+apt packages missing, whether the interpreter satisfies the image's requirements, and (when
+asked) the machine's GPUs. `decide` turns that `Report` into the interpreter the nodes run, or a
+build. Every provider uses these two: Local calls `check` in-process; on a remote host
+`program()` runs with the host's interpreter (``python3 -c PROGRAM QUERY_JSON``), one command
+that prints the report.
 
 Standard library only: it runs before skyward's source or any environment is on the host. The
 requirement probe is `skyward.worker.probe`, imported when skyward can be imported (on a host's
-first contact it cannot: the report says so with ``satisfied=None``).
+first contact it cannot: the report says so with ``satisfied=None``). The GPU inventory
+(`skyward.worker.gpus`, standard library too) travels inside `program()`, so even a first
+contact reports the host's GPUs.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # not at run time: on a host, `program()` hands `find` over instead
+    from skyward.worker.gpus import Inventory
 
 READY_MARKER = ".skyward-ready"  # as in skyward.worker.envbuild (not imported: stdlib only)
 
@@ -35,6 +44,7 @@ class Query:
     apt: tuple[str, ...] = ()
     requirements: tuple[str, ...] = ()
     probe: bool = True  # whether this interpreter may serve the nodes (then: probe it)
+    gpus: bool = False  # whether to list the machine's GPUs (`skyward.worker.gpus.find`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -56,11 +66,16 @@ class Report:
     # already built (it wins, so a warm start skips the slowest part), or skyward (the probe)
     # cannot be imported yet.
     satisfied: bool | None
+    gpus: Inventory | None = None  # the machine's GPUs; None when not asked (`Query.gpus`)
 
     @classmethod
     def from_json(cls, text: str) -> Report:
+        from skyward.worker.gpus import Inventory  # on the client, where skyward is importable
+
         data = json.loads(text)
         data["apt_missing"] = tuple(data["apt_missing"])
+        if data.get("gpus") is not None:
+            data["gpus"] = Inventory.from_dict(data["gpus"])
         return cls(**data)
 
 
@@ -72,8 +87,9 @@ class Decision:
     setup: bool = False  # run the image's setup commands once before using `python`
 
 
-def check(query: Query) -> Report:
-    """Look at this interpreter and the cache directory for `query`."""
+def check(query: Query, find_gpus: Callable[[], Inventory] | None = None) -> Report:
+    """Look at this interpreter and the cache directory for `query`; `find_gpus` lists the
+    GPUs (default: `skyward.worker.gpus.find`, imported)."""
     home = os.path.expanduser(query.cache)
     env_dir = os.path.join(home, "envs", query.env)
     ready = os.path.exists(os.path.join(env_dir, READY_MARKER))
@@ -96,6 +112,7 @@ def check(query: Query) -> Report:
         setup=os.path.exists(os.path.join(home, "setup", f"{query.env}.done")),
         apt_missing=tuple(p for p in query.apt if not _dpkg_installed(p)),
         satisfied=satisfied,
+        gpus=(find_gpus or _find_gpus)() if query.gpus else None,
     )
 
 
@@ -108,6 +125,12 @@ def decide(report: Report, python_version: str | None, has_setup: bool) -> Decis
     if report.satisfied and version_ok:
         return Decision(report.python, setup=has_setup and not report.setup)
     return Decision(None)
+
+
+def _find_gpus() -> Inventory:
+    from skyward.worker.gpus import find
+
+    return find()
 
 
 def _source_init(home: str, src: str) -> str:
@@ -127,8 +150,26 @@ def _dpkg_installed(package: str) -> bool:
     return "install ok installed" in result.stdout
 
 
-def main() -> None:
-    """``python -c SOURCE QUERY_JSON`` (or ``-m skyward.worker.hostcheck``): print the report.
+def program() -> str:
+    """The check as one ``python3 -c`` program (argument: the query's JSON) for a host where
+    skyward may not be importable yet: this module's source and the GPU inventory's, each run
+    as a module of its own, then `main` with the inventory's `find`. Built on the client."""
+    from skyward.worker import gpus, hostcheck
+
+    return (
+        "import sys, types\n"
+        "def _module(name, source):\n"
+        "    module = sys.modules[name] = types.ModuleType(name)\n"
+        "    exec(compile(source, name, 'exec'), module.__dict__)\n"
+        "    return module\n"
+        f"gpus = _module('_skyward_gpus', {inspect.getsource(gpus)!r})\n"
+        f"_module('_skyward_hostcheck', {inspect.getsource(hostcheck)!r})"
+        ".main(gpus.find)\n"
+    )
+
+
+def main(find_gpus: Callable[[], Inventory] | None = None) -> None:
+    """``python -c PROGRAM QUERY_JSON`` (or ``-m skyward.worker.hostcheck``): print the report.
 
     skyward's shipped source, when there, comes first on the path, so the probe is the client's.
     """
@@ -139,7 +180,7 @@ def main() -> None:
     if query.src:
         home = os.path.expanduser(query.cache)
         sys.path.insert(0, os.path.join(home, "src", query.src))
-    print(json.dumps(asdict(check(query))))
+    print(json.dumps(asdict(check(query, find_gpus))))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,260 @@
+"""The GPU inventory (`skyward.worker.gpus`) and the host check that carries it.
+
+There is no GPU on this machine nor in CI. The one place where a recorded answer stands in for
+the hardware is here: nvidia-smi's outputs as real machines print them (``tests/data/gpus``,
+see its README) are parsed directly, or printed by a fake ``nvidia-smi`` script put first on
+PATH, which `find` then runs for real as a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from skyward.worker import gpus, hostcheck
+from skyward.worker.gpus import Gpu, Inventory
+from tests.support.gpus import MACHINES, fake_nvidia_smi, recorded
+
+
+def parsed(machine: str) -> Inventory:
+    return gpus.parse_smi(recorded(machine, "query.txt"), recorded(machine, "nvidia-smi.txt"))
+
+
+def test_one_h100_with_driver_580_supports_cuda_13() -> None:
+    """Recorded nvidia-smi output of a 1 x H100 machine stands in for the GPU."""
+    inventory = parsed("h100-driver580")
+    assert inventory == Inventory(
+        gpus=(
+            Gpu(
+                index=0,
+                name="H100",
+                model="NVIDIA H100 80GB HBM3",
+                memory_mib=81559,
+                uuid="GPU-3f2b9c1e-7a4d-5e86-b0c2-94d1a6e8f713",
+            ),
+        ),
+        driver="580.65.06",
+        cuda="13.0",
+    )
+    assert inventory.cuda_major == 13
+    assert inventory.describe() == "1 x H100 (driver 580.65.06, CUDA 13.0)"
+
+
+def test_eight_a100_80gb_with_driver_550_support_cuda_12_4() -> None:
+    """Recorded nvidia-smi output of an 8 x A100-SXM4-80GB machine stands in for the GPUs."""
+    inventory = parsed("a100x8-driver550")
+    assert [g.index for g in inventory.gpus] == list(range(8))
+    assert {g.name for g in inventory.gpus} == {"A100-80GB"}
+    assert {g.memory_mib for g in inventory.gpus} == {81920}
+    assert len({g.uuid for g in inventory.gpus}) == 8
+    assert (inventory.driver, inventory.cuda, inventory.cuda_major) == ("550.54.15", "12.4", 12)
+    assert inventory.usable == inventory.gpus
+    assert len(inventory.matching("A100")) == 8, "A100 asks for either memory size"
+    assert len(inventory.matching("a100-80gb")) == 8
+    assert inventory.matching("A100-40GB") == ()
+    assert inventory.matching("H100") == ()
+    assert inventory.describe() == "8 x A100-80GB (driver 550.54.15, CUDA 12.4)"
+
+
+def test_a_gpu_in_mig_mode_is_listed_but_not_usable() -> None:
+    """Recorded nvidia-smi output of 2 x A100-40GB, GPU 0 in MIG mode, stands in for the GPUs."""
+    inventory = parsed("a100-mig-driver535")
+    assert [(g.index, g.name, g.mig) for g in inventory.gpus] == [
+        (0, "A100", True),
+        (1, "A100", False),
+    ]
+    assert [g.index for g in inventory.usable] == [1]
+    assert [g.index for g in inventory.matching("GPU")] == [1]
+    assert inventory.cuda == "12.2"
+    assert inventory.describe() == "1 x A100 in MIG mode, 1 x A100 (driver 535.183.01, CUDA 12.2)"
+
+
+def test_the_inventory_crosses_json_unchanged() -> None:
+    for machine in ("a100-mig-driver535", "h100-driver580"):
+        inventory = parsed(machine)
+        assert Inventory.from_json(inventory.to_json()) == inventory
+    broken = Inventory(problem="nvidia-smi failed (exit status 9): ...")
+    assert Inventory.from_json(broken.to_json()) == broken
+    old = json.loads(parsed("h100-driver580").to_json())
+    del old["problem"]  # an inventory written before `problem` existed
+    assert Inventory.from_json(json.dumps(old)).problem is None
+
+
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H100 NVL", "H100"),
+        ("NVIDIA H100 PCIe", "H100"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+        ("NVIDIA A100 80GB PCIe", "A100-80GB"),
+        ("NVIDIA A100-SXM4-40GB", "A100"),
+        ("NVIDIA A100-PCIE-40GB", "A100"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA A10G", "A10G"),
+        ("Tesla T4", "T4"),
+        ("Tesla V100-SXM2-16GB", "V100"),
+        ("Tesla V100-SXM2-32GB", "V100-32GB"),
+        ("NVIDIA GeForce RTX 4090", "RTX4090"),
+        ("NVIDIA GeForce RTX 3080 Ti", "RTX3080TI"),
+        ("NVIDIA RTX A6000", "A6000"),
+        ("NVIDIA RTX 6000 Ada Generation", "RTX6000-ADA"),
+        ("Quadro RTX 8000", "RTX8000"),
+        ("NVIDIA GH200 480GB", "GH200"),
+        ("NVIDIA B200", "B200"),
+    ],
+)
+def test_driver_model_names_become_the_names_pools_spell(model: str, name: str) -> None:
+    assert gpus.gpu_name(model) == name
+
+
+@pytest.mark.parametrize(
+    ("requested", "name", "expected"),
+    [
+        ("H100", "H100", True),
+        ("h100", "H100", True),
+        ("GPU", "L4", True),
+        ("gpu", "A100-80GB", True),
+        ("A100", "A100-80GB", True),
+        ("A100", "A100", True),
+        ("A100-80GB", "A100", False),
+        ("A100-80GB", "A100-80GB", True),
+        ("V100", "V100-32GB", True),
+        ("H100", "H200", False),
+        ("L4", "L40S", False),
+        ("RTX6000", "RTX6000-ADA", False),
+    ],
+)
+def test_a_requested_name_matches(requested: str, name: str, expected: bool) -> None:
+    assert gpus.matches(requested, Gpu(0, name, name, 0)) is expected
+
+
+def test_nvml_cuda_numbers_read_as_nvidia_smi_prints_them() -> None:
+    assert gpus.cuda_version(13000) == "13.0"
+    assert gpus.cuda_version(12040) == "12.4"
+    assert gpus.cuda_version(12020) == "12.2"
+    assert gpus.cuda_version(11080) == "11.8"
+
+
+def test_a_line_that_is_not_a_gpu_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a line"):
+        gpus.parse_smi("No devices were found\n", "")
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
+def test_this_machine_has_no_gpu() -> None:
+    inventory = gpus.find()
+    assert inventory.gpus == () and inventory.driver is None and inventory.cuda is None
+    assert inventory.problem == "nvidia-smi was not found on PATH"
+    assert inventory.describe() == "no NVIDIA GPU (nvidia-smi was not found on PATH)"
+
+
+@pytest.mark.parametrize("machine", [m for m in MACHINES if m != "driver-failed"])
+def test_find_runs_nvidia_smi(
+    machine: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fake nvidia-smi, first on PATH, prints a machine's recorded output in place of its
+    GPUs: `find` runs it as a subprocess and parses both of its answers."""
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi(machine, tmp_path)}:{os.environ['PATH']}")
+    assert gpus.find() == parsed(machine)
+
+
+def test_a_driver_that_does_not_answer_is_no_gpu_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fake nvidia-smi replays a machine whose driver is not loaded (exit status 9)."""
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi('driver-failed', tmp_path)}:/usr/bin:/bin")
+    inventory = gpus.find()
+    assert inventory.gpus == ()
+    assert inventory.problem is not None
+    assert inventory.problem.startswith("nvidia-smi failed (exit status 9): NVIDIA-SMI has failed")
+    assert "couldn't communicate with the NVIDIA driver" in inventory.describe()
+
+
+def test_a_hung_nvidia_smi_is_cut_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake nvidia-smi that never answers (a driver in trouble) is killed at the timeout."""
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi('hung', tmp_path)}:/usr/bin:/bin")
+    started = time.monotonic()
+    inventory = gpus.find(timeout=0.5)
+    assert time.monotonic() - started < 30, "bounded by the timeout, not by the 600 s sleep"
+    assert inventory == Inventory(problem="nvidia-smi did not answer within 0.5 s")
+
+
+def test_nvml_is_asked_first(tmp_path: Path) -> None:
+    """A stand-in ``pynvml`` (the names nvidia-ml-py 13 has, answering what NVML says on the
+    recorded H100 machine) is preferred to nvidia-smi, which would say there is no GPU."""
+    (tmp_path / "pynvml.py").write_text(
+        "class NVMLError(Exception):\n    pass\n"
+        "NVML_DEVICE_MIG_ENABLE = 1\n"
+        "class _Memory:\n    total = 81559 * 1024 * 1024\n"
+        "def nvmlInit(): pass\n"
+        "def nvmlShutdown(): pass\n"
+        "def nvmlDeviceGetCount(): return 1\n"
+        "def nvmlDeviceGetHandleByIndex(i): return i\n"
+        "def nvmlDeviceGetName(h): return b'NVIDIA H100 80GB HBM3'\n"
+        "def nvmlDeviceGetMemoryInfo(h): return _Memory()\n"
+        "def nvmlDeviceGetUUID(h): return 'GPU-3f2b9c1e-7a4d-5e86-b0c2-94d1a6e8f713'\n"
+        "def nvmlDeviceGetMigMode(h): raise NVMLError('Not Supported')\n"
+        "def nvmlSystemGetDriverVersion(): return '580.65.06'\n"
+        "def nvmlSystemGetCudaDriverVersion_v2(): return 13000\n"
+    )
+    fake_nvidia_smi("driver-failed", tmp_path / "bin")
+    found = _run_find(tmp_path, path=f"{tmp_path / 'bin'}:/usr/bin:/bin", pythonpath=tmp_path)
+    assert found == parsed("h100-driver580")
+
+
+def test_nvml_that_cannot_start_leaves_it_to_nvidia_smi(tmp_path: Path) -> None:
+    """A ``pynvml`` whose library is missing (as the real binding without a driver) falls back
+    to the fake nvidia-smi replaying the recorded 8 x A100 machine."""
+    (tmp_path / "pynvml.py").write_text(
+        "class NVMLError(Exception):\n    pass\n"
+        "def nvmlInit():\n    raise NVMLError('NVML Shared Library Not Found')\n"
+    )
+    fake_nvidia_smi("a100x8-driver550", tmp_path / "bin")
+    found = _run_find(tmp_path, path=f"{tmp_path / 'bin'}:/usr/bin:/bin", pythonpath=tmp_path)
+    assert found == parsed("a100x8-driver550")
+
+
+def _run_find(cwd: Path, path: str, pythonpath: Path) -> Inventory:
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", "from skyward.worker import gpus; print(gpus.find().to_json())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=cwd,
+        env={**os.environ, "PATH": path, "PYTHONPATH": f"{pythonpath}:{root}"},
+    )
+    return Inventory.from_json(done.stdout)
+
+
+def test_the_host_check_reports_gpus_where_skyward_cannot_be_imported(tmp_path: Path) -> None:
+    """A host's first contact: the check program runs with an interpreter that cannot import
+    skyward (``-I -S``) and still lists the GPUs, here a fake nvidia-smi replaying the recorded
+    H100 machine. A query that does not ask (Local's) lists none."""
+    query = hostcheck.Query(cache=str(tmp_path), env="h", gpus=True)
+    fake = fake_nvidia_smi("h100-driver580", tmp_path / "bin")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{fake}:{env['PATH']}"
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", hostcheck.program(), query.to_json()],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    report = hostcheck.Report.from_json(done.stdout)
+    assert report.gpus == parsed("h100-driver580")
+    assert report.satisfied is None, "skyward was not importable there"
+    assert hostcheck.check(replace(query, gpus=False)).gpus is None

@@ -76,3 +76,20 @@ def import_example(filename: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu`-marked tests need a real NVIDIA GPU: skipped, saying so, where there is none."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    from skyward.providers.local import machine_gpus
+
+    inventory = machine_gpus()
+    if inventory.gpus:
+        return
+    reason = "no NVIDIA GPU on this machine" + (
+        f" ({inventory.problem})" if inventory.problem else ""
+    )
+    for item in gpu_tests:
+        item.add_marker(pytest.mark.skip(reason=reason))

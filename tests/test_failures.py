@@ -133,7 +133,7 @@ def test_bad_input_fails_before_any_process_starts() -> None:
     with pytest.raises(ValueError, match="cuda"):
         sky.plugins.jax(cuda="cuda11")
     with pytest.raises(sky.ConfigError):
-        sky.ComputePool(accelerator="A100")  # Local runs on this machine's CPU
+        sky.ComputePool(accelerator="A100:64")  # more GPUs than this machine has
     with pytest.raises(sky.ConfigError):
         sky.ComputePool(plugins=["jax"])  # type: ignore[list-item]
     assert set(worker_children()) == before

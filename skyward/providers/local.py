@@ -1,5 +1,8 @@
 """The Local provider: every node is a child process on this machine.
 
+GPUs: a pool without an accelerator runs on the CPU (its nodes see no GPU); one that names an
+accelerator gives every node its own GPUs (`local_gpus`).
+
 The embedded default. Nodes talk to each other over loopback; the client talks to each agent over
 its stdin/stdout pipes. What the nodes run is decided as on a remote host, by
 `skyward.worker.hostcheck` (here in-process): an environment already built for the image, else
@@ -11,6 +14,7 @@ content-hashed copy under the cache directory, first on their ``PYTHONPATH``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 import subprocess
@@ -20,15 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from skyward.cluster import ClusterSpec
-from skyward.errors import BootstrapError, ConfigError
+from skyward.errors import BootstrapError
 from skyward.image import Image
+from skyward.providers import local_gpus
 from skyward.providers.base import Cluster, Log, Node, Provider
 from skyward.providers.environment import env_spec
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.base import AgentStream
 from skyward.transport.pipes import spawn
-from skyward.worker import envbuild, hostcheck
+from skyward.worker import envbuild, gpus, hostcheck
 from skyward.worker.agent import LINGER_ENV
+from skyward.worker.gpus import Inventory
 
 LOOPBACK = "127.0.0.1"
 
@@ -75,6 +81,7 @@ class LocalNode(Node):
             raise BootstrapError("the environment was not prepared before the agent started")
         full_env = {
             **os.environ,
+            **local_gpus.device_env(self.gpus),  # what the pool's own env= says still wins
             **env,
             "PYTHONPATH": _pythonpath(),
             "PYTHONUNBUFFERED": "1",
@@ -97,26 +104,36 @@ class Local(Provider):
         self._base_python = python
 
     def validate(self, spec: ClusterSpec) -> None:
-        if spec.accelerator is not None:
-            raise ConfigError(
-                f"the Local provider runs nodes on this machine's CPU and cannot provide "
-                f"accelerator={str(spec.accelerator)!r}; drop `accelerator` or use sky.SSH or "
-                "sky.AWS"
-            )
+        if spec.accelerator is not None:  # a request the machine cannot serve fails here
+            local_gpus.assign(machine_gpus(), spec.accelerator, spec.nodes)
+
+    def expected_cuda(self, spec: ClusterSpec) -> str | None:
+        return machine_gpus().cuda if spec.accelerator is not None else None
 
     async def launch(self, spec: ClusterSpec, log: Log) -> Cluster:
         # With a core for each node and one for the client, both ends of a small call poll
         # briefly for the other's answer instead of sleeping: it saves the two wake-ups that
         # are most of a small call's round trip. With fewer cores, polling would steal them.
         linger = LINGER_SECONDS if spec.nodes + 1 <= _usable_cores() else 0.0
+        inventory = await asyncio.to_thread(machine_gpus)
+        owned = local_gpus.assign(inventory, spec.accelerator, spec.nodes)
+        if spec.accelerator is None and local_gpus.usable(inventory, os.environ):
+            log(
+                f"this machine has {inventory.describe()}; the nodes run on the CPU: pass "
+                "accelerator='GPU' (or e.g. 'GPU:2' per node) to give each its own"
+            )
         cluster = LocalCluster(spec, [], linger=linger)
         cluster.nodes = [LocalNode(i, cluster) for i in range(spec.nodes)]
+        for node, devices in zip(cluster.nodes, owned, strict=True):
+            node.gpus = devices
         return cluster
 
     async def replace(self, cluster: Cluster, index: int) -> Node:
-        """A new process slot for a node whose process died."""
-        cluster.nodes[index] = LocalNode(index, _local(cluster))
-        return cluster.nodes[index]
+        """A new process slot for a node whose process died (with the same GPUs)."""
+        fresh = LocalNode(index, _local(cluster))
+        fresh.gpus = cluster.nodes[index].gpus
+        cluster.nodes[index] = fresh
+        return fresh
 
     async def prepare(self, cluster: Cluster, image: Image, log: Log) -> None:
         local = _local(cluster)
@@ -164,6 +181,12 @@ class Local(Provider):
     async def terminate(self, cluster: Cluster) -> None:
         # Agents are killed by the pool with their process groups; nothing else exists.
         return None
+
+
+@functools.cache
+def machine_gpus() -> Inventory:
+    """This machine's GPUs, asked once per process (NVML, or nvidia-smi)."""
+    return gpus.find()
 
 
 def _local(cluster: Cluster) -> LocalCluster:

@@ -6,8 +6,10 @@ Plain functions, used by `sky.SSH` and `sky.AWS` (and by any other cloud's provi
   others and fails the whole launch. With a `BootWait`, each host is retried until a deadline
   (an instance that is still booting: sshd down, or still offering the image's own host key);
 - `prepare_nodes`: per host, concurrently, ONE check command (`skyward.worker.hostcheck` run
-  with the host's interpreter) reports what is already there; only the missing pieces are
-  then built:
+  with the host's interpreter) reports what is already there and the host's GPUs. A pool that
+  names an accelerator fails there, before anything is built, on a host without enough of
+  it; the node owns the host's GPUs (`Node.gpus`, MIG-mode ones left out). Then only the
+  missing pieces are built:
 
   - skyward itself (`skyward.providers.source`), unpacked once to
     ``~/.cache/skyward/src/<hash>/skyward`` (PYTHONPATH points there for envbuild and the agent);
@@ -28,16 +30,16 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata as metadata
-import inspect
 import json
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
 import asyncssh
 
+from skyward.cluster import Accelerator
 from skyward.errors import BootstrapError, ProvisionError
 from skyward.image import Image
 from skyward.providers.base import Cluster, Log, Node
@@ -47,6 +49,7 @@ from skyward.transport.base import AgentStream
 from skyward.transport.channels import open_agent
 from skyward.transport.ssh import Completed, Endpoint, SSHConnectError, SSHHost, connect, shell_env
 from skyward.worker import hostcheck
+from skyward.worker.gpus import Gpu, Inventory
 
 CACHE = "$HOME/.cache/skyward"  # expanded by the remote shell
 _CHECK_CACHE = "~/.cache/skyward"  # expanded by the check itself
@@ -196,15 +199,22 @@ async def prepare_nodes(cluster: Cluster, image: Image, bootstrap: Bootstrap, lo
     key = env_spec(image).hash
     await asyncio.gather(
         *(
-            prepare_host(node, image, bootstrap, log)
+            prepare_host(node, image, bootstrap, log, cluster.spec.accelerator)
             for node in remote_nodes(cluster)
             if node.prepared != key
         )
     )
 
 
-async def prepare_host(node: RemoteNode, image: Image, bootstrap: Bootstrap, log: Log) -> None:
-    """Check the host once, build only what is missing, and set the node's interpreter."""
+async def prepare_host(
+    node: RemoteNode,
+    image: Image,
+    bootstrap: Bootstrap,
+    log: Log,
+    accelerator: Accelerator | None = None,
+) -> None:
+    """Check the host once (its GPUs against `accelerator` too), build only what is missing,
+    and set the node's interpreter and GPUs."""
     host = node.host
     spec = env_spec(image)
 
@@ -218,6 +228,7 @@ async def prepare_host(node: RemoteNode, image: Image, bootstrap: Bootstrap, log
         uv=bootstrap.uv_version,
         apt=image.apt,
         requirements=spec.pip,
+        gpus=True,
     )
     python = bootstrap.python or "python3"
     report = hostcheck.Report.from_json(
@@ -226,11 +237,12 @@ async def prepare_host(node: RemoteNode, image: Image, bootstrap: Bootstrap, log
             bootstrap,
             f"P=$(command -v {shlex.quote(python)}) || "
             f"{{ echo 'python {python} was not found on this host' >&2; exit 127; }}; "
-            f'exec "$P" -c {shlex.quote(_check_source())} {shlex.quote(query.to_json())}',
+            f'exec "$P" -c {shlex.quote(_check_program())} {shlex.quote(query.to_json())}',
             "checking the host",
             host_log,
         )
     )
+    node.gpus = _gpus_for(node, report.gpus or Inventory(), accelerator)
     base = shlex.quote(report.python)
     if not report.src:
         await _run(
@@ -249,7 +261,7 @@ async def prepare_host(node: RemoteNode, image: Image, bootstrap: Bootstrap, log
                 node,
                 bootstrap,
                 f"cd && {_pythonpath()} exec {base} -m skyward.worker.hostcheck "
-                f"{shlex.quote(query.to_json())}",
+                f"{shlex.quote(replace(query, gpus=False).to_json())}",
                 "checking the host's packages",
                 host_log,
             )
@@ -281,8 +293,27 @@ async def prepare_host(node: RemoteNode, image: Image, bootstrap: Bootstrap, log
 
 
 @cache
-def _check_source() -> str:
-    return inspect.getsource(hostcheck)
+def _check_program() -> str:
+    return hostcheck.program()
+
+
+def _gpus_for(
+    node: RemoteNode, inventory: Inventory, accelerator: Accelerator | None
+) -> tuple[Gpu, ...]:
+    """The GPUs the node owns: every usable one of the host, or those `accelerator` names;
+    a `BootstrapError` when the host has fewer of them than the pool asked for. A TPU is not
+    NVIDIA's to list: it is left to the provider that made the machine."""
+    if accelerator is None or accelerator.is_tpu:
+        return inventory.usable
+    found = inventory.matching(accelerator.name)
+    if len(found) < accelerator.count:
+        raise BootstrapError(
+            f"host {node.host} has {inventory.describe()}; the pool asked for {accelerator}. "
+            f"Use hosts with {accelerator.count} x {accelerator.name} each, ask for what "
+            "they have, or leave `accelerator` out to run on whatever GPUs each host has",
+            node=node.index,
+        )
+    return found
 
 
 def _pythonpath() -> str:

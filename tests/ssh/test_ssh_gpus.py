@@ -1,0 +1,130 @@
+"""SSH hosts report their GPUs, and a pool that names an accelerator checks every host for it.
+
+The test hosts are real sshd servers on 127.0.0.1 without a GPU. A host "has" GPUs through a
+fake ``nvidia-smi`` first on its login PATH (sshd's ``SetEnv PATH=...``): a script printing an
+output recorded in the exact format of a real machine's (``tests/data/gpus``). The recorded
+nvidia-smi output stands in for the GPU; everything else (SSH, the host check, the bootstrap,
+the agent, `instance_info`) is real.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import skyward as sky
+from tests.ssh.conftest import BUILD_ENV, Server
+from tests.support import sshd
+from tests.support.gpus import fake_nvidia_smi
+
+pytestmark = pytest.mark.ssh
+
+# What sshd gives root when nothing else says (OpenSSH's default for uid 0).
+_ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+GpuHost = Callable[[str], Server]
+# The tests use `local_sshd` as the host without a GPU.
+no_gpu_here = pytest.mark.skipif(
+    shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi"
+)
+
+
+@sky.compute
+def gpus_seen() -> tuple[str | None, int, tuple[int, ...]]:
+    info = sky.instance_info()
+    return info.accelerator, info.accelerator_count, info.devices
+
+
+@pytest.fixture
+def gpu_host(keys: sshd.KeyPair, tmp_path: Path) -> Iterator[GpuHost]:
+    """Start an sshd whose logins find `machine`'s recorded nvidia-smi first on PATH."""
+    servers: list[sshd.SshdServer] = []
+
+    def make(machine: str) -> Server:
+        fake = fake_nvidia_smi(machine, tmp_path / machine / "bin")
+        server = sshd.SshdServer(
+            authorized_keys=[keys], extra_config=[f"SetEnv PATH={fake}:{_ROOT_PATH}"]
+        )
+        servers.append(server)
+        server.start()
+        known = server.write_known_hosts(tmp_path / machine / "known_hosts")
+        return Server(server, keys, known)
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.close()
+
+
+def pool(hosts: list[Server], tmp_path: Path, **kwargs: object) -> sky.ComputePool:
+    known = tmp_path / "known_hosts_all"
+    known.write_text("".join(h.known_hosts.read_text() for h in hosts))
+    provider = sky.SSH(
+        [h.host() for h in hosts],
+        key=str(hosts[0].key.private_path),
+        known_hosts=str(known),
+        python=sys.executable,
+        build_env=BUILD_ENV,
+    )
+    return sky.ComputePool(provider=provider, stream_output=False, **kwargs)  # type: ignore[arg-type]
+
+
+@no_gpu_here
+def test_each_host_reports_its_own_gpus(
+    gpu_host: GpuHost, local_sshd: Server, tmp_path: Path
+) -> None:
+    """Node 0's host replays a recorded 1 x H100 nvidia-smi, node 1's host has no nvidia-smi:
+    with no accelerator named, each node reports what its host has."""
+    with pool([gpu_host("h100-driver580"), local_sshd], tmp_path) as p:
+        assert gpus_seen() @ p == [("H100", 1, (0,)), (None, 0, ())]
+
+
+def test_a_pool_gets_the_gpus_it_names(gpu_host: GpuHost, tmp_path: Path) -> None:
+    """A host replaying a recorded 8 x A100-SXM4-80GB nvidia-smi serves accelerator="A100:8"
+    (any A100 size); its 8 GPUs are the node's."""
+    with pool([gpu_host("a100x8-driver550")], tmp_path, accelerator="A100:8") as p:
+        assert gpus_seen() @ p == [("A100-80GB", 8, tuple(range(8)))]
+
+
+def test_a_host_without_the_gpus_asked_for_fails_the_start_before_anything_is_built(
+    gpu_host: GpuHost, tmp_path: Path
+) -> None:
+    """A host replaying a recorded 1 x H100 nvidia-smi, asked for H100:8. The image's apt
+    package does not exist: had anything been built before the GPU check, apt would fail first."""
+    host = gpu_host("h100-driver580")
+    image = sky.Image(apt=[f"skyward-no-such-deb-{uuid.uuid4().hex[:6]}"])
+    with (
+        pytest.raises(sky.BootstrapError) as caught,
+        pool([host], tmp_path, accelerator="H100:8", image=image),
+    ):
+        pass
+    assert (
+        f"host root@127.0.0.1:{host.port} has 1 x H100 (driver 580.65.06, CUDA 13.0); "
+        "the pool asked for H100:8" in str(caught.value)
+    )
+    assert caught.value.node == 0
+
+
+@no_gpu_here
+def test_mig_gpus_do_not_count_and_a_host_without_a_gpu_says_why(
+    gpu_host: GpuHost, local_sshd: Server, tmp_path: Path
+) -> None:
+    """A host replaying a recorded nvidia-smi of 2 x A100-40GB, one in MIG mode, has one usable
+    A100; a host without nvidia-smi has none, and the error says nvidia-smi is missing."""
+    mig = gpu_host("a100-mig-driver535")
+    with pytest.raises(sky.BootstrapError, match=re.escape("1 x A100 in MIG mode, 1 x A100")):
+        with pool([mig], tmp_path, accelerator="A100:2"):
+            pass
+    with pool([mig], tmp_path, accelerator="A100") as p:
+        assert gpus_seen() @ p == [("A100", 1, (1,))]
+    expected = "has no NVIDIA GPU (nvidia-smi was not found on PATH); the pool asked for GPU"
+    with pytest.raises(sky.BootstrapError, match=re.escape(expected)):
+        with pool([local_sshd], tmp_path, accelerator="GPU"):
+            pass

@@ -1,8 +1,9 @@
 """Local's GPU rules: what a pool asks for against what this machine has.
 
-The inventories here are parsed from recorded nvidia-smi outputs of real machines (one H100;
-eight A100-SXM4-80GB; two A100s, one in MIG mode; none). This is the one place where a recorded
-answer stands in for hardware: CI has no GPU. The `gpu`-marked tests at the end run the same
+The inventories here are parsed from the nvidia-smi outputs in tests/data/gpus (one H100; eight
+A100-SXM4-80GB; two A100s, one in MIG mode; none), written in the exact format those drivers
+print (see its README). This is the one place where a recorded answer stands in for hardware:
+CI has no GPU. The `gpu`-marked tests at the end run the same
 rules on a real GPU, and are skipped where there is none.
 """
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
-from skyward.worker.gpus import Gpu, Inventory, matches
+from skyward.worker.gpus import Gpu, Inventory, matches, visible_env
 
 
 def usable(inventory: Inventory, environ: Mapping[str, str]) -> tuple[Gpu, ...]:
@@ -74,8 +74,4 @@ def device_env(owned: tuple[Gpu, ...]) -> dict[str, str]:
     JAX told to use the CPU then."""
     if not owned:
         return {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
-    return {
-        # UUIDs name the same GPUs whatever order CUDA would number them in
-        "CUDA_VISIBLE_DEVICES": ",".join(gpu.uuid or str(gpu.index) for gpu in owned),
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-    }
+    return visible_env(owned)

@@ -49,7 +49,7 @@ from skyward.transport.base import AgentStream
 from skyward.transport.channels import open_agent
 from skyward.transport.ssh import Completed, Endpoint, SSHConnectError, SSHHost, connect, shell_env
 from skyward.worker import hostcheck
-from skyward.worker.gpus import Gpu, Inventory
+from skyward.worker.gpus import Gpu, Inventory, visible_env
 
 CACHE = "$HOME/.cache/skyward"  # expanded by the remote shell
 _CHECK_CACHE = "~/.cache/skyward"  # expanded by the check itself
@@ -158,6 +158,7 @@ class RemoteNode(Node):
         self.host = host
         self.python: str | None = None
         self.prepared = ""  # the environment hash the node was prepared for
+        self.gpu_env: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES for the GPUs it owns
 
     async def start_agent(self, env: Mapping[str, str]) -> AgentStream:
         if self.python is None:
@@ -166,7 +167,7 @@ class RemoteNode(Node):
                 node=self.index,
             )
         # The source path must expand on the host, so it is the one value left unquoted.
-        full = {**env, "PYTHONUNBUFFERED": "1"}
+        full = {**self.gpu_env, **env, "PYTHONUNBUFFERED": "1"}
         words = shell_env({k: v for k, v in full.items() if k != "PYTHONPATH"})
         command = (
             f'cd "$HOME" && exec env {_pythonpath()} {words} '
@@ -243,6 +244,10 @@ async def prepare_host(
         )
     )
     node.gpus = _gpus_for(node, report.gpus or Inventory(), accelerator)
+    # A pool that named its GPUs shows each node only those; without a name a host's
+    # processes see its GPUs as they always have.
+    named = accelerator is not None and not accelerator.is_tpu
+    node.gpu_env = visible_env(node.gpus) if named and node.gpus else {}
     base = shlex.quote(report.python)
     if not report.src:
         await _run(
@@ -300,9 +305,10 @@ def _check_program() -> str:
 def _gpus_for(
     node: RemoteNode, inventory: Inventory, accelerator: Accelerator | None
 ) -> tuple[Gpu, ...]:
-    """The GPUs the node owns: every usable one of the host, or those `accelerator` names;
-    a `BootstrapError` when the host has fewer of them than the pool asked for. A TPU is not
-    NVIDIA's to list: it is left to the provider that made the machine."""
+    """The GPUs the node owns: every usable one of the host, or the first `accelerator.count`
+    that `accelerator` names; a `BootstrapError` when the host has fewer of them than the pool
+    asked for. A TPU is not NVIDIA's to list: it is left to the provider that made the
+    machine."""
     if accelerator is None or accelerator.is_tpu:
         return inventory.usable
     found = inventory.matching(accelerator.name)
@@ -313,7 +319,7 @@ def _gpus_for(
             "they have, or leave `accelerator` out to run on whatever GPUs each host has",
             node=node.index,
         )
-    return found
+    return found[: accelerator.count]
 
 
 def _pythonpath() -> str:

@@ -176,6 +176,15 @@ _SUFFIXES = {"TI": "TI", "SUPER": "SUPER", "ADA": "-ADA"}  # "RTX 6000 Ada Gener
 _MEMORY_SUFFIX = re.compile(r"-[0-9]+GB$")
 
 
+def visible_env(owned: tuple[Gpu, ...]) -> dict[str, str]:
+    """The environment that shows a process exactly `owned` (by UUID, which names the same GPUs
+    whatever order CUDA would number them in)."""
+    return {
+        "CUDA_VISIBLE_DEVICES": ",".join(gpu.uuid or str(gpu.index) for gpu in owned),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
+
+
 def gpu_name(model: str) -> str:
     """The name a pool spells for the driver's model name: "NVIDIA H100 80GB HBM3" -> "H100",
     "NVIDIA A100-SXM4-80GB" -> "A100-80GB", "Tesla T4" -> "T4", "NVIDIA RTX A6000" -> "A6000",

@@ -21,7 +21,7 @@ import pytest
 import skyward as sky
 from tests.ssh.conftest import BUILD_ENV, Server
 from tests.support import sshd
-from tests.support.gpus import fake_nvidia_smi
+from tests.support.gpus import fake_nvidia_smi, recorded
 
 pytestmark = pytest.mark.ssh
 
@@ -91,6 +91,24 @@ def test_a_pool_gets_the_gpus_it_names(gpu_host: GpuHost, tmp_path: Path) -> Non
     (any A100 size); its 8 GPUs are the node's."""
     with pool([gpu_host("a100x8-driver550")], tmp_path, accelerator="A100:8") as p:
         assert gpus_seen() @ p == [("A100-80GB", 8, tuple(range(8)))]
+
+
+@sky.compute
+def visible_devices() -> tuple[str | None, str | None]:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER")
+
+
+def test_a_node_owns_and_sees_only_as_many_gpus_as_named(gpu_host: GpuHost, tmp_path: Path) -> None:
+    """On the recorded 8 x A100-SXM4-80GB host, accelerator="A100:2" gives the node the first
+    two, and its processes see exactly those (by UUID)."""
+    recorded_uuids = [
+        line.split(", ")[3] for line in recorded("a100x8-driver550", "query.txt").splitlines()
+    ]
+    with pool([gpu_host("a100x8-driver550")], tmp_path, accelerator="A100:2") as p:
+        assert gpus_seen() >> p == ("A100-80GB", 2, (0, 1))
+        assert visible_devices() >> p == (",".join(recorded_uuids[:2]), "PCI_BUS_ID")
 
 
 def test_a_host_without_the_gpus_asked_for_fails_the_start_before_anything_is_built(

@@ -383,11 +383,14 @@ def hand_jax_once() -> int:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     start = time.perf_counter_ns()
+    # On the CPU, as the pool's nodes are (two processes on one GPU would make NCCL refuse).
+    cpu_only = {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", JAX_CHILD, f"127.0.0.1:{port}", str(rank)],
             stdout=subprocess.PIPE,
             text=True,
+            env=cpu_only,
         )
         for rank in range(2)
     ]
@@ -498,6 +501,8 @@ def bench_bulk(s: Settings) -> Row:
 
 
 def bench_step(s: Settings) -> Row:
+    # This process and the node share the GPU: neither may take most of its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
     gpu = jax.devices()[0].platform == "gpu"
@@ -523,7 +528,8 @@ def bench_step(s: Settings) -> Row:
 
 def bench_jax(s: Settings) -> Row:
     # Warm the page cache so neither side pays for the first import of jax from disk.
-    subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], check=True)
+    warm = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], check=True, env=warm)
     hand: list[int] = []
     pooled: list[int] = []
     for run in range(s.jax_runs):  # interleaved, each going first in turn

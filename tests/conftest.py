@@ -93,3 +93,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     )
     for item in gpu_tests:
         item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def sigint_default() -> None:
+    """For `subprocess.Popen(preexec_fn=...)`: the child starts with SIGINT at its default, so
+    Python turns it into KeyboardInterrupt, even when this suite runs from a shell that started
+    it in the background with SIGINT ignored (a disposition children inherit)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def sigint_raises() -> Iterable[None]:
+    """SIGINT raises KeyboardInterrupt in this process for the test, whatever the shell that
+    started the suite left it at."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -15,7 +15,7 @@ import pytest
 
 import skyward as sky
 from skyward.providers.base import NodeLoss
-from tests.conftest import alive, wait_gone, worker_children
+from tests.conftest import alive, sigint_default, wait_gone, worker_children
 
 
 class NeedsTwoArgs(Exception):
@@ -250,6 +250,7 @@ def test_signals_to_the_client_leave_no_process_behind(
         stderr=subprocess.STDOUT,
         text=True,
         cwd=Path(__file__).parent.parent,
+        preexec_fn=sigint_default,
     )
     assert client.stdout is not None
     pids: list[int] = []

@@ -247,6 +247,7 @@ def test_instance_that_dies_at_boot_fails_the_whole_pool(
     assert leftovers(ec2) == []
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_ctrl_c_during_provisioning_leaves_nothing(ec2: Any, subnet: str, stubs: Stubs) -> None:
     aws = provider(stubs, subnet, boot_timeout=20)
     # Ctrl-C lands while run_instances has just returned and the pool waits for the instances.

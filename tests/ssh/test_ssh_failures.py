@@ -19,6 +19,7 @@ import pytest
 
 import skyward as sky
 from skyward.transport.ssh import HostKeyError, HostUnreachableError, SSHAuthError
+from tests.conftest import sigint_default
 from tests.ssh.conftest import Server, processes_with, wait_until
 from tests.support import sshd
 
@@ -246,7 +247,9 @@ def test_ctrl_c_during_bootstrap_leaves_no_remote_process(local_sshd: Server) ->
         with sky.ComputePool(provider=provider, nodes=2, image=image):
             pass
     """)
-    client = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
+    client = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=Path(__file__).parents[2], preexec_fn=sigint_default
+    )
     try:
         assert wait_until(lambda: len(processes_with(f"sleep 300 # {token}")) >= 1, 60), (
             "the setup command never started"

@@ -12,9 +12,11 @@ import contextlib
 import fcntl
 import importlib.metadata as metadata
 import inspect
+import io
 import os
 import pickle
 import platform
+import resource
 import select
 import socket
 import statistics
@@ -34,7 +36,7 @@ from skyward.plugins import Plugin
 from skyward.plugins import jax as jax_plugin
 from skyward.pool import ComputePool
 
-NAMES = ("rtt", "gather", "broadcast", "bulk", "jax", "step")
+NAMES = ("rtt", "gather", "broadcast", "bulk", "jax", "step", "output")
 PIPE_SIZE = 1 << 20  # the agent enlarges its control pipes to this; the floors use the same
 BULK_BYTES = 100_000_000
 HEADER = struct.Struct("!Q")
@@ -128,6 +130,34 @@ def jitted_step() -> float:
 
 jitted_step_remote = compute(jitted_step)
 
+
+@compute
+def shout(lines: int) -> int:
+    """Print `lines` lines of 100 bytes, as a training loop that logs freely does."""
+    line = "x" * 99
+    for _ in range(lines):
+        print(line)
+    return lines
+
+
+# The floor's child prints the same lines to a plain pipe.
+SHOUT_CHILD = "import sys\nline = 'x' * 99\nfor _ in range(int(sys.argv[1])):\n    print(line)\n"
+
+
+class LineSink(io.TextIOBase):
+    """Where both sides' lines go during `output`: counted, then dropped."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+
+    def write(self, text: str) -> int:
+        self.lines += text.count("\n")
+        return len(text)
+
+    def isatty(self) -> bool:
+        return False
+
+
 # The hand-launched JAX baseline runs the very same function source.
 JAX_CHILD = (
     "import sys\nimport jax\n"
@@ -167,13 +197,28 @@ class Settings:
     broadcasts: int
     bulk_runs: int
     jax_runs: int
+    output_lines: int  # lines of 100 bytes a node prints for `output`
 
 
 FULL = Settings(
-    calls=2000, warmup=300, batch=1000, batches=10, broadcasts=1000, bulk_runs=5, jax_runs=3
+    calls=2000,
+    warmup=300,
+    batch=1000,
+    batches=10,
+    broadcasts=1000,
+    bulk_runs=5,
+    jax_runs=3,
+    output_lines=2_000_000,
 )
 QUICK = Settings(
-    calls=500, warmup=100, batch=1000, batches=3, broadcasts=200, bulk_runs=2, jax_runs=1
+    calls=500,
+    warmup=100,
+    batch=1000,
+    batches=3,
+    broadcasts=200,
+    bulk_runs=2,
+    jax_runs=1,
+    output_lines=200_000,
 )
 
 
@@ -526,6 +571,49 @@ def bench_step(s: Settings) -> Row:
     )
 
 
+def raw_output(lines: int, sink: LineSink) -> None:
+    """A child prints `lines` lines; this process reads its pipe and writes each line, with a
+    node's prefix, to `sink`: what a client must do at the least."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", SHOUT_CHILD, str(lines)], stdout=subprocess.PIPE
+    )
+    assert child.stdout is not None
+    partial = b""
+    while chunk := child.stdout.read1(1 << 16):
+        *whole, partial = (partial + chunk).split(b"\n")
+        for line in whole:
+            sink.write(f"(node 0) {line.decode()}\n")
+    child.wait()
+
+
+def bench_output(s: Settings) -> Row:
+    lines = s.output_lines
+    megabytes = lines * 100 / 1e6
+    floor_sink, sink = LineSink(), LineSink()
+    began = time.perf_counter_ns()
+    raw_output(lines, floor_sink)
+    floor_ns = time.perf_counter_ns() - began
+    with ComputePool(nodes=1) as p, contextlib.redirect_stdout(sink):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        began = time.perf_counter_ns()
+        shout(lines) >> p
+        deadline = time.monotonic() + 600
+        while sink.lines < lines and time.monotonic() < deadline:  # output trails the result
+            time.sleep(0.01)
+        figure_ns = time.perf_counter_ns() - began
+        grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
+    rate, floor_rate = megabytes / (figure_ns / 1e9), megabytes / (floor_ns / 1e9)
+    return Row(
+        f"output: {megabytes:.0f} MB of lines, 1 node",
+        f"{rate:,.1f} MB/s",
+        f"{floor_rate:,.1f} MB/s raw pipe",
+        floor_rate / rate,
+        ">= 1/4 rate, RSS +<100 MB",
+        rate * 4 >= floor_rate and grown_mb < 100,
+        f"client peak RSS grew {grown_mb:.0f} MB; {sink.lines:,} of {lines:,} lines arrived",
+    )
+
+
 def bench_jax(s: Settings) -> Row:
     # Warm the page cache so neither side pays for the first import of jax from disk.
     warm = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -558,6 +646,7 @@ BENCHES: dict[str, Callable[[Settings], Row]] = {
     "bulk": bench_bulk,
     "jax": bench_jax,
     "step": bench_step,
+    "output": bench_output,
 }
 
 

@@ -30,6 +30,7 @@ from skyward.errors import (
     ConfigError,
     PoolClosedError,
     SerializationError,
+    SkywardError,
 )
 from skyward.handshake import handshake
 from skyward.image import Image
@@ -140,7 +141,7 @@ class ComputePool:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close(graceful=exc_type is None)
+        self._close(graceful=exc_type is None, failure=exc)
 
     def start(self) -> None:
         """Provision the nodes, build their environments, start the agents, run plugin setup."""
@@ -162,12 +163,17 @@ class ComputePool:
                 self._lifetime, self.plugins, "around_client", lambda p: p.around_client(self)
             )
             self._loop.run(self._start())
-        except BaseException:
-            self.close(graceful=False)
+        except BaseException as exc:
+            self._close(graceful=False, failure=exc)
             raise
 
     def close(self, graceful: bool = True) -> None:
         """Stop every agent and remove every node; safe to call again and from any state."""
+        self._close(graceful, None)
+
+    def _close(self, graceful: bool, failure: BaseException | None) -> None:
+        """`close`; when `failure` is what ended the pool, it stays the error the user sees and
+        a teardown problem is added to it as a note instead of replacing it."""
         if self._closed:
             return
         self._closed = True
@@ -177,7 +183,12 @@ class ComputePool:
                 timeout = self.shutdown_timeout if graceful and not busy else 0.5
                 with contextlib.suppress(Exception):
                     self._loop.run(self._stop_agents(timeout))
-                self._loop.run(self._terminate())
+                try:
+                    self._loop.run(self._terminate())
+                except SkywardError as problem:
+                    if failure is None:
+                        raise
+                    failure.add_note(f"and removing the pool then failed too: {problem}")
         finally:
             if self._loop is not None:
                 self._loop.stop()

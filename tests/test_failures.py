@@ -407,3 +407,34 @@ def test_a_replaced_node_rejoins_a_new_jax_coordinator() -> None:
             die("kill", node_to_die=0) @ pool  # the head (the coordinator) is lost
         pool.replace(0)
         assert psum_of_ranks() @ pool == [3.0, 3.0]
+
+
+class _LeakyLocal(sky.Local):
+    """Local nodes whose provider reports a teardown it could not finish, as a cloud's can."""
+
+    async def terminate(self, cluster: object) -> None:  # type: ignore[override]
+        raise sky.ProvisionError(
+            "pool x could not be fully removed: key pair k. Run `skyward down x`"
+        )
+
+
+def test_a_teardown_problem_is_a_note_on_the_error_that_ended_the_pool() -> None:
+    with pytest.raises(LookupError, match="the user's own") as caught:
+        with sky.ComputePool(provider=_LeakyLocal(), nodes=1, stream_output=False):
+            raise LookupError("the user's own")
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "removing the pool then failed too" in notes and "skyward down x" in notes
+
+
+def test_a_teardown_problem_after_a_clean_block_is_raised() -> None:
+    with pytest.raises(sky.ProvisionError, match="skyward down x"):
+        with sky.ComputePool(provider=_LeakyLocal(), nodes=1, stream_output=False):
+            pass
+
+
+def test_a_start_that_fails_keeps_its_own_error_when_teardown_fails_too() -> None:
+    bad = sky.Plugin("boom", around_app=lambda info: 1 / 0)
+    with pytest.raises(sky.PluginError, match="ZeroDivisionError") as caught:
+        with sky.ComputePool(provider=_LeakyLocal(), nodes=1, plugins=[bad], stream_output=False):
+            pass
+    assert "skyward down x" in "\n".join(getattr(caught.value, "__notes__", []))

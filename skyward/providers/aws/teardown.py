@@ -110,9 +110,7 @@ def remove_pool(
     failing_rounds = 0
     while True:
         problems: list[str] = []
-        done = _round(ec2, pool_id, suspects, problems, log)
-        for kind in KINDS:
-            seen[kind] |= suspects[kind]
+        done = _round(ec2, pool_id, suspects, seen, problems, log)
         if done:
             return [f"{kind} {name}" for kind in KINDS for name in sorted(seen[kind])]
         left = deadline - time.monotonic()
@@ -125,9 +123,15 @@ def remove_pool(
 
 
 def _round(
-    ec2: Any, pool_id: str, suspects: dict[str, set[str]], problems: list[str], log: Log
+    ec2: Any,
+    pool_id: str,
+    suspects: dict[str, set[str]],
+    seen: dict[str, set[str]],
+    problems: list[str],
+    log: Log,
 ) -> bool:
-    """One pass over every kind; True when every listing succeeded and showed nothing."""
+    """One pass over every kind; True when every listing succeeded and showed nothing.
+    `suspects` is what may still exist, `seen` everything found so far."""
     tagged = [{"Name": f"tag:{POOL_TAG}", "Values": [pool_id]}]
     clear = True
     for kind in KINDS:
@@ -141,6 +145,7 @@ def _round(
         else:
             suspects[kind] = listed
             clear = clear and not listed
+        seen[kind] |= suspects[kind]
         if kind == INSTANCE:
             # Terminating is idempotent: when the listing failed, terminate every suspect.
             ids = sorted(i for i in suspects[INSTANCE] if (states or {}).get(i) != "shutting-down")

@@ -18,6 +18,7 @@ from botocore.parsers import ResponseParserError
 import skyward as sky
 from skyward import cli
 from skyward.errors import ProvisionError
+from skyward.providers.aws.provider import AWSCluster
 from skyward.providers.aws.resources import POOL_TAG
 from tests.aws.conftest import Ec2Hosts, Stubs, aws_for, leftovers, new_session
 
@@ -125,3 +126,31 @@ def test_an_unreachable_instance_and_a_failing_describe_leave_nothing(
     assert failed == ["DescribeInstances"]
     assert not getattr(caught.value, "__notes__", None), "the teardown must have succeeded"
     assert leftovers(new_session(stubs).client("ec2")) == []
+
+
+def test_a_listing_that_fails_for_good_still_removes_what_the_client_made(
+    ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs
+) -> None:
+    """DescribeInstances never answers: the instances the client launched are terminated all
+    the same, the group and key pair deleted; the error names only what it cannot confirm."""
+    sim = ec2_hosts()
+    aws = aws_for(sim, stubs, teardown_timeout=1.5)
+    with pytest.raises(ProvisionError) as caught:
+        with sky.ComputePool(provider=aws, nodes=2, stream_output=False) as pool:
+            ids = [aws_pool_instance(pool, i) for i in range(2)]
+            inject(aws, "DescribeInstances", "parser", times=None)
+    message = str(caught.value)
+    remaining = [line.strip() for line in message.splitlines() if line.startswith("  ")]
+    assert remaining[:2] == [f"instance {i}" for i in sorted(ids)], message
+    assert remaining[2].startswith("DescribeInstances failed: Unable to parse"), message
+    assert message.endswith(f"skyward down {pool.pool_id}"), message
+    ec2 = new_session(stubs).client("ec2")
+    assert leftovers(ec2, pool.pool_id) == []
+    states = ec2.describe_instances(InstanceIds=ids)["Reservations"][0]["Instances"]
+    assert {i["State"]["Name"] for i in states} == {"terminated"}
+
+
+def aws_pool_instance(pool: sky.ComputePool, index: int) -> str:
+    cluster = pool.cluster
+    assert isinstance(cluster, AWSCluster)
+    return cluster.node_instances[index]

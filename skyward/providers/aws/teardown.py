@@ -134,6 +134,7 @@ def _round(
     `suspects` is what may still exist, `seen` everything found so far."""
     tagged = [{"Name": f"tag:{POOL_TAG}", "Values": [pool_id]}]
     clear = True
+    states: dict[str, str] | None = None
     for kind in KINDS:
         if kind == INSTANCE:
             states = _list_instances(ec2, tagged, suspects[INSTANCE], problems)
@@ -153,8 +154,8 @@ def _round(
                 reply = _call(ec2, problems, "terminate_instances", _INSTANCE_GONE, InstanceIds=ids)
                 if reply is not None:
                     log(f"terminating {len(ids)} instance(s) of {pool_id}")
-        elif kind in _AFTER_INSTANCES and suspects[INSTANCE]:
-            continue  # EC2 refuses these while instances still use them
+        elif kind in _AFTER_INSTANCES and states:
+            continue  # EC2 refuses these while instances still use them (if unsure, try)
         else:
             for name in sorted(suspects[kind]):
                 _delete(ec2, kind, name, suspects, problems)

@@ -107,11 +107,12 @@ def remove_pool(
     deadline = time.monotonic() + timeout
     suspects = {kind: set((made or Made()).ids[kind]) for kind in KINDS}
     seen: dict[str, set[str]] = {kind: set() for kind in KINDS}
+    done: set[str] = set()  # kinds a successful listing showed none of: nothing brings them back
     failing_rounds = 0
     while True:
         problems: list[str] = []
-        done = _round(ec2, pool_id, suspects, seen, problems, log)
-        if done:
+        waiting = _round(ec2, pool_id, suspects, seen, done, problems, log)
+        if len(done) == len(KINDS):
             return [f"{kind} {name}" for kind in KINDS for name in sorted(seen[kind])]
         left = deadline - time.monotonic()
         if left <= 0:
@@ -119,7 +120,8 @@ def remove_pool(
         failing_rounds = failing_rounds + 1 if problems else 0
         for problem in problems:
             log(f"teardown of {pool_id}: {problem}; trying again")
-        time.sleep(min(left, _delay(poll, failing_rounds)))
+        # Straight on when the round only removed things: the next listing confirms it.
+        time.sleep(min(left, _delay(poll, failing_rounds) if waiting or problems else 0.0))
 
 
 def _round(
@@ -127,27 +129,31 @@ def _round(
     pool_id: str,
     suspects: dict[str, set[str]],
     seen: dict[str, set[str]],
+    done: set[str],
     problems: list[str],
     log: Log,
 ) -> bool:
-    """One pass over every kind; True when every listing succeeded and showed nothing.
-    `suspects` is what may still exist, `seen` everything found so far."""
+    """One pass over every kind not yet `done`: list it, then remove what may still exist
+    (`suspects`); `seen` gathers everything found. True when EC2 is still at work (instances
+    not yet terminated, a group still held by them)."""
     tagged = [{"Name": f"tag:{POOL_TAG}", "Values": [pool_id]}]
-    clear = True
     states: dict[str, str] | None = None
+    waiting = False
     for kind in KINDS:
+        if kind in done:
+            continue
         if kind == INSTANCE:
             states = _list_instances(ec2, tagged, suspects[INSTANCE], problems)
             listed = None if states is None else set(states)
         else:
             listed = _list(ec2, _KINDS[kind], tagged, problems)
-        if listed is None:  # the listing failed: remove what is known or was seen before
-            clear = False
-        else:
+        if listed is not None:  # else the listing failed: remove what is known or was seen
             suspects[kind] = listed
-            clear = clear and not listed
+            if not listed:
+                done.add(kind)
         seen[kind] |= suspects[kind]
         if kind == INSTANCE:
+            waiting = bool(suspects[INSTANCE])  # termination takes EC2 a while
             # Terminating is idempotent: when the listing failed, terminate every suspect.
             ids = sorted(i for i in suspects[INSTANCE] if (states or {}).get(i) != "shutting-down")
             if ids:
@@ -155,11 +161,11 @@ def _round(
                 if reply is not None:
                     log(f"terminating {len(ids)} instance(s) of {pool_id}")
         elif kind in _AFTER_INSTANCES and states:
-            continue  # EC2 refuses these while instances still use them (if unsure, try)
+            waiting = True  # EC2 refuses these while instances still use them (if unsure, try)
         else:
             for name in sorted(suspects[kind]):
-                _delete(ec2, kind, name, suspects, problems)
-    return clear
+                waiting = _delete(ec2, kind, name, suspects, problems) or waiting
+    return waiting
 
 
 def _list(
@@ -194,13 +200,18 @@ def _list_instances(
 
 def _delete(
     ec2: Any, kind: str, name: str, suspects: dict[str, set[str]], problems: list[str]
-) -> None:
+) -> bool:
+    """Delete one; True when EC2 answered "not yet" (DependencyViolation / InUse), which is
+    no failure: the instances that hold it are still going."""
     spec = _KINDS[kind]
-    not_yet: list[str] = []
-    if _call(ec2, not_yet, spec.delete_call, spec.gone, **{spec.delete_arg: name}) is not None:
+    failed: list[str] = []
+    if _call(ec2, failed, spec.delete_call, spec.gone, **{spec.delete_arg: name}) is not None:
         suspects[kind].discard(name)
-    elif not any(code in line for line in not_yet for code in _NOT_YET):
-        problems += not_yet  # DependencyViolation / InUse only mean "not yet"
+        return False
+    if any(code in line for line in failed for code in _NOT_YET):
+        return True
+    problems += failed
+    return False
 
 
 def _call(

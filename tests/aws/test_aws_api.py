@@ -23,7 +23,7 @@ from moto import mock_aws
 import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
-from skyward.providers.aws import instance_types, instances, userdata
+from skyward.providers.aws import instance_types, instances, teardown, userdata
 from skyward.providers.aws.instances import describe_loss
 from skyward.providers.aws.resources import POOL_TAG, pool_tags
 from tests.aws.conftest import (
@@ -417,6 +417,7 @@ def test_a_replacement_is_one_instance_launched_as_the_pools_were(
         instance_types.choose(pool.accelerator, None),
         key_path,
         userdata.HostKey.generate("t"),
+        teardown.Made(),
         check_cancel,
     )
     ids = instances.run(ec2_client, params, 2, pool.pool_id)
@@ -442,5 +443,6 @@ def test_a_replacement_is_one_instance_launched_as_the_pools_were(
     }
     assert states[lost] in ("shutting-down", "terminated")
     # the replacement is the pool's: teardown finds it by its tags too
-    assert instances.remove_pool(ec2_client, pool.pool_id, [], poll=0.01) == []
+    removed = teardown.remove_pool(ec2_client, pool.pool_id, poll=0.01)
+    assert f"instance {fresh['InstanceId']}" in removed
     assert leftovers(ec2) == []

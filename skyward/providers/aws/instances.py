@@ -9,8 +9,10 @@ thread) and working from the pool's tags (`resources`), so every step can be tes
 - `run` starts N instances with those parameters in ONE call (MinCount=MaxCount=N);
 - `wait_running` waits until all of them run, failing the pool if one stops;
 - `replace` terminates a lost instance and starts one more with the pool's parameters;
-- `loss_of` / `describe_loss` say why an instance went away; `remove_pool` removes
-  everything tagged with the pool's id.
+- `loss_of` / `describe_loss` say why an instance went away.
+
+Each step records what it makes in the pool's `teardown.Made` before or as EC2 makes it, so the
+teardown (`teardown.remove_pool`) removes it even when a listing by tags fails.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from botocore.exceptions import ClientError
 
 from skyward.cluster import ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
-from skyward.providers.aws import instance_types, resources, userdata
+from skyward.providers.aws import instance_types, resources, teardown, userdata
 from skyward.providers.base import NodeLoss
 
 GPU_AMI_PARAMETER = (
@@ -77,6 +79,7 @@ def set_up(
     choice: instance_types.Choice,
     key_path: Path,
     host_key: userdata.HostKey,
+    made: teardown.Made,
     check_cancel: CheckCancel,
 ) -> dict[str, Any]:
     """Create the pool's key pair, security group (and placement group); return the
@@ -101,6 +104,7 @@ def set_up(
     tags = resources.pool_tags(spec.pool_id)
     name = f"skyward-{spec.pool_id}"
     write_key_pair(key_path)
+    made.add(teardown.KEY_PAIR, name)
     ec2.import_key_pair(
         KeyName=name,
         PublicKeyMaterial=key_path.with_suffix(".pub").read_bytes(),
@@ -112,6 +116,7 @@ def set_up(
         VpcId=subnet["VpcId"],
         TagSpecifications=[resources.tag_spec("security-group", tags)],
     )["GroupId"]
+    made.add(teardown.SECURITY_GROUP, group)
     ec2.authorize_security_group_ingress(
         GroupId=group,
         IpPermissions=[
@@ -126,6 +131,7 @@ def set_up(
     )
     where: dict[str, str] = {"AvailabilityZone": subnet["AvailabilityZone"]}
     if placement.placement_group:
+        made.add(teardown.PLACEMENT_GROUP, name)
         ec2.create_placement_group(
             GroupName=name,
             Strategy="cluster",
@@ -234,12 +240,6 @@ def loss_of(ec2: Any, instance_id: str) -> NodeLoss | None:
         return None
     instance = found.get(instance_id)
     return describe_loss(instance) if instance is not None else None
-
-
-def remove_pool(ec2: Any, pool_id: str, extra_instances: list[str], poll: float) -> list[str]:
-    """Remove everything tagged for `pool_id` (and `extra_instances`); what could not be."""
-    found = resources.find(ec2, pool_id).get(pool_id, resources.PoolResources(pool_id))
-    return resources.remove(ec2, found, extra_instances=extra_instances, poll=poll, log=logger.info)
 
 
 def describe_loss(instance: Mapping[str, Any]) -> NodeLoss | None:

@@ -13,8 +13,9 @@ the plain functions of `instances`, the SSH steps those of `skyward.providers.re
    and the agents are the remote bootstrap's, as for `sky.SSH`.
 
 What one pool made lives in its `AWSCluster` (and in the tags, the durable record). Teardown
-(end of the pool, or any failure or cancellation during launch) runs in a non-daemon thread: a
-Ctrl-C that stops the pool's event loop cannot stop it half-way, and the interpreter waits for
+(end of the pool, or any failure or cancellation during launch) is `teardown.remove_pool`, the
+reconciliation loop that `cleanup` and ``skyward down`` use too; it runs in a non-daemon thread:
+a Ctrl-C that stops the pool's event loop cannot stop it half-way, and the interpreter waits for
 it before exiting.
 """
 
@@ -35,11 +36,12 @@ from typing import Any, TypeVar
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
+from botocore.parsers import ResponseParserError
 
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
-from skyward.providers.aws import instance_types, instances, resources, userdata
+from skyward.providers.aws import instance_types, instances, resources, teardown, userdata
 from skyward.providers.aws.instances import logger
 from skyward.providers.base import Cluster, Log, Node, NodeLoss, Provider
 from skyward.providers.remote import (
@@ -66,7 +68,8 @@ class AWSCluster(Cluster):
     cancel: threading.Event = field(default_factory=threading.Event)
     provisioning: Future[list[dict[str, Any]]] | None = None
     run_params: dict[str, Any] = field(default_factory=dict)  # replace() asks for the same
-    instance_ids: list[str] = field(default_factory=list)  # every one launched, for teardown
+    instance_ids: list[str] = field(default_factory=list)  # the pool's current instances
+    made: teardown.Made = field(default_factory=teardown.Made)  # everything, for teardown
     node_instances: dict[int, str] = field(default_factory=dict)  # node index -> instance id
     removed: bool = False
 
@@ -109,6 +112,9 @@ class AWS(Provider):
         boot_timeout: seconds for all instances to run and accept the verified SSH login.
         connect_timeout, keepalive, build_env: as for `sky.SSH`.
         poll_interval: seconds between EC2 state polls (boot, termination).
+        teardown_timeout: seconds the teardown keeps trying to remove a pool (calls that fail
+            are retried, with backoff, in rounds) before it names what remains in a
+            `ProvisionError`.
         profile, session: a named profile, or a ready `boto3.Session` (tests, custom chains).
     """
 
@@ -133,9 +139,12 @@ class AWS(Provider):
         keepalive: float = 15.0,
         build_env: Mapping[str, str] | None = None,
         poll_interval: float = 3.0,
+        teardown_timeout: float = 600.0,
         profile: str | None = None,
         session: boto3.session.Session | None = None,
     ) -> None:
+        if teardown_timeout <= 0:
+            raise ConfigError(f"teardown_timeout must be > 0 seconds, got {teardown_timeout!r}")
         if idle_timeout <= 0:
             raise ConfigError(f"idle_timeout must be > 0 seconds, got {idle_timeout!r}")
         if ssh_cidr is not None:
@@ -151,6 +160,7 @@ class AWS(Provider):
         self.keepalive = keepalive
         self.bootstrap = Bootstrap(python, build_env=dict(build_env or {}))
         self.poll_interval = poll_interval
+        self.teardown_timeout = teardown_timeout
         self._profile = profile
         self._session = session
         self._clients: dict[str, Any] = {}
@@ -172,7 +182,9 @@ class AWS(Provider):
         session = self.session()
         with self._lock:
             if service not in self._clients:
-                config = Config(retries={"mode": "standard", "max_attempts": 5})
+                # Adaptive: standard retries (throttling, 5xx, dropped connections) plus a
+                # client-side rate limit when EC2 throttles, which a teardown of many pools hits.
+                config = Config(retries={"mode": "adaptive", "max_attempts": 5})
                 self._clients[service] = session.client(
                     service, region_name=self.region, config=config
                 )
@@ -224,8 +236,8 @@ class AWS(Provider):
             try:
                 await self._teardown(cluster)
             except ProvisionError as cleanup:
-                if isinstance(exc, Exception):
-                    raise ProvisionError(f"{exc}\nand then cleaning up failed: {cleanup}") from exc
+                # The launch's own failure stays the error; what the teardown left is a note.
+                exc.add_note(str(cleanup))
             raise
 
     async def replace(self, cluster: Cluster, index: int) -> Node:
@@ -238,6 +250,7 @@ class AWS(Provider):
             ec2 = self.client("ec2")
             fresh = instances.replace(ec2, pool.run_params, lost, pool.pool_id)
             pool.instance_ids += fresh
+            pool.made.add(teardown.INSTANCE, *fresh)
             return self._wait_running(ec2, pool, fresh)
 
         launched = _in_thread(provision, f"skyward-aws-replace-{pool.pool_id}")
@@ -270,22 +283,31 @@ class AWS(Provider):
         """Remove skyward resources (all pools, or `pool`) created more than `older_than` ago.
 
         Pools whose clients died leave at most a security group and a key pair (the watchdog
-        powers their instances off); this removes those and any instance still running.
-        Returns what was removed; raises `ProvisionError` listing what could not be.
+        powers their instances off); this removes those and any instance still running, each
+        pool with the teardown's loop. Returns what was removed; raises `ProvisionError`
+        listing what could not be.
         """
         age = older_than if isinstance(older_than, timedelta) else timedelta(seconds=older_than)
-        cutoff = datetime.now(UTC) - age
         ec2 = self.client("ec2")
+        if pool is not None and age <= timedelta(0):
+            pools = [pool]  # no age to check: the loop's own listing (with its retries) will do
+        else:
+            cutoff = datetime.now(UTC) - age
+            try:
+                found = resources.find(ec2, pool).values()
+            except (ClientError, BotoCoreError, ResponseParserError) as exc:
+                raise ProvisionError(f"listing skyward's resources failed: {exc}") from None
+            # Resources without a readable created-at tag were still made by skyward: old.
+            pools = [p.pool_id for p in found if p.created_at is None or p.created_at <= cutoff]
         removed: list[str] = []
         problems: list[str] = []
-        for found in resources.find(ec2, pool).values():
-            # Resources without a readable created-at tag were still made by skyward: old.
-            if found.created_at is not None and found.created_at > cutoff:
-                continue
-            problems += resources.remove(ec2, found, poll=self.poll_interval, log=logger.info)
-            removed += [f"{found.pool_id}: {line}" for line in found.describe()]
+        for pool_id in pools:
+            try:
+                removed += [f"{pool_id}: {line}" for line in self._remove_pool(ec2, pool_id)]
+            except ProvisionError as exc:
+                problems.append(str(exc))
         if problems:
-            raise ProvisionError("could not remove:\n" + "\n".join(f"  {p}" for p in problems))
+            raise ProvisionError("\n".join(problems))
         return removed
 
     # -- launch and replace: the EC2 half runs in a thread ---------------------------------
@@ -301,9 +323,11 @@ class AWS(Provider):
                 choice,
                 pool.key_path,
                 pool.host_key,
+                pool.made,
                 pool.check_cancel,
             )
             pool.instance_ids = instances.run(ec2, pool.run_params, pool.spec.nodes, pool.pool_id)
+            pool.made.add(teardown.INSTANCE, *pool.instance_ids)
             return self._wait_running(ec2, pool, pool.instance_ids)
         except ClientError as exc:
             raise ProvisionError(instances.launch_error(exc, pool.spec, choice)) from None
@@ -376,20 +400,19 @@ class AWS(Provider):
             # Let an in-flight run_instances return first, so its instances are found too.
             with contextlib.suppress(BaseException):
                 pool.provisioning.exception()
-        try:
-            problems = instances.remove_pool(
-                self.client("ec2"), pool.pool_id, pool.instance_ids, self.poll_interval
-            )
-        except (ClientError, BotoCoreError) as exc:
-            problems = [str(exc)]
-        if problems:
-            raise ProvisionError(
-                f"pool {pool.pool_id} could not be fully removed:\n"
-                + "\n".join(f"  {p}" for p in problems)
-                + f"\nRun `skyward down {pool.pool_id}` to retry."
-            )
+        self._remove_pool(self.client("ec2"), pool.pool_id, pool.made)
         pool.removed = True
         shutil.rmtree(pool.key_dir, ignore_errors=True)
+
+    def _remove_pool(self, ec2: Any, pool_id: str, made: teardown.Made | None = None) -> list[str]:
+        return teardown.remove_pool(
+            ec2,
+            pool_id,
+            made,
+            timeout=self.teardown_timeout,
+            poll=self.poll_interval,
+            log=logger.info,
+        )
 
 
 def _aws(cluster: Cluster) -> AWSCluster:

@@ -3,29 +3,23 @@
 Everything a pool creates carries ``skyward:pool=<pool id>``, ``skyward:created-by`` and
 ``skyward:created-at``; the tags, not any local state, are the record. So the same code removes a
 pool at the end of its ``with`` block, after a launch that failed half-way, and from another
-process (`AWS.cleanup`, ``skyward down``) after the client died. Every step is one batched call
-for the whole pool: the call count does not grow with the number of nodes.
+process (`AWS.cleanup`, ``skyward down``) after the client died. Every call covers the whole pool
+(the call count does not grow with the number of nodes); `teardown` removes what is found here.
 """
 
 from __future__ import annotations
 
-import functools
 import getpass
 import socket
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
-
-from botocore.exceptions import ClientError
 
 POOL_TAG = "skyward:pool"
 CREATED_BY_TAG = "skyward:created-by"
 CREATED_AT_TAG = "skyward:created-at"
 LIVE_STATES = ("pending", "running", "shutting-down", "stopping", "stopped")
-
-Log = Callable[[str], None]
 
 
 def created_by() -> str:
@@ -150,105 +144,3 @@ def instance_states(ec2: Any, ids: Iterable[str]) -> dict[str, dict[str, Any]]:
             for instance in reservation["Instances"]:
                 found[instance["InstanceId"]] = instance
     return found
-
-
-def terminate(ec2: Any, ids: list[str], *, poll: float, timeout: float, log: Log) -> list[str]:
-    """Terminate `ids` and wait until EC2 reports all of them terminated; returns problems."""
-    try:
-        # Only what still lives: terminating a terminated instance is at best a wasted call.
-        ids = [
-            i
-            for i, inst in instance_states(ec2, ids).items()
-            if inst["State"]["Name"] != "terminated"
-        ]
-    except ClientError as exc:
-        if _code(exc) != "InvalidInstanceID.NotFound":
-            raise
-    if not ids:
-        return []
-    try:
-        ec2.terminate_instances(InstanceIds=ids)
-    except ClientError as exc:
-        if _code(exc) != "InvalidInstanceID.NotFound":
-            return [f"terminating {', '.join(ids)} failed: {exc}"]
-    log(f"terminating {len(ids)} instance(s)")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            states = instance_states(ec2, ids)
-        except ClientError as exc:
-            if _code(exc) != "InvalidInstanceID.NotFound":
-                raise
-            states = {}  # EC2 already forgot them
-        left = [i for i, inst in states.items() if inst["State"]["Name"] != "terminated"]
-        if not left:
-            return []
-        if time.monotonic() > deadline:
-            return [f"instance(s) {', '.join(left)} not terminated after {timeout:g} s"]
-        time.sleep(poll)
-
-
-def remove(
-    ec2: Any,
-    pool: PoolResources,
-    *,
-    extra_instances: Iterable[str] = (),
-    poll: float = 3.0,
-    timeout: float = 600.0,
-    log: Log = lambda line: None,
-) -> list[str]:
-    """Remove everything of `pool` (instances first: the group cannot go while they use it).
-
-    Returns what could not be removed (empty when everything is gone). Idempotent.
-    """
-    ids = sorted({i["InstanceId"] for i in pool.instances} | set(extra_instances))
-    problems = terminate(ec2, ids, poll=poll, timeout=timeout, log=log)
-    if problems:
-        # The group and placement group cannot be deleted while instances hold them.
-        return problems
-    for name in pool.placement_groups:
-        problems += _retry_dependency(
-            functools.partial(ec2.delete_placement_group, GroupName=name),
-            f"placement group {name}",
-            ("InvalidPlacementGroup.Unknown",),
-            poll,
-        )
-    for group in pool.groups:
-        problems += _retry_dependency(
-            functools.partial(ec2.delete_security_group, GroupId=group),
-            f"security group {group}",
-            ("InvalidGroup.NotFound",),
-            poll,
-        )
-    for key in pool.key_pairs:
-        try:
-            ec2.delete_key_pair(KeyName=key)
-        except ClientError as exc:
-            problems.append(f"key pair {key}: {exc}")
-    return problems
-
-
-def _retry_dependency(
-    call: Callable[[], object], what: str, gone: tuple[str, ...], poll: float, budget: float = 180
-) -> list[str]:
-    # Terminated instances release their network interfaces a little later; until then EC2
-    # answers DependencyViolation / InUse, which only means "not yet".
-    deadline = time.monotonic() + budget
-    while True:
-        try:
-            call()
-            return []
-        except ClientError as exc:
-            code = _code(exc)
-            if code in gone:
-                return []
-            if code in ("DependencyViolation", "InvalidPlacementGroup.InUse") and (
-                time.monotonic() < deadline
-            ):
-                time.sleep(max(poll, 1.0))
-                continue
-            return [f"{what}: {exc}"]
-
-
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))

@@ -1,0 +1,270 @@
+"""Removing a pool from EC2: a reconciliation loop that ends with nothing left, or says what is.
+
+Each round lists what the pool's tags still show, kind by kind, and removes it in dependency
+order: instances first; the placement group and the security group once no instance of the pool
+is left (EC2 refuses them with DependencyViolation / InUse until then); the key pair on its own.
+Every step is idempotent ("not found" counts as removed) and a failing step never stops the
+others. What the client knows it made (`Made`: instance ids, key pair and group names) is
+removed too, so a listing that fails cannot hide it. Rounds repeat, `poll` apart while EC2 is
+merely slow and with growing, jittered backoff while calls fail, until a successful listing of
+every kind shows nothing, or `timeout` runs out: then ONE `ProvisionError` lists what remains
+and ends with the command that retries.
+
+Retrying what is retryable (throttling, 5xx, dropped connections) is botocore's job (the
+provider's clients use its adaptive retry mode); what still fails becomes a problem in one place,
+`_call`, which names the EC2 call that failed.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+from botocore.parsers import ResponseParserError
+
+from skyward.errors import ProvisionError
+from skyward.providers.aws.resources import LIVE_STATES, POOL_TAG
+
+Log = Callable[[str], None]
+
+INSTANCE = "instance"
+PLACEMENT_GROUP = "placement group"
+SECURITY_GROUP = "security group"
+KEY_PAIR = "key pair"
+KINDS = (INSTANCE, PLACEMENT_GROUP, SECURITY_GROUP, KEY_PAIR)  # the order of removal
+_AFTER_INSTANCES = (PLACEMENT_GROUP, SECURITY_GROUP)
+_NOT_YET = ("DependencyViolation", "InvalidPlacementGroup.InUse")
+_MAX_BACKOFF = 30.0
+
+
+@dataclass
+class Made:
+    """What a launch made, or was about to make, by kind: known without asking EC2."""
+
+    ids: dict[str, set[str]] = field(default_factory=lambda: {kind: set() for kind in KINDS})
+
+    def add(self, kind: str, *ids: str) -> None:
+        self.ids[kind].update(ids)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    list_call: str  # the botocore method that lists the kind by tag
+    list_key: str  # where its reply holds them
+    id_key: str  # what names one
+    delete_call: str
+    delete_arg: str
+    gone: tuple[str, ...]  # error codes that mean "already removed"
+
+
+_KINDS = {
+    PLACEMENT_GROUP: _Kind(
+        "describe_placement_groups",
+        "PlacementGroups",
+        "GroupName",
+        "delete_placement_group",
+        "GroupName",
+        ("InvalidPlacementGroup.Unknown",),
+    ),
+    SECURITY_GROUP: _Kind(
+        "describe_security_groups",
+        "SecurityGroups",
+        "GroupId",
+        "delete_security_group",
+        "GroupId",
+        ("InvalidGroup.NotFound",),
+    ),
+    KEY_PAIR: _Kind(
+        "describe_key_pairs",
+        "KeyPairs",
+        "KeyName",
+        "delete_key_pair",
+        "KeyName",
+        ("InvalidKeyPair.NotFound",),
+    ),
+}
+_INSTANCE_GONE = ("InvalidInstanceID.NotFound",)
+
+
+def remove_pool(
+    ec2: Any,
+    pool_id: str,
+    made: Made | None = None,
+    *,
+    timeout: float = 600.0,
+    poll: float = 3.0,
+    log: Log = lambda line: None,
+) -> list[str]:
+    """Remove everything of `pool_id` (and everything in `made`); what was found, by kind and id.
+
+    Returns once a successful listing shows nothing of the pool. Raises `ProvisionError` naming
+    what remains, and ``skyward down <pool_id>``, when `timeout` seconds were not enough.
+    """
+    deadline = time.monotonic() + timeout
+    suspects = {kind: set((made or Made()).ids[kind]) for kind in KINDS}
+    seen: dict[str, set[str]] = {kind: set() for kind in KINDS}
+    done: set[str] = set()  # kinds a successful listing showed none of: nothing brings them back
+    failing_rounds = 0
+    while True:
+        problems: list[str] = []
+        waiting = _round(ec2, pool_id, suspects, seen, done, problems, log)
+        if len(done) == len(KINDS):
+            return [f"{kind} {name}" for kind in KINDS for name in sorted(seen[kind])]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ProvisionError(_remains(pool_id, suspects, problems, timeout))
+        failing_rounds = failing_rounds + 1 if problems else 0
+        for problem in problems:
+            log(f"teardown of {pool_id}: {problem}; trying again")
+        # Straight on when the round only removed things: the next listing confirms it.
+        time.sleep(min(left, _delay(poll, failing_rounds) if waiting or problems else 0.0))
+
+
+def _round(
+    ec2: Any,
+    pool_id: str,
+    suspects: dict[str, set[str]],
+    seen: dict[str, set[str]],
+    done: set[str],
+    problems: list[str],
+    log: Log,
+) -> bool:
+    """One pass over every kind not yet `done`: list it, then remove what may still exist
+    (`suspects`); `seen` gathers everything found. True when EC2 is still at work (instances
+    not yet terminated, a group still held by them)."""
+    tagged = [{"Name": f"tag:{POOL_TAG}", "Values": [pool_id]}]
+    states: dict[str, str] | None = None
+    waiting = False
+    for kind in KINDS:
+        if kind in done:
+            continue
+        if kind == INSTANCE:
+            states = _list_instances(ec2, tagged, suspects[INSTANCE], problems)
+            listed = None if states is None else set(states)
+        else:
+            listed = _list(ec2, _KINDS[kind], tagged, problems)
+        if listed is not None:  # else the listing failed: remove what is known or was seen
+            suspects[kind] = listed
+            if not listed:
+                done.add(kind)
+        seen[kind] |= suspects[kind]
+        if kind == INSTANCE:
+            waiting = bool(suspects[INSTANCE])  # termination takes EC2 a while
+            # Terminating is idempotent: when the listing failed, terminate every suspect.
+            ids = sorted(i for i in suspects[INSTANCE] if (states or {}).get(i) != "shutting-down")
+            if ids:
+                reply = _call(ec2, problems, "terminate_instances", _INSTANCE_GONE, InstanceIds=ids)
+                if reply is not None:
+                    log(f"terminating {len(ids)} instance(s) of {pool_id}")
+        elif kind in _AFTER_INSTANCES and states:
+            waiting = True  # EC2 refuses these while instances still use them (if unsure, try)
+        else:
+            for name in sorted(suspects[kind]):
+                waiting = _delete(ec2, kind, name, suspects, problems) or waiting
+    return waiting
+
+
+def _list(
+    ec2: Any, kind: _Kind, tagged: list[dict[str, Any]], problems: list[str]
+) -> set[str] | None:
+    reply = _call(ec2, problems, kind.list_call, Filters=tagged)
+    if reply is None:
+        return None
+    return {str(item[kind.id_key]) for item in reply.get(kind.list_key, [])}
+
+
+def _list_instances(
+    ec2: Any, tagged: list[dict[str, Any]], suspects: set[str], problems: list[str]
+) -> dict[str, str] | None:
+    """The pool's instances that are not terminated, with their states: by tag, and by id
+    for the suspects the tag listing does not show."""
+    live = [*tagged, {"Name": "instance-state-name", "Values": list(LIVE_STATES)}]
+    reply = _call(ec2, problems, "describe_instances", Filters=live)
+    if reply is None:
+        return None
+    found = _states(reply)
+    # Known ids the tag listing does not show: terminated, or not yet visible (EC2 is
+    # eventually consistent right after run_instances). Only a look by id can tell.
+    unseen = sorted(suspects - found.keys())
+    if unseen:
+        by_id = _call(ec2, problems, "describe_instances", _INSTANCE_GONE, InstanceIds=unseen)
+        if by_id is None:
+            return None
+        found |= _states(by_id)
+    return {i: state for i, state in found.items() if state != "terminated"}
+
+
+def _delete(
+    ec2: Any, kind: str, name: str, suspects: dict[str, set[str]], problems: list[str]
+) -> bool:
+    """Delete one; True when EC2 answered "not yet" (DependencyViolation / InUse), which is
+    no failure: the instances that hold it are still going."""
+    spec = _KINDS[kind]
+    failed: list[str] = []
+    if _call(ec2, failed, spec.delete_call, spec.gone, **{spec.delete_arg: name}) is not None:
+        suspects[kind].discard(name)
+        return False
+    if any(code in line for line in failed for code in _NOT_YET):
+        return True
+    problems += failed
+    return False
+
+
+def _call(
+    ec2: Any, problems: list[str], method: str, gone: Iterable[str] = (), **kwargs: Any
+) -> dict[str, Any] | None:
+    """``ec2.<method>(**kwargs)`` (all pages), with botocore's retries; None when it failed,
+    recorded in `problems` naming the call. An error code in `gone` is a success: ``{}``."""
+    try:
+        if ec2.can_paginate(method):
+            result = ec2.get_paginator(method).paginate(**kwargs).build_full_result()
+        else:
+            result = getattr(ec2, method)(**kwargs)
+        return dict(result)
+    except ClientError as exc:
+        error = exc.response.get("Error", {})
+        if error.get("Code") in gone:
+            return {}
+        reason: object = f"{error.get('Code', '?')}: {error.get('Message', exc)}"
+    except (BotoCoreError, ResponseParserError) as exc:
+        reason = exc
+    problems.append(f"{ec2.meta.method_to_api_mapping[method]} failed: {reason}")
+    return None
+
+
+def _states(reply: dict[str, Any]) -> dict[str, str]:
+    return {
+        str(instance["InstanceId"]): str(instance["State"]["Name"])
+        for reservation in reply.get("Reservations", [])
+        for instance in reservation["Instances"]
+    }
+
+
+def _delay(poll: float, failing_rounds: int) -> float:
+    """`poll` while EC2 is only slow; after failures, exponential backoff with full jitter."""
+    if not failing_rounds:
+        return poll
+    return random.uniform(poll, max(poll, min(_MAX_BACKOFF, poll * 2**failing_rounds)))
+
+
+def _remains(
+    pool_id: str, suspects: dict[str, set[str]], problems: list[str], timeout: float
+) -> str:
+    lines = [f"  {kind} {name}" for kind in KINDS for name in sorted(suspects[kind])]
+    if not lines:
+        lines = ["  (nothing known, but EC2 could not confirm the pool is gone)"]
+    why = [f"  {p}" for p in problems] or ["  (EC2 was still removing them)"]
+    return "\n".join(
+        [
+            f"pool {pool_id} was not fully removed within teardown_timeout={timeout:g} s; "
+            "still there (or not confirmed gone):",
+            *lines,
+            "the last round's failures:",
+            *why,
+            f"Remove the rest with: skyward down {pool_id}",
+        ]
+    )

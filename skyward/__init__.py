@@ -74,7 +74,35 @@ if TYPE_CHECKING:
     from skyward.providers.local import Local
     from skyward.providers.ssh import SSH
 
-__all__ = sorted(_EXPORTS)
+# Literal, so type checkers see the re-exports (`mypy --strict` on a user's script).
+__all__ = [
+    "AWS",
+    "SSH",
+    "BootstrapError",
+    "ClusterSpec",
+    "Compute",
+    "ComputePool",
+    "ConfigError",
+    "Gather",
+    "Image",
+    "Index",
+    "InstanceInfo",
+    "Local",
+    "NotOnNodeError",
+    "PendingCall",
+    "Plugin",
+    "PluginError",
+    "PoolClosedError",
+    "ProvisionError",
+    "RemoteError",
+    "SerializationError",
+    "SkywardError",
+    "WorkerError",
+    "compute",
+    "gather",
+    "instance_info",
+    "plugins",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -31,3 +31,37 @@ def test_every_public_name_resolves() -> None:
         assert getattr(sky, name) is not None, name
     assert issubclass(sky.WorkerError, sky.SkywardError)
     assert issubclass(sky.ConfigError, ValueError)
+
+
+def test_all_lists_exactly_the_lazy_exports() -> None:
+    from skyward import _EXPORTS
+
+    assert sorted(sky.__all__) == sorted(_EXPORTS)
+
+
+def test_a_users_script_type_checks_under_mypy_strict(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("mypy")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import skyward as sky\n\n\n"
+        "@sky.compute\n"
+        "def square(x: int) -> int:\n"
+        "    return x * x\n\n\n"
+        "with sky.ComputePool(nodes=2, provider=sky.Local()) as pool:\n"
+        "    every: list[int] = square(3) @ pool\n"
+        "    one: int = square(2) >> pool\n"
+        "    both = sky.gather(square(1), square(2)) >> pool\n"
+        "    info: sky.InstanceInfo | None = None\n"
+    )
+    checked = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(script)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from skyward.info import InstanceInfo, instance_info
     from skyward.plugins.base import Plugin
     from skyward.pool import ComputePool
+    from skyward.providers.aws import AWS
     from skyward.providers.local import Local
     from skyward.providers.ssh import SSH
 

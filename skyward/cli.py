@@ -64,7 +64,9 @@ def _aws_session(region: str | None, profile: str | None) -> Any:
 def _aws(args: argparse.Namespace) -> Any:
     from skyward.providers.aws import AWS
 
-    return AWS(session=_aws_session(args.region, args.profile))
+    aws = AWS(session=_aws_session(args.region, args.profile))
+    aws.check_access()  # no region or no credentials: one clear line, not a botocore traceback
+    return aws
 
 
 def _aws_ls(args: argparse.Namespace) -> int:
@@ -82,21 +84,28 @@ def _aws_ls(args: argparse.Namespace) -> int:
 
 
 def _aws_down(args: argparse.Namespace) -> int:
-    from skyward.errors import SkywardError
-
     if not args.all and not args.pool:
         print("skyward down: name a POOL (see `skyward ls`) or pass --all", file=sys.stderr)
         return 2
-    try:
-        removed = _aws(args).cleanup(older_than=0, pool=None if args.all else args.pool)
-    except SkywardError as exc:
-        print(f"skyward down: {exc}", file=sys.stderr)
-        return 1
+    removed = _aws(args).cleanup(older_than=0, pool=None if args.all else args.pool)
     for line in removed:
         print(f"removed {line}")
     if not removed:
         print("nothing to remove")
     return 0
+
+
+def _aws_command(args: argparse.Namespace) -> int:
+    """`skyward ls` / `skyward down`; an AWS problem is one line on stderr and exit status 1."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from skyward.errors import SkywardError
+
+    try:
+        return _aws_ls(args) if args.command == "ls" else _aws_down(args)
+    except (SkywardError, BotoCoreError, ClientError) as exc:
+        print(f"skyward {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,10 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("pool", nargs="?", help="the pool id (see `skyward ls`)")
             sub.add_argument("--all", action="store_true", help="every skyward pool")
     args = parser.parse_args(argv)
-    if args.command == "ls":
-        return _aws_ls(args)
-    if args.command == "down":
-        return _aws_down(args)
+    if args.command in ("ls", "down"):
+        return _aws_command(args)
     if args.command == "cache":
         where = cache_dir()
         return _cache_list(where) if args.action == "list" else _cache_clear(where)

@@ -47,3 +47,33 @@ def test_down_needs_a_pool_or_all(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--all" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["ls", "--bogus"])
+
+
+@pytest.mark.parametrize(
+    ("environ", "says"),
+    [
+        ({"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}, "no AWS region"),
+        ({"AWS_DEFAULT_REGION": "us-east-1"}, "no AWS credentials found"),
+    ],
+)
+def test_ls_without_a_region_or_credentials_says_so_in_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    environ: dict[str, str],
+    says: str,
+) -> None:
+    for name in (
+        "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE", "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+    ):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to look for
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert main(["ls"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("skyward ls: ") and says in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

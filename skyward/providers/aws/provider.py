@@ -199,11 +199,15 @@ class AWS(Provider):
     def validate(self, spec: ClusterSpec) -> None:
         """Offline checks: the accelerator maps to a type, a region and credentials exist."""
         instance_types.choose(spec.accelerator, self.instance_type)
+        self.check_access()
+
+    def check_access(self) -> None:
+        """Raise `ConfigError` unless a region and credentials can be found (offline)."""
         session = self.session()
         if not (self.region or session.region_name):
             raise ConfigError(
-                "no AWS region: pass sky.AWS(region=...), or set AWS_DEFAULT_REGION or a region "
-                "in your AWS profile"
+                "no AWS region: pass sky.AWS(region=...) (--region to the skyward command), or "
+                "set AWS_DEFAULT_REGION or a region in your AWS profile"
             )
         try:
             credentials = session.get_credentials()

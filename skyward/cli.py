@@ -18,6 +18,13 @@ from skyward.providers.source import source_hash
 from skyward.worker import envbuild
 
 
+_DESCRIPTION = (
+    "Versions, cached environments, and skyward's EC2 resources. 'skyward ls' lists everything "
+    "tagged skyward:pool in a region; 'skyward down POOL' (or --all) removes it: the orphan "
+    "sweep for pools whose client died before its teardown."
+)
+
+
 def _environments(cache: Path) -> list[Path]:
     envs = cache / "envs"
     return sorted(p for p in envs.iterdir() if p.is_dir()) if envs.exists() else []
@@ -110,7 +117,7 @@ def _aws_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="skyward", description=__doc__)
+    parser = argparse.ArgumentParser(prog="skyward", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"skyward {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     cache = commands.add_parser("cache", help="node environments built on this machine")

@@ -77,3 +77,10 @@ def test_ls_without_a_region_or_credentials_says_so_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith("skyward ls: ") and says in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_reads_as_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "skyward down POOL" in out and "``" not in out

@@ -17,7 +17,6 @@ from skyward.providers.local import cache_dir
 from skyward.providers.source import source_hash
 from skyward.worker import envbuild
 
-
 _DESCRIPTION = (
     "Versions, cached environments, and skyward's EC2 resources. 'skyward ls' lists everything "
     "tagged skyward:pool in a region; 'skyward down POOL' (or --all) removes it: the orphan "

@@ -207,12 +207,14 @@ class Reply:
         return True
 
     def set_result(self, result: Any) -> None:
-        self.value, self._done = result, True
-        self._tally.settle(self)
+        if not self._done:  # counted once, whatever happens
+            self.value, self._done = result, True
+            self._tally.settle(self)
 
     def set_exception(self, exception: BaseException | None) -> None:
-        self.error, self._done = exception, True
-        self._tally.settle(self)
+        if not self._done:
+            self.error, self._done = exception, True
+            self._tally.settle(self)
 
     def done(self) -> bool:
         return self._done

@@ -323,3 +323,26 @@ def test_a_failing_around_app_names_the_plugin_and_node_and_unwinds_the_ones_ent
     assert "remote traceback of node 1" in str(error)
     with open(journal) as handle:  # node 1 unwound the plugin it had entered
         assert "exit first 1" in handle.read().split("\n")
+
+
+@sky.compute
+def zeros_with_marks(n: int) -> bytes:
+    data = bytearray(n)
+    data[0], data[-1] = 1, 2
+    return bytes(data)
+
+
+@sky.compute
+def ends(data: bytes) -> tuple[int, int, int]:
+    return len(data), data[0], data[-1]
+
+
+@pytest.mark.slow
+def test_a_value_over_2_gib_travels_both_ways() -> None:
+    """Past every 32-bit length: frames carry 64-bit segment lengths and large bytes travel out
+    of band, so a 2 GiB result comes back and goes out again whole (about 15 s here)."""
+    n = (2 << 30) + 12_345
+    with sky.ComputePool(nodes=1, stream_output=False) as pool:
+        data = zeros_with_marks(n) >> pool
+        assert (len(data), data[0], data[-1]) == (n, 1, 2)
+        assert ends(data) >> pool == (n, 1, 2)

@@ -345,17 +345,7 @@ class RemoteProcess:
             await self.process.wait_closed()
         except Exception:
             return None
-        if self.process.exit_signal is not None:
-            return -_signal_number(self.process.exit_signal[0])
-        return self.process.exit_status
-
-
-def _signal_number(name: str) -> int:
-    import signal
-
-    with contextlib.suppress(KeyError):
-        return int(signal.Signals[f"SIG{name}"])
-    return 0
+        return self.process.returncode  # negative: the signal that ended it (as a channel's)
 
 
 def shell_env(env: Mapping[str, str]) -> str:

@@ -41,6 +41,7 @@ _EXPORTS = {
     "ProvisionError": "skyward.errors",
     "BootstrapError": "skyward.errors",
     "PluginError": "skyward.errors",
+    "DataError": "skyward.errors",
     "WorkerError": "skyward.errors",
     "RemoteError": "skyward.errors",
     "PoolClosedError": "skyward.errors",
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from skyward.errors import (
         BootstrapError,
         ConfigError,
+        DataError,
         NotOnNodeError,
         PluginError,
         PoolClosedError,
@@ -84,6 +86,7 @@ __all__ = [
     "Compute",
     "ComputePool",
     "ConfigError",
+    "DataError",
     "Gather",
     "Image",
     "Index",

@@ -31,6 +31,16 @@ class BootstrapError(SkywardError):
         self.output = output
 
 
+class DataError(SkywardError):
+    """Data for a call (`sky.Data`) or a pool's outputs could not be moved; `node` and `path`
+    say where. Raised before the function runs; nothing half-written is left in a cache."""
+
+    def __init__(self, message: str, *, node: int | None = None, path: str = "") -> None:
+        super().__init__(message)
+        self.node = node
+        self.path = path
+
+
 class PluginError(SkywardError):
     """A plugin hook failed; the message names the plugin, the hook and the node."""
 

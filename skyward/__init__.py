@@ -26,10 +26,12 @@ _EXPORTS = {
     "Compute": "skyward.compute",
     "PendingCall": "skyward.compute",
     "Gather": "skyward.compute",
+    "Data": "skyward.data",
     "Image": "skyward.image",
     "Index": "skyward.image",
     "InstanceInfo": "skyward.info",
     "instance_info": "skyward.info",
+    "output_dir": "skyward.info",
     "Plugin": "skyward.plugins.base",
     "Local": "skyward.providers.local",
     "SSH": "skyward.providers.ssh",
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
     from skyward import plugins
     from skyward.cluster import ClusterSpec
     from skyward.compute import Compute, Gather, PendingCall, compute, gather
+    from skyward.data import Data
     from skyward.errors import (
         BootstrapError,
         ConfigError,
@@ -70,7 +73,7 @@ if TYPE_CHECKING:
         WorkerError,
     )
     from skyward.image import Image, Index
-    from skyward.info import InstanceInfo, instance_info
+    from skyward.info import InstanceInfo, instance_info, output_dir
     from skyward.plugins.base import Plugin
     from skyward.pool import ComputePool
     from skyward.providers.aws import AWS
@@ -86,6 +89,7 @@ __all__ = [
     "Compute",
     "ComputePool",
     "ConfigError",
+    "Data",
     "DataError",
     "Gather",
     "Image",
@@ -105,6 +109,7 @@ __all__ = [
     "compute",
     "gather",
     "instance_info",
+    "output_dir",
     "plugins",
 ]
 

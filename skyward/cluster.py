@@ -50,3 +50,6 @@ class ClusterSpec:
     # The highest CUDA every node's driver supports ("13.0"), when the provider knows it before
     # launch; None otherwise (the JAX plugin then assumes CUDA 12 for a GPU).
     cuda: str | None = None
+    # Where the nodes' outputs go when the pool ends: an absolute local directory (node i's in
+    # its ``node-<i>`` folder) or an ``s3://bucket/prefix`` the nodes upload to; None: nowhere.
+    outputs: str | None = None

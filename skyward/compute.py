@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 import cloudpickle
 
-from skyward.errors import SerializationError
+from skyward.data import Data, collecting
+from skyward.errors import SerializationError, SkywardError
 from skyward.transport.frames import PROTOCOL, Buffer
 from skyward.transport.pickling import cloud_dumps
 
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+# Places each `sky.Data` of a call's arguments; True when a placement changed.
+Stage = Callable[[list[Data]], bool]
 
 _function_ids = itertools.count(1)
 _by_value: set[str] = set()
@@ -89,14 +93,25 @@ class PendingCall(Generic[R]):
         self.args = args
         self.kwargs = kwargs
 
-    def serialized_args(self) -> list[Buffer]:
+    def serialized_args(self, stage: Stage | None = None) -> list[Buffer]:
         """The pickled ``(args, kwargs)`` as wire segments (large buffers out of band); raises
-        `SerializationError` naming the culprit."""
+        `SerializationError` naming the culprit.
+
+        `stage` places every `sky.Data` found in the arguments (the pool syncs it to the
+        nodes) and says whether any placement changed; the arguments are then pickled again.
+        """
         self.function.serialized()
         if not self.args and not self.kwargs:
             return _EMPTY_ARGS
         try:
-            return cloud_dumps((self.args, self.kwargs))
+            with collecting() as found:
+                segments = cloud_dumps((self.args, self.kwargs))
+            if found and stage is not None and stage(found):
+                with collecting():
+                    segments = cloud_dumps((self.args, self.kwargs))
+            return segments
+        except SkywardError:
+            raise
         except Exception as exc:
             raise SerializationError(self._culprit(exc)) from exc
 

@@ -19,7 +19,7 @@ from skyward.session import CallFrames, Calls, NodeSession
 from skyward.transport import frames
 
 if TYPE_CHECKING:
-    from skyward.compute import PendingCall
+    from skyward.compute import PendingCall, Stage
 
 T = TypeVar("T")
 _call_ids = itertools.count(1)
@@ -33,6 +33,8 @@ class Dispatch:
         self.broken: str | None = None  # why the pool takes no more calls
         self._broadcast_grace = broadcast_grace
         self._cursor = itertools.count()
+        # Syncs the `sky.Data` of a call's arguments to the nodes before it is sent.
+        self.stage: Stage | None = None
 
     def session(self, node: int) -> NodeSession:
         if not 0 <= node < len(self.sessions):
@@ -57,14 +59,14 @@ class Dispatch:
 
     def submit(self, call: PendingCall[T], node: int | None) -> Future[T]:
         """Send `call` to one node (the next in turn, or `node`); its future."""
-        payload = call.serialized_args()
+        payload = call.serialized_args(self.stage)
         future: Future[T] = Future()
         self._pick(node).submit([(self._frames(call, payload), future)])
         return future
 
     def run(self, call: PendingCall[T], node: int | None = None) -> T:
         """Run `call` on one node and return its result (what ``call >> pool`` does)."""
-        payload = call.serialized_args()
+        payload = call.serialized_args(self.stage)
         session = self._pick(node)
         tally = Tally(1)
         reply = Reply(tally)
@@ -78,7 +80,7 @@ class Dispatch:
 
     def broadcast(self, call: PendingCall[T]) -> list[T]:
         """Run `call` on every node; results in node order (see `ComputePool.broadcast`)."""
-        payload = call.serialized_args()
+        payload = call.serialized_args(self.stage)
         dead = [session.node for session in self.sessions if session.dead is not None]
         if dead:
             raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
@@ -94,7 +96,7 @@ class Dispatch:
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
         """Run independent calls spread over the nodes; results in call order (see
         `ComputePool.gather`)."""
-        payloads = [call.serialized_args() for call in calls]
+        payloads = [call.serialized_args(self.stage) for call in calls]
         live = self._live()
         start = next(self._cursor)
         owners = [live[(start + i) % len(live)] for i in range(len(calls))]

@@ -24,6 +24,7 @@ async def handshake(
     spec: ClusterSpec,
     plugins: Sequence[Plugin],
     plugins_blob: bytes,
+    output_dirs: Sequence[str] = (),
 ) -> list[InstanceInfo]:
     """Take every node through the handshake; the nodes' identities, in node order."""
     names = tuple(dict.fromkeys((HEAD_PORT, *(name for p in plugins for name in p.ports))))
@@ -35,7 +36,7 @@ async def handshake(
         raise BootstrapError(
             f"the nodes run skyward {sorted(versions)} but this client runs {__version__}"
         )
-    infos = identities(nodes, spec, started[0].ports)
+    infos = identities(nodes, spec, started[0].ports, output_dirs)
     await asyncio.gather(
         *(
             session.hello(info, plugins_blob, sessions)
@@ -46,11 +47,15 @@ async def handshake(
 
 
 def identities(
-    nodes: Sequence[Node], spec: ClusterSpec, ports: dict[str, int]
+    nodes: Sequence[Node],
+    spec: ClusterSpec,
+    ports: dict[str, int],
+    output_dirs: Sequence[str] = (),
 ) -> list[InstanceInfo]:
     """Each node's `InstanceInfo`: node 0's ports for all; its own GPUs where its provider
-    knows them, else what the pool asked for."""
+    knows them, else what the pool asked for; its output directory."""
     peers = tuple(node.private_addr for node in nodes)
+    outputs = list(output_dirs) or [""] * len(nodes)
     asked = spec.accelerator
     return [
         InstanceInfo(
@@ -65,6 +70,7 @@ def identities(
             provider=spec.provider,
             ports=dict(ports),
             devices=tuple(gpu.index for gpu in node.gpus),
+            output_dir=output,
         )
-        for node in nodes
+        for node, output in zip(nodes, outputs, strict=True)
     ]

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from skyward.errors import NotOnNodeError
 
 ENV_VAR = "SKYWARD_INSTANCE_INFO"
+OUTPUT_ENV_VAR = "SKYWARD_OUTPUT_DIR"
 
 _current: InstanceInfo | None = None
 
@@ -35,6 +36,9 @@ class InstanceInfo:
     provider: str = "local"
     ports: dict[str, int] = field(default_factory=dict)
     devices: tuple[int, ...] = ()  # the GPUs this node owns, numbered as on its machine
+    # The node's directory for artifacts and checkpoints (see `output_dir()`); a relative path
+    # is under the node's skyward cache directory.
+    output_dir: str = ""
 
     @property
     def is_head(self) -> bool:
@@ -70,11 +74,40 @@ def instance_info() -> InstanceInfo:
     )
 
 
+def output_dir() -> str:
+    """This node's directory for artifacts and checkpoints (also ``$SKYWARD_OUTPUT_DIR``).
+
+    A pool with ``output_dir=`` brings every node's directory back (to ``<output_dir>/node-<i>``,
+    or uploads it to ``s3://...``) when it ends and on `ComputePool.collect_outputs`; without
+    one, what is written here is removed with the pool. Raises `NotOnNodeError` outside a node.
+    """
+    path = os.environ.get(OUTPUT_ENV_VAR)
+    if path:
+        return path
+    instance_info()  # raises off a node
+    raise NotOnNodeError("this node has no output directory (an agent from another version?)")
+
+
+def cache_root() -> str:
+    """skyward's cache directory on this machine: ``$SKYWARD_CACHE_DIR`` or ~/.cache/skyward."""
+    explicit = os.environ.get("SKYWARD_CACHE_DIR")
+    if explicit:
+        return os.path.expanduser(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "skyward")
+
+
 def set_current(info: InstanceInfo | None) -> None:
-    """Install the node's identity in this process and its children (called by the agent)."""
+    """Install the node's identity in this process and its children (called by the agent), and
+    create its output directory."""
     global _current
     _current = info
     if info is None:
         os.environ.pop(ENV_VAR, None)
-    else:
-        os.environ[ENV_VAR] = info.to_json()
+        os.environ.pop(OUTPUT_ENV_VAR, None)
+        return
+    os.environ[ENV_VAR] = info.to_json()
+    if info.output_dir:
+        path = os.path.join(cache_root(), os.path.expanduser(info.output_dir))
+        os.makedirs(path, exist_ok=True)
+        os.environ[OUTPUT_ENV_VAR] = path

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -24,10 +25,12 @@ import cloudpickle
 from skyward import failures
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console import Console
+from skyward.data import S3_SCHEME, Data, Placement
 from skyward.dispatch import Dispatch
 from skyward.errors import (
     BootstrapError,
     ConfigError,
+    DataError,
     PoolClosedError,
     SerializationError,
     SkywardError,
@@ -65,6 +68,11 @@ class ComputePool:
             before they are stopped (an SPMD program cannot go on without a rank).
         heartbeat_timeout: a node silent this long is declared dead.
         stream_output: print every node's output, prefixed with its node, as it arrives.
+        output_dir: where every node's `sky.output_dir()` ends up: a local directory (node i's
+            in ``<output_dir>/node-<i>``) or ``"s3://bucket/prefix"`` (the nodes upload there
+            themselves). Collected when the pool ends, on every exit path, and on
+            `collect_outputs`; without it, the nodes' outputs are removed with the pool.
+        collect_timeout: seconds the collection of outputs at the end may take.
     """
 
     def __init__(
@@ -81,6 +89,8 @@ class ComputePool:
         broadcast_grace: float = 5.0,
         heartbeat_timeout: float = 30.0,
         stream_output: bool = True,
+        output_dir: str | os.PathLike[str] | None = None,
+        collect_timeout: float = 600.0,
         name: str = "pool",
     ) -> None:
         if provider is None:
@@ -111,6 +121,7 @@ class ComputePool:
             pool_id=self.pool_id,
             accelerator=Accelerator.parse(accelerator) if accelerator else implied,
             provider=provider.name,
+            outputs=_outputs(output_dir),
         )
         self.provider.validate(self.spec)
         self.spec = replace(self.spec, cuda=provider.expected_cuda(self.spec))
@@ -119,10 +130,12 @@ class ComputePool:
         self.shutdown_timeout = shutdown_timeout
         self.broadcast_grace = broadcast_grace
         self.heartbeat_timeout = heartbeat_timeout
+        self.collect_timeout = collect_timeout
         self.console = Console(enabled=stream_output)
         self.cluster: Cluster | None = None
         self.infos: list[InstanceInfo] = []
         self._dispatch = Dispatch(broadcast_grace)
+        self._dispatch.stage = self._stage_data
         self._loop: LoopThread | None = None
         self._lifetime = contextlib.ExitStack()  # SIGTERM handling, around_client hooks
         self._closed = False
@@ -183,16 +196,71 @@ class ComputePool:
                 timeout = self.shutdown_timeout if graceful and not busy else 0.5
                 with contextlib.suppress(Exception):
                     self._loop.run(self._stop_agents(timeout))
+                collected = self._collect_at_close()
                 try:
                     self._loop.run(self._terminate())
                 except SkywardError as problem:
                     if failure is None:
                         raise
                     failure.add_note(f"and removing the pool then failed too: {problem}")
+                if collected is not None:
+                    if failure is None or isinstance(collected, KeyboardInterrupt):
+                        raise collected
+                    failure.add_note(f"and collecting the outputs failed: {collected}")
         finally:
             if self._loop is not None:
                 self._loop.stop()
             self._lifetime.close()
+
+    def _collect_at_close(self) -> BaseException | None:
+        """Bring every node's outputs back before the nodes go; what went wrong, if anything
+        (even Ctrl-C: the nodes are removed first, then it is raised)."""
+        if self.spec.outputs is None or self.cluster is None or self._loop is None:
+            return None
+        try:
+            self._loop.run(asyncio.wait_for(self._collect(), self.collect_timeout))
+        except TimeoutError:
+            return DataError(
+                f"collecting the outputs to {self.spec.outputs} took longer than "
+                f"collect_timeout={self.collect_timeout:g} s; what arrived is there",
+                path=self.spec.outputs,
+            )
+        except BaseException as exc:
+            return exc
+        return None
+
+    async def _collect(self) -> None:
+        cluster = self.cluster
+        assert cluster is not None, "launched first"
+        indices = [node.index for node in cluster.nodes]
+        await self.provider.collect_outputs(cluster, indices, self.console.status)
+
+    def collect_outputs(self) -> None:
+        """Bring every node's `sky.output_dir()` to the pool's ``output_dir`` now (only what
+        changed since the last time); the pool also does it when it ends."""
+        if self.spec.outputs is None:
+            raise ConfigError("this pool has no output_dir: ComputePool(output_dir=...)")
+        if self._closed or self._loop is None:
+            raise PoolClosedError("the pool is not running")
+        self._loop.run(self._collect())
+
+    def _stage_data(self, found: list[Data]) -> bool:
+        """Sync each `sky.Data` of a call to the nodes; whether any placement changed."""
+        if self._loop is None or self.cluster is None:
+            raise PoolClosedError("the pool is not running")
+        unique = list({id(d): d for d in found}.values())
+        placements = self._loop.run(self._stage(unique))
+        changed = [d.place(p) for d, p in zip(unique, placements, strict=True)]
+        return any(changed)
+
+    async def _stage(self, datas: list[Data]) -> list[Placement]:
+        cluster = self.cluster
+        assert cluster is not None, "launched first"
+        return list(
+            await asyncio.gather(
+                *(self.provider.stage_data(cluster, d, self.console.status) for d in datas)
+            )
+        )
 
     async def _start(self) -> None:
         self.console.status(
@@ -226,7 +294,12 @@ class ComputePool:
         try:
             self.infos = await asyncio.wait_for(
                 handshake(
-                    self._sessions, cluster.nodes, self.spec, self.plugins, self._plugins_blob
+                    self._sessions,
+                    cluster.nodes,
+                    self.spec,
+                    self.plugins,
+                    self._plugins_blob,
+                    [self.provider.node_output_dir(cluster, node) for node in cluster.nodes],
                 ),
                 self.startup_timeout,
             )
@@ -329,3 +402,17 @@ class ComputePool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._sessions else "new"
         return f"<ComputePool {self.pool_id} {self.spec.provider} nodes={self.spec.nodes} {state}>"
+
+
+def _outputs(output_dir: str | os.PathLike[str] | None) -> str | None:
+    """The pool's `output_dir` as the provider takes it: an s3:// URI or an absolute path."""
+    if output_dir is None:
+        return None
+    if not isinstance(output_dir, str | os.PathLike):
+        raise ConfigError(f"output_dir must be a path or an s3:// URI, got {output_dir!r}")
+    text = os.fspath(output_dir)
+    if text.startswith(S3_SCHEME):
+        if not text[len(S3_SCHEME) :].split("/", 1)[0]:
+            raise ConfigError(f"output_dir={text!r} names no bucket")
+        return text.rstrip("/")
+    return os.path.abspath(os.path.expanduser(text))

@@ -71,6 +71,60 @@ def probe_environment() -> tuple[int, str, str, int, int]:
     )
 
 
+@sky.compute
+def describe_tree(path: str) -> tuple[int, dict[str, tuple[str, int, int, str]]]:
+    """The node, and what it sees under `path`: kind, mode, mtime and content or link target."""
+    return sky.instance_info().node, tree_listing(Path(path))
+
+
+def tree_listing(root: Path) -> dict[str, tuple[str, int, int, str]]:
+    if root.is_file():
+        stat = root.stat()
+        return {".": ("file", stat.st_mode & 0o7777, stat.st_mtime_ns, root.read_text())}
+    found: dict[str, tuple[str, int, int, str]] = {}
+    for path in sorted(root.rglob("*")):
+        stat = path.lstat()
+        name = str(path.relative_to(root))
+        mode, mtime = stat.st_mode & 0o7777, stat.st_mtime_ns
+        if path.is_symlink():
+            found[name] = ("link", 0, 0, os.readlink(path))
+        elif path.is_dir():
+            found[name] = ("dir", mode, 0 if any(path.iterdir()) else mtime, "")
+        else:
+            found[name] = ("file", mode, mtime, path.read_text())
+    return found
+
+
+def make_tree(root: Path) -> Path:
+    """A small dataset with what a sync must keep: nesting, an empty directory, a symlink, an
+    executable, an old mtime."""
+    (root / "shards" / "deep").mkdir(parents=True)
+    (root / "empty").mkdir()
+    (root / "shards" / "a.txt").write_text("alpha")
+    (root / "shards" / "deep" / "b.txt").write_text("beta")
+    tool = root / "run.sh"
+    tool.write_text("#!/bin/sh\necho hi\n")
+    tool.chmod(0o755)
+    os.symlink("shards/a.txt", root / "link-to-a")
+    os.utime(root / "shards" / "a.txt", ns=(1_600_000_000_000_000_000,) * 2)
+    return root
+
+
+@sky.compute
+def write_outputs(tag: str) -> str:
+    out = Path(sky.output_dir())
+    assert os.environ["SKYWARD_OUTPUT_DIR"] == str(out)
+    (out / "ckpt").mkdir(exist_ok=True)
+    (out / "ckpt" / "state.txt").write_text(f"{tag} from node {sky.instance_info().node}")
+    return str(out)
+
+
+@sky.compute
+def write_then_fail(tag: str) -> None:
+    (Path(sky.output_dir()) / "last.txt").write_text(tag)
+    raise RuntimeError(f"{tag} failed after writing")
+
+
 def offline_image(directory: Path, token: str) -> sky.Image:
     """An image that needs a real build and no package index: every requirement is a local wheel.
 
@@ -254,6 +308,57 @@ class ProviderContract:
         assert (caught.value.plugin, caught.value.hook) == ("boom", hook)
         assert "'boom'" in str(caught.value) and hook in str(caught.value)
         assert f"contract {hook} failure" in str(caught.value)
+
+    def test_data_reaches_every_node_as_a_path(
+        self, make_provider: Callable[[], object], nodes_available: int, tmp_path: Path
+    ) -> None:
+        nodes = min(2, nodes_available)
+        tree = make_tree(tmp_path / "dataset")
+        single = tmp_path / "labels.csv"
+        single.write_text("0,1\n")
+        with self._pool(make_provider, nodes) as pool:
+            seen = describe_tree(sky.Data(tree)) @ pool
+            assert [node for node, _ in seen] == list(range(nodes))
+            assert all(listing == tree_listing(tree) for _, listing in seen), seen
+            assert describe_tree(sky.Data(single)) >> pool == (0, tree_listing(single))
+            # A changed file is seen by the next call.
+            (tree / "shards" / "deep" / "b.txt").write_text("beta, second version")
+            _, listing = describe_tree(sky.Data(str(tree))) >> pool
+            assert listing["shards/deep/b.txt"][3] == "beta, second version"
+            with pytest.raises(sky.DataError, match="does not exist") as caught:
+                describe_tree(sky.Data(tmp_path / "missing")) >> pool
+            assert caught.value.path == str(tmp_path / "missing")
+
+    def test_outputs_are_collected_even_when_a_call_fails(
+        self, make_provider: Callable[[], object], nodes_available: int, tmp_path: Path
+    ) -> None:
+        nodes = min(2, nodes_available)
+        runs = tmp_path / "runs" / "exp1"
+        with pytest.raises(RuntimeError, match="second failed"):
+            with sky.ComputePool(
+                provider=make_provider(),  # type: ignore[arg-type]
+                nodes=nodes,
+                output_dir=runs,
+                stream_output=False,
+            ) as pool:
+                write_outputs("first") @ pool
+                pool.collect_outputs()
+                for node in range(nodes):
+                    state = runs / f"node-{node}" / "ckpt" / "state.txt"
+                    assert state.read_text() == f"first from node {node}"
+                write_then_fail("second") >> pool
+        assert (runs / "node-0" / "last.txt").read_text() == "second"
+
+    def test_outputs_without_output_dir_go_with_the_pool(
+        self, make_provider: Callable[[], object]
+    ) -> None:
+        with self._pool(make_provider, 1) as pool:
+            where = write_outputs("gone") >> pool
+            with pytest.raises(sky.ConfigError, match="output_dir"):
+                pool.collect_outputs()
+        # Every provider's test hosts share this machine's files, so the node's directory can
+        # be looked at from here.
+        assert not Path(where).exists(), f"{where} was left behind"
 
     # -- what "nothing remains" means; override for each provider ----------------------------
 

@@ -12,7 +12,12 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
 - `prepare(cluster, image, log)`  builds the image's environment on every node;
 - `terminate(cluster)`     removes every node and everything made for them; idempotent;
 - `replace(cluster, index)`  a fresh node in place of a lost one (default: not supported);
-- `explain(cluster, node)` why a node went away (a reclaimed spot instance), or None.
+- `explain(cluster, node)` why a node went away (a reclaimed spot instance), or None;
+- `stage_data(cluster, data, log)`  makes a `sky.Data` available on every node and says where
+                           (default: the client's own path: the nodes share this machine);
+- `node_output_dir(cluster, node)`  the node's directory for `sky.output_dir()`;
+- `collect_outputs(cluster, nodes, log)`  brings nodes' output directories to the pool's
+                           `output_dir` (a local directory or s3://); incremental.
 
 Per-pool state lives in the `Cluster` a provider returns from `launch` (subclass it), never on
 the provider object: one provider object may serve several pools at once.
@@ -23,11 +28,13 @@ A `Node` knows its index, its addresses and how to start the agent on itself.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from skyward.cluster import Accelerator, ClusterSpec
-from skyward.errors import ConfigError
+from skyward.data import Data, Placement
+from skyward.errors import ConfigError, DataError
 from skyward.image import Image
 from skyward.transport.base import AgentStream
 from skyward.worker.gpus import Gpu
@@ -114,3 +121,32 @@ class Provider(ABC):
     async def explain(self, cluster: Cluster, node: Node) -> NodeLoss | None:
         """Why `node` went away (e.g. a spot preemption), or None when the provider cannot say."""
         return None
+
+    async def stage_data(self, cluster: Cluster, data: Data, log: Log) -> Placement:
+        """Make `data` available on every node of `cluster`; where the nodes find it. The
+        default serves nodes that share this machine's files: the path itself, no copy."""
+        if data.is_s3:
+            return ("s3", data.source)
+        if not data.path.exists():
+            raise DataError(
+                f"sky.Data path {data.source} does not exist on this machine (a relative path "
+                "is taken from the current directory)",
+                path=data.source,
+            )
+        return ("path", data.source)
+
+    def node_output_dir(self, cluster: Cluster, node: Node) -> str:
+        """Node `node`'s directory for `sky.output_dir()`; a relative path is under the node's
+        skyward cache directory (``$SKYWARD_CACHE_DIR`` or ~/.cache/skyward)."""
+        return f"outputs/{cluster.spec.pool_id}/node-{node.index}"
+
+    async def collect_outputs(self, cluster: Cluster, nodes: Sequence[int], log: Log) -> None:
+        """Bring the output directories of `nodes` to ``cluster.spec.outputs`` (node i's to
+        ``<outputs>/node-<i>``, or uploaded under an s3:// prefix); only what changed."""
+        return None
+
+
+def local_outputs(cluster: Cluster, index: int) -> Path:
+    """Where node `index`'s outputs land on the client (the pool's `output_dir` is local)."""
+    assert cluster.spec.outputs and not cluster.spec.outputs.startswith("s3://")
+    return Path(cluster.spec.outputs) / f"node-{index}"

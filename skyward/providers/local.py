@@ -19,10 +19,12 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from skyward import info
 from skyward.cluster import ClusterSpec
 from skyward.errors import BootstrapError
 from skyward.image import Image
@@ -41,11 +43,7 @@ LOOPBACK = "127.0.0.1"
 
 def cache_dir() -> Path:
     """Where built environments live: ``$SKYWARD_CACHE_DIR`` or ``~/.cache/skyward``."""
-    explicit = os.environ.get("SKYWARD_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "skyward"
+    return Path(info.cache_root())
 
 
 # How long each end of a small call polls for the other's answer before it sleeps.
@@ -66,6 +64,9 @@ class LocalCluster(Cluster):
     python: str | None = None
     linger: float = 0.0
     prepared: str = ""  # the environment hash `python` was chosen for
+    # The nodes' output directories when the pool keeps none of its own on this machine
+    # (no output_dir, or an s3:// one): removed with the pool.
+    scratch: str | None = None
 
 
 class LocalNode(Node):
@@ -123,6 +124,8 @@ class Local(Provider):
                 "accelerator='GPU' (or e.g. 'GPU:2' per node) to give each its own"
             )
         cluster = LocalCluster(spec, [], linger=linger)
+        if spec.outputs is None or spec.outputs.startswith("s3://"):
+            cluster.scratch = tempfile.mkdtemp(prefix=f"skyward-{spec.pool_id}-")
         cluster.nodes = [LocalNode(i, cluster) for i in range(spec.nodes)]
         for node, devices in zip(cluster.nodes, owned, strict=True):
             node.gpus = devices
@@ -178,9 +181,37 @@ class Local(Provider):
         local.python = decision.python
         local.prepared = spec.hash
 
+    def node_output_dir(self, cluster: Cluster, node: Node) -> str:
+        """The pool's own ``<output_dir>/node-<i>``: nothing to bring back afterwards."""
+        local = _local(cluster)
+        root = local.scratch or cluster.spec.outputs
+        assert root is not None, "launch made a scratch directory"
+        return os.path.join(root, f"node-{node.index}")
+
+    async def collect_outputs(self, cluster: Cluster, nodes: Sequence[int], log: Log) -> None:
+        uri = cluster.spec.outputs
+        if uri is None or not uri.startswith("s3://"):
+            return  # already where they belong
+        from skyward.worker import s3sync
+
+        await asyncio.gather(
+            *(
+                asyncio.to_thread(
+                    s3sync.upload,
+                    Path(self.node_output_dir(cluster, cluster.nodes[i])),
+                    f"{uri.rstrip('/')}/node-{i}",
+                )
+                for i in nodes
+                if Path(self.node_output_dir(cluster, cluster.nodes[i])).is_dir()
+            )
+        )
+
     async def terminate(self, cluster: Cluster) -> None:
-        # Agents are killed by the pool with their process groups; nothing else exists.
-        return None
+        # Agents are killed by the pool with their process groups; what is left is the
+        # scratch output directory.
+        scratch = _local(cluster).scratch
+        if scratch is not None:
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
 
 
 @functools.cache

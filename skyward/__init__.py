@@ -30,6 +30,8 @@ _EXPORTS = {
     "Index": "skyward.image",
     "InstanceInfo": "skyward.info",
     "instance_info": "skyward.info",
+    "Report": "skyward.reports",
+    "report": "skyward.reports",
     "Plugin": "skyward.plugins.base",
     "Local": "skyward.providers.local",
     "SSH": "skyward.providers.ssh",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
     from skyward.providers.aws import AWS
     from skyward.providers.local import Local
     from skyward.providers.ssh import SSH
+    from skyward.reports import Report, report
 
 # Literal, so type checkers see the re-exports (`mypy --strict` on a user's script).
 __all__ = [
@@ -99,6 +102,7 @@ __all__ = [
     "PoolClosedError",
     "ProvisionError",
     "RemoteError",
+    "Report",
     "SerializationError",
     "SkywardError",
     "WorkerError",
@@ -106,6 +110,7 @@ __all__ = [
     "gather",
     "instance_info",
     "plugins",
+    "report",
 ]
 
 

@@ -177,12 +177,16 @@ class Outbox:
     def flush(self) -> None:
         """Send everything queued so far; OSError when the client is gone."""
         with self._sending:
-            while self._queue and not self._closed:
-                self._send_batch()
+            # Only what is queued now: a thread that keeps reporting must not keep us here.
+            left = len(self._queue)
+            while left and not self._closed:
+                size = min(left, BATCH)
+                self._send_batch(size)
+                left -= size
 
-    def _send_batch(self) -> None:
+    def _send_batch(self, size: int) -> None:
         queue = self._queue
-        batch = [queue.popleft() for _ in range(min(len(queue), BATCH))]
+        batch = [queue.popleft() for _ in range(size)]
         for i, (stamp, metrics, path) in enumerate(batch):
             if any(type(v) is _Later for v in metrics.values()):
                 read = {k: v.value() if type(v) is _Later else v for k, v in metrics.items()}

@@ -98,6 +98,8 @@ def test_a_broadcast_keeps_each_nodes_reports_in_order_with_its_node(
         assert all(r.metrics["node"] == node for r in mine)
         assert [r.time for r in mine] == sorted(r.time for r in mine)
     assert [r for r in LISTENER.seen if r.metrics.get("tag") == tag] == got
+    latest = pool.console.latest  # what a live status line would show: node 0's last report
+    assert latest is not None and (latest.node, latest.metrics["step"]) == (0, 49)
 
 
 def test_every_report_made_before_return_is_in_pool_reports_when_the_call_returns(

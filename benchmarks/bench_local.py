@@ -1,8 +1,9 @@
 """Local-provider benchmarks: each skyward figure beside a floor measured in the same run.
 
 Run ``python benchmarks/bench_local.py`` (``--quick`` for fewer iterations, ``--only NAME`` for
-one figure; NAME is one of rtt, gather, broadcast, bulk, jax). It is a report, not a test: a
-MISS is printed, never turned into a failing exit status. See benchmarks/README.md.
+one figure; NAME is one of rtt, gather, broadcast, bulk, jax, step, output, report). It is a
+report, not a test: a MISS is printed, never turned into a failing exit status. See
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from skyward.compute import compute, gather
 from skyward.plugins import Plugin
 from skyward.plugins import jax as jax_plugin
 from skyward.pool import ComputePool
+from skyward.reports import report
 
-NAMES = ("rtt", "gather", "broadcast", "bulk", "jax", "step", "output")
+NAMES = ("rtt", "gather", "broadcast", "bulk", "jax", "step", "output", "report")
 PIPE_SIZE = 1 << 20  # the agent enlarges its control pipes to this; the floors use the same
 BULK_BYTES = 100_000_000
 HEADER = struct.Struct("!Q")
@@ -140,6 +142,29 @@ def shout(lines: int) -> int:
     return lines
 
 
+@compute
+def time_reports(count: int, block: int) -> tuple[list[int], list[int]]:
+    """Per-call nanoseconds of `count` ``sky.report`` calls and of `count` appends of the same
+    dict to a list (the floor: the least a call that queues its argument can cost), measured
+    here on the node, in alternating blocks of `block`, while the sender thread sends."""
+    metrics = {"loss": 0.25, "accuracy": 0.5, "lr": 1e-3}
+    kept: list[dict[str, float]] = []
+    reported: list[int] = []
+    appended: list[int] = []
+    clock = time.perf_counter_ns
+    while len(reported) < count:
+        for _ in range(block):
+            began = clock()
+            report(metrics)
+            reported.append(clock() - began)
+        for _ in range(block):
+            began = clock()
+            kept.append(metrics)
+            appended.append(clock() - began)
+        kept.clear()
+    return reported, appended
+
+
 # The floor's child prints the same lines to a plain pipe.
 SHOUT_CHILD = "import sys\nline = 'x' * 99\nfor _ in range(int(sys.argv[1])):\n    print(line)\n"
 
@@ -198,6 +223,7 @@ class Settings:
     bulk_runs: int
     jax_runs: int
     output_lines: int  # lines of 100 bytes a node prints for `output`
+    reports: int  # sky.report calls timed on the node for `report`
 
 
 FULL = Settings(
@@ -209,6 +235,7 @@ FULL = Settings(
     bulk_runs=5,
     jax_runs=3,
     output_lines=2_000_000,
+    reports=100_000,
 )
 QUICK = Settings(
     calls=500,
@@ -219,6 +246,7 @@ QUICK = Settings(
     bulk_runs=2,
     jax_runs=1,
     output_lines=200_000,
+    reports=20_000,
 )
 
 
@@ -614,6 +642,25 @@ def bench_output(s: Settings) -> Row:
     )
 
 
+def bench_report(s: Settings) -> Row:
+    with pool(1) as p:
+        reported, appended = time_reports(s.reports, 1000) >> p
+        arrived = len(p.reports)
+    floor, figure = statistics.median(appended), statistics.median(reported)
+    ordered = sorted(reported)
+    return Row(
+        "report: sky.report(3 floats) on node",
+        us(figure),
+        f"{us(floor)} list.append",
+        figure / floor,
+        "<= 50 us",
+        figure <= 50_000,
+        f"sky.report {spread(reported, us)}, p99 {us(ordered[len(ordered) * 99 // 100])}, max "
+        f"{us(ordered[-1])}; list.append {spread(appended, us)}; n={len(reported)} each, back to "
+        f"back; {arrived:,} reports reached the client with the result",
+    )
+
+
 def bench_jax(s: Settings) -> Row:
     # Warm the page cache so neither side pays for the first import of jax from disk.
     warm = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -647,6 +694,7 @@ BENCHES: dict[str, Callable[[Settings], Row]] = {
     "jax": bench_jax,
     "step": bench_step,
     "output": bench_output,
+    "report": bench_report,
 }
 
 

@@ -32,6 +32,8 @@ _EXPORTS = {
     "InstanceInfo": "skyward.info",
     "instance_info": "skyward.info",
     "output_dir": "skyward.info",
+    "Report": "skyward.reports",
+    "report": "skyward.reports",
     "Plugin": "skyward.plugins.base",
     "Local": "skyward.providers.local",
     "SSH": "skyward.providers.ssh",
@@ -79,6 +81,7 @@ if TYPE_CHECKING:
     from skyward.providers.aws import AWS
     from skyward.providers.local import Local
     from skyward.providers.ssh import SSH
+    from skyward.reports import Report, report
 
 # Literal, so type checkers see the re-exports (`mypy --strict` on a user's script).
 __all__ = [
@@ -103,6 +106,7 @@ __all__ = [
     "PoolClosedError",
     "ProvisionError",
     "RemoteError",
+    "Report",
     "SerializationError",
     "SkywardError",
     "WorkerError",
@@ -111,6 +115,7 @@ __all__ = [
     "instance_info",
     "output_dir",
     "plugins",
+    "report",
 ]
 
 

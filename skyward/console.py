@@ -14,6 +14,8 @@ from typing import TextIO
 from rich.console import Console as RichConsole
 from rich.text import Text
 
+from skyward.reports import Report
+
 _NODE_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
 
 
@@ -23,6 +25,7 @@ class Console:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._rich: dict[int, tuple[TextIO, RichConsole]] = {}
+        self.latest: Report | None = None  # node 0's last report, for a live status line
 
     def _styled(self, stream: TextIO) -> RichConsole | None:
         """A rich console for `stream` when it is a terminal, else None (plain lines)."""
@@ -60,3 +63,9 @@ class Console:
         if self.enabled:
             style = _NODE_STYLES[node % len(_NODE_STYLES)]
             self._show(sys.stdout, f"(node {node}) ", line, style, whole=False)
+
+    def report(self, report: Report) -> None:
+        """Note a node's `sky.report`. Nothing is printed: reports would drown the nodes' own
+        lines; the latest of node 0 is kept for a live status line to show."""
+        if report.node == 0:
+            self.latest = report

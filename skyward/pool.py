@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from types import TracebackType
@@ -42,6 +43,7 @@ from skyward.loop import LoopThread, sigterm_unwinds
 from skyward.plugins import hooks
 from skyward.plugins.base import Plugin
 from skyward.providers.base import Cluster, Node, Provider
+from skyward.reports import Report
 from skyward.session import NodeSession, watch_heartbeats
 from skyward.transport import frames
 
@@ -73,6 +75,9 @@ class ComputePool:
             themselves). Collected when the pool ends, on every exit path, and on
             `collect_outputs`; without it, the nodes' outputs are removed with the pool.
         collect_timeout: seconds the collection of outputs at the end may take.
+        on_report: called with each `sky.Report` as it arrives (they are kept in `reports` as
+            well), on the thread that reads the node's replies: it must return quickly and
+            must not use the pool; an exception it raises is logged on the ``skyward`` logger.
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class ComputePool:
         output_dir: str | os.PathLike[str] | None = None,
         collect_timeout: float = 600.0,
         name: str = "pool",
+        on_report: Callable[[Report], object] | None = None,
     ) -> None:
         if provider is None:
             from skyward.providers.local import Local
@@ -132,6 +138,9 @@ class ComputePool:
         self.heartbeat_timeout = heartbeat_timeout
         self.collect_timeout = collect_timeout
         self.console = Console(enabled=stream_output)
+        # What the nodes gave `sky.report`, in arrival order (appended to by skyward's threads).
+        self.reports: list[Report] = []
+        self._on_report = on_report
         self.cluster: Cluster | None = None
         self.infos: list[InstanceInfo] = []
         self._dispatch = Dispatch(broadcast_grace)
@@ -288,6 +297,7 @@ class ComputePool:
                 self.console.node_line,
                 functools.partial(self.provider.explain, cluster, node),
                 earlier.get(node.index, ()),
+                self._reported,
             )
             for node, stream in zip(cluster.nodes, streams, strict=True)
         ]
@@ -392,6 +402,17 @@ class ComputePool:
         return self._check_open().gather(calls)
 
     # -- output ----------------------------------------------------------------------------
+
+    def _reported(self, report: Report) -> None:
+        self.reports.append(report)
+        self.console.report(report)
+        if self._on_report is not None:
+            try:
+                self._on_report(report)
+            except Exception:  # the user's callback must not break the stream it runs on
+                logging.getLogger("skyward").exception(
+                    "on_report raised on a report from node %d", report.node
+                )
 
     def logs(self, node: int | None = None) -> list[str]:
         """What the nodes printed: one node's lines, or every node's prefixed with its index."""

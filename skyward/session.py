@@ -2,12 +2,14 @@
 
 A session owns one node's stream and everything that happens on it: the handshake (`open`,
 `hello`, `ready`) with the node's `Stage` as it goes, the calls it holds and their futures, the
-node's output (split into lines, kept, and handed to the console), its heartbeat deadline, and
-its death, which fails every call it held with a `WorkerError`.
+node's output (split into lines, kept, and handed to the console), its reports (`sky.report`,
+handed to the pool), its heartbeat deadline, and its death, which fails every call it held with
+a `WorkerError`.
 
 Threads: bytes arrive on the pool's event loop, or on whichever thread reads a local pipe (see
-`AgentStream.wait_replies`); results resolve thread-safe futures there, every other message is
-handed to the loop. Calls are written from the caller's thread, under the session's lock.
+`AgentStream.wait_replies`); results resolve thread-safe futures there and reports go to
+`on_report` there; every other message is handed to the loop. Calls are written from the
+caller's thread, under the session's lock.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from skyward import failures
 from skyward.errors import PluginError, PoolClosedError, RemoteError, WorkerError
 from skyward.info import InstanceInfo
 from skyward.providers.base import NodeLoss
+from skyward.reports import Report
 from skyward.transport import frames, messages
 from skyward.transport.base import AgentStream
 
@@ -99,6 +102,7 @@ class NodeSession:
         on_output: Callable[[int, str], None],
         explain: Explain | None = None,
         earlier_lines: Iterable[str] = (),
+        on_report: Callable[[Report], None] | None = None,
     ) -> None:
         self.node = node
         self.stream = stream
@@ -113,6 +117,7 @@ class NodeSession:
         self._last_seen = time.monotonic()
         self._explain = explain
         self._on_output = on_output
+        self._on_report = on_report
         self._control: asyncio.Queue[messages.Message | None] = asyncio.Queue()
         self._stopping = False
         self._lock = threading.Lock()
@@ -257,6 +262,10 @@ class NodeSession:
             self._resolve(message.call_id, segments)
         elif type(message) is messages.Raised:
             self._reject(message, segments)
+        elif type(message) is messages.Reported:
+            if self._on_report is not None:
+                for time_, metrics, checkpoint in message.entries:
+                    self._on_report(Report(self.node, time_, metrics, checkpoint))
         elif type(message) is not messages.Heartbeat:
             self._loop.call_soon_threadsafe(self._control.put_nowait, message)
 

@@ -122,6 +122,7 @@ def test_every_message_travels_as_itself() -> None:
         messages.Result(3),
         messages.Raised(4, messages.ErrorReport("KeyError", "'k'", "Traceback...")),
         messages.Heartbeat(),
+        messages.Reported([(1.5, {"loss": 0.25, "tag": "a"}, None), (2.0, {}, "/ckpt/1")]),
     ]
     blob = b"".join(bytes(c) for m in sent for c in frames.encode(m, [b"x"]))
     got: list[messages.Message] = []

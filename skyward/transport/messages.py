@@ -9,6 +9,7 @@ A conversation with one agent::
                                 <-  Progress(plugin, hook)   (before each plugin's around_app)
                                 <-  Ready()  or  HookFailed(plugin, hook, ...) + exception
     Call(call_id, fn_id, fn) + args ->
+                                <-  Reported(entries)        (sky.report, while the call runs)
                                 <-  Result(call_id) + value  or  Raised(call_id, error) + exception
                                 <-  Heartbeat()              (every 2 s while the agent lives)
     Shutdown()                  ->                          (the agent unwinds its plugins, exits)
@@ -131,6 +132,15 @@ class Heartbeat:
     KIND: ClassVar[int] = 16
 
 
+@dataclass(frozen=True, slots=True)
+class Reported:
+    """agent -> client: what `sky.report` was given, oldest first, as ``(time, metrics,
+    checkpoint)`` tuples; a call's reports come before its `Result` or `Raised`."""
+
+    KIND: ClassVar[int] = 17
+    entries: list[tuple[float, dict[str, Any], str | None]]
+
+
 Message = (
     Open
     | Hello
@@ -143,6 +153,7 @@ Message = (
     | Result
     | Raised
     | Heartbeat
+    | Reported
 )
 
 _TYPES: tuple[type[Any], ...] = (
@@ -157,6 +168,7 @@ _TYPES: tuple[type[Any], ...] = (
     Result,
     Raised,
     Heartbeat,
+    Reported,
 )
 _BY_KIND: dict[int, type[Any]] = {cls.KIND: cls for cls in _TYPES}
 

@@ -7,7 +7,9 @@ that output never passes through the agent's own memory, its last lines survive 
 
 Threads: the main thread reads frames and runs each call as it arrives (user code often expects
 the main thread, and no hand-off between threads stands between a call and its result); a
-watcher thread sends heartbeats while a long call runs and notices when the client is gone.
+watcher thread sends heartbeats while a long call runs and notices when the client is gone; a
+sender thread (`reports.Outbox`) sends what the calls give `sky.report`, so a call never waits
+on the wire to report.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from skyward import info as info_module
+from skyward import reports
 from skyward.errors import PluginError, SerializationError
 from skyward.plugins import hooks
 from skyward.transport import frames, messages, pickling
@@ -52,6 +55,7 @@ class Agent:
         self._write_lock = threading.Lock()
         self._functions: dict[int, Callable[..., Any]] = {}
         self._linger = _linger_seconds()
+        self._reports = reports.Outbox(lambda entries: self.send(messages.Reported(entries)))
 
     def send(self, message: messages.Message, segments: frames.Segments = ()) -> None:
         with self._write_lock:
@@ -77,11 +81,15 @@ class Agent:
         hello, plugins = second
         info_module.set_current(hello.info)
         threading.Thread(target=self._watch, name="skyward-watcher", daemon=True).start()
+        reports.install(self._reports.put)
+        self._reports.start()
         with contextlib.ExitStack() as stack:
             if not self._enter_plugins(stack, frames.loads(plugins), hello.info):
                 return 3
             self.send(messages.Ready())
             self._serve()
+        with contextlib.suppress(OSError):  # what the plugins reported while unwinding
+            self._reports.flush()
         return 0
 
     def _expect(self, kind: type[M]) -> tuple[M, list[bytes]] | None:
@@ -145,6 +153,7 @@ class Agent:
         except BaseException as exc:
             # sys.exit() or KeyboardInterrupt in the user's code fails that call only; the agent
             # keeps serving.
+            self._reports.flush()
             self.send(messages.Raised(call_id, _report(exc)), pickling.try_dumps(exc))
             return
         try:
@@ -156,8 +165,10 @@ class Agent:
             )
             # the pickler's own traceback says what in the value could not travel
             raised = messages.Raised(call_id, _report(error, traceback.format_exc()))
+            self._reports.flush()
             self.send(raised, pickling.try_dumps(error))
             return
+        self._reports.flush()  # the client sees a call's reports before its result
         self.send(messages.Result(call_id), result)
 
     def _watch(self) -> None:

@@ -1,0 +1,224 @@
+"""`sky.report`: metrics a running call sends to the client while it runs, and `Report`.
+
+On a node, `report` checks the metrics, stamps them with the time and queues them; the agent's
+sender thread (`Outbox`) takes the queue to the client in batches, so the call's thread never
+waits on the wire. The client receives each one as a `Report` (`pool.reports`, `on_report`).
+
+Imported by the agent on the node, so it uses the standard library only.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Metric = float | int | str
+# What travels for one report: (time, metrics, checkpoint). Metric values are plain, except a
+# JAX array that is read only when sent (`_Later`).
+Entry = tuple[float, dict[str, Any], str | None]
+
+# Reports per frame: a frame is pickled while holding the GIL, so a large backlog goes out in
+# slices that each hold up the user's threads for well under a millisecond.
+BATCH = 1000
+# After a frame, the sender waits this long before the next: a burst of reports then costs a
+# few frames a second, not one frame each.
+INTERVAL_SECONDS = 0.05
+
+_PLAIN = frozenset({float, int, str, bool})
+
+_put: Callable[[Entry], None] | None = None  # set by the agent; None outside a node
+_warned = False
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One `sky.report` as the client receives it.
+
+    `time` is the node's wall clock (``time.time()``) when `report` was called; `checkpoint` is
+    the path the node gave, as a string on that node (nothing is copied).
+    """
+
+    node: int
+    time: float
+    metrics: dict[str, Metric]
+    checkpoint: str | None = None
+
+
+def report(
+    metrics: Mapping[str, Metric], *, checkpoint: str | os.PathLike[str] | None = None
+) -> None:
+    """Send `metrics` (and a checkpoint path) to the client from a running call; returns at once.
+
+    Keys are strings; values are ``float``, ``int``, ``bool`` or ``str``, or a scalar that
+    converts to one: a numpy scalar or one-element array, ``tensor.item()``-style objects, and
+    a one-element JAX array, which is read in the background, when the report is sent, so a
+    training step is not made to wait for the device. Anything else raises `TypeError` naming
+    the key, here and now. The metrics are copied: changing the mapping afterwards changes
+    nothing. Reports of a call reach the client before that call's result.
+
+    Outside a skyward node (in the client, in ``.local()``, or in a process the call starts on
+    its node) this checks the metrics, warns once per process, and sends nothing.
+    """
+    clean = _checked(metrics)
+    path = checkpoint if checkpoint is None or type(checkpoint) is str else _path(checkpoint)
+    put = _put
+    if put is None:
+        _warn_outside()
+        return
+    put((time.time(), clean, path))
+
+
+def _checked(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `metrics` with plain values; TypeError naming the first key that is not."""
+    try:
+        clean = dict(metrics)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"sky.report takes a mapping of names to numbers, got {type(metrics).__name__}"
+        ) from None
+    for key, value in clean.items():
+        if type(key) is not str:
+            raise TypeError(f"sky.report: metric names must be str, got {key!r}")
+        if type(value) not in _PLAIN:
+            clean[key] = _plain(key, value)  # replaces a value: the dict's size does not change
+    return clean
+
+
+def _plain(key: str, value: Any) -> Any:
+    """`value` as a plain float, int or str (or a `_Later` for a JAX array)."""
+    if isinstance(value, float):  # numpy.float64 is one
+        return float(value)
+    if isinstance(value, int):  # an IntEnum: the client may not have its class
+        return int(value)
+    if isinstance(value, str):
+        return str(value)
+    if getattr(value, "size", None) == 1 and hasattr(value, "item"):
+        if type(value).__module__.startswith(("jax", "jaxlib")):
+            if "Tracer" in type(value).__name__:
+                raise TypeError(
+                    f"sky.report: metric {key!r} is a traced JAX value; report outside jax.jit"
+                )
+            return _Later(value)
+        item = value.item()  # numpy and torch scalars: read now, they may be changed in place
+        if type(item) in _PLAIN:
+            return item
+    raise TypeError(
+        f"sky.report: metric {key!r} must be a float, int, bool or str (or a one-element numpy "
+        f"or JAX array), got {type(value).__module__}.{type(value).__qualname__}"
+    )
+
+
+def _path(checkpoint: Any) -> str:
+    try:
+        path = os.fspath(checkpoint)
+    except TypeError:
+        raise TypeError(
+            f"sky.report: checkpoint must be a path (str), got {type(checkpoint).__name__}"
+        ) from None
+    return path if isinstance(path, str) else os.fsdecode(path)
+
+
+def _warn_outside() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "sky.report called outside a skyward node; ignored", UserWarning, stacklevel=3
+        )
+
+
+class _Later:
+    """A JAX array reported as a metric: read (which waits for the device) only when sent."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    def value(self) -> Any:
+        try:
+            return self.array.item()
+        except Exception as exc:  # e.g. its buffer was donated to a later step
+            return f"<unreadable: {type(exc).__name__}: {exc}>"
+
+
+class Outbox:
+    """The node's queue of reports and the thread that sends it (one per agent).
+
+    `put` is all a call's thread does: append to a deque and, when the sender sleeps, wake it.
+    The sender sends what is queued in frames of at most `BATCH` reports, then rests for
+    `INTERVAL_SECONDS`. `flush` sends the rest from the caller's thread, after any frame the
+    sender is writing: the agent calls it before a call's result, so the client has the call's
+    reports before its result.
+    """
+
+    def __init__(self, send: Callable[[list[Entry]], None]) -> None:
+        self._send = send
+        self._queue: collections.deque[Entry] = collections.deque()
+        self._wake = threading.Event()
+        self._sending = threading.Lock()  # held from taking a batch to having written it
+        self._closed = False
+
+    def put(self, entry: Entry) -> None:
+        self._queue.append(entry)  # atomic under the GIL: no lock on the call's path
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="skyward-reports", daemon=True).start()
+
+    def flush(self) -> None:
+        """Send everything queued so far; OSError when the client is gone."""
+        with self._sending:
+            # Only what is queued now: a thread that keeps reporting must not keep us here.
+            left = len(self._queue)
+            while left and not self._closed:
+                size = min(left, BATCH)
+                self._send_batch(size)
+                left -= size
+
+    def _send_batch(self, size: int) -> None:
+        queue = self._queue
+        batch = [queue.popleft() for _ in range(size)]
+        for i, (stamp, metrics, path) in enumerate(batch):
+            if any(type(v) is _Later for v in metrics.values()):
+                read = {k: v.value() if type(v) is _Later else v for k, v in metrics.items()}
+                batch[i] = (stamp, read, path)
+        try:
+            self._send(batch)
+        except OSError:
+            self._closed = True  # the client is gone; the agent's watcher handles that
+            raise
+        except Exception as exc:  # a value that will not pickle: say so, send the rest
+            print(f"[skyward] sky.report could not send metrics: {exc!r}", file=sys.stderr)
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()  # before taking the queue: a later put wakes us again
+            try:
+                self.flush()
+            except OSError:
+                return
+            time.sleep(INTERVAL_SECONDS)
+
+
+def install(put: Callable[[Entry], None] | None) -> None:
+    """Route this process's reports to `put` (the agent's `Outbox.put`), or nowhere (None)."""
+    global _put
+    _put = put
+
+
+def _forgotten_in_child() -> None:
+    # A forked child has no sender thread: its reports would pile up unsent.
+    install(None)
+
+
+os.register_at_fork(after_in_child=_forgotten_in_child)

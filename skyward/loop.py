@@ -11,6 +11,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import Future
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -41,6 +42,10 @@ class LoopThread:
         except BaseException:
             future.cancel()
             raise
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Start `coro` on the loop, from any thread (the loop's own included); its future."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the loop, from any thread."""

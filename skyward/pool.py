@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from types import TracebackType
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import cloudpickle
 
 from skyward import failures
+from skyward.checkpoints import Checkpoints
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console import Console
 from skyward.data import S3_SCHEME, Data, Placement
@@ -141,6 +142,7 @@ class ComputePool:
         # What the nodes gave `sky.report`, in arrival order (appended to by skyward's threads).
         self.reports: list[Report] = []
         self._on_report = on_report
+        self._checkpoints = Checkpoints(provider, self.console.status, self._submit)
         self.cluster: Cluster | None = None
         self.infos: list[InstanceInfo] = []
         self._dispatch = Dispatch(broadcast_grace)
@@ -403,8 +405,27 @@ class ComputePool:
 
     # -- output ----------------------------------------------------------------------------
 
+    def _submit(self, coro: Coroutine[Any, Any, None]) -> Future[None]:
+        if self._loop is None:
+            coro.close()
+            raise PoolClosedError("the pool is not running")
+        return self._loop.submit(coro)
+
+    def latest_checkpoint(self, timeout: float = 300.0) -> Data | None:
+        """The newest checkpoint a node reported (``sky.report(..., checkpoint=path)``) as a
+        `sky.Data` any node can read, e.g. to resume after `replace`; None if none was.
+
+        Remote nodes' checkpoints must be under `sky.output_dir()` in a pool with
+        ``output_dir=``: the reporting node's outputs are collected as soon as it reports, so
+        the checkpoint outlives the node. Waits up to `timeout` s for that copy; a checkpoint
+        whose copy failed (its node died first) is skipped for the one before it.
+        """
+        return self._checkpoints.latest(timeout)
+
     def _reported(self, report: Report) -> None:
         self.reports.append(report)
+        if report.checkpoint is not None:
+            self._checkpoints.reported(report, self.cluster)
         self.console.report(report)
         if self._on_report is not None:
             try:

@@ -145,7 +145,11 @@ class Dispatch:
         root = failed[0]
         if spmd and isinstance(root, WorkerError) and not root.stopped and len(owners) > 1:
             # The survivors of a broadcast that lost a rank hold a broken collective state.
-            self._break(f"node {root.node} died during a broadcast; start a new pool", owners)
+            self._break(
+                f"node {root.node} died during a broadcast; call pool.replace({root.node}) "
+                "or start a new pool",
+                owners,
+            )
         raise root
 
     def _break(self, reason: str, stop: list[NodeSession]) -> None:

@@ -138,12 +138,17 @@ class Provider(ABC):
     def node_output_dir(self, cluster: Cluster, node: Node) -> str:
         """Node `node`'s directory for `sky.output_dir()`; a relative path is under the node's
         skyward cache directory (``$SKYWARD_CACHE_DIR`` or ~/.cache/skyward)."""
-        return f"outputs/{cluster.spec.pool_id}/node-{node.index}"
+        return output_path(cluster, node.index)
 
     async def collect_outputs(self, cluster: Cluster, nodes: Sequence[int], log: Log) -> None:
         """Bring the output directories of `nodes` to ``cluster.spec.outputs`` (node i's to
         ``<outputs>/node-<i>``, or uploaded under an s3:// prefix); only what changed."""
         return None
+
+
+def output_path(cluster: Cluster, index: int) -> str:
+    """Node `index`'s output directory relative to its skyward cache directory (the default)."""
+    return f"outputs/{cluster.spec.pool_id}/node-{index}"
 
 
 def local_outputs(cluster: Cluster, index: int) -> Path:

@@ -159,6 +159,7 @@ class RemoteNode(Node):
         self.python: str | None = None
         self.prepared = ""  # the environment hash the node was prepared for
         self.gpu_env: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES for the GPUs it owns
+        self.trees: set[str] = set()  # digests of the `sky.Data` trees pushed to it
 
     async def start_agent(self, env: Mapping[str, str]) -> AgentStream:
         if self.python is None:

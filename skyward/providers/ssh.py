@@ -21,10 +21,11 @@ from skyward.errors import ConfigError
 from skyward.image import Image
 from skyward.providers import remote
 from skyward.providers.base import Cluster, Log, Node, Provider
+from skyward.providers.remote_data import RemoteData, remove_outputs
 from skyward.transport.ssh import Endpoint, KnownHosts, load_known_hosts
 
 
-class SSH(Provider):
+class SSH(RemoteData, Provider):
     """Nodes on existing machines reached over SSH: one node per host, every host by default.
 
     Args:
@@ -113,4 +114,5 @@ class SSH(Provider):
         await remote.prepare_nodes(cluster, image, self.bootstrap, log)
 
     async def terminate(self, cluster: Cluster) -> None:
+        await remove_outputs(cluster)  # the hosts stay: what the pool wrote on them goes
         await remote.close_hosts(cluster)

@@ -54,6 +54,7 @@ from skyward.providers.remote import (
     prepare_nodes,
     remote_nodes,
 )
+from skyward.providers.remote_data import RemoteData
 from skyward.transport.ssh import Endpoint, load_known_hosts
 
 T = TypeVar("T")
@@ -86,7 +87,7 @@ class AWSCluster(Cluster):
             raise ProvisionError(f"the launch of pool {self.pool_id} was cancelled")
 
 
-class AWS(Provider):
+class AWS(RemoteData, Provider):
     """Nodes as EC2 instances, one security group and key pair per pool, nothing left behind.
 
     Args:

@@ -326,6 +326,13 @@ def _pythonpath() -> str:
     return f'PYTHONPATH="{CACHE}/src/{source_hash()}"'
 
 
+def module_command(python: str, module: str, *args: str) -> str:
+    """``python -m module args`` on a prepared host, in $HOME, with skyward's source on
+    PYTHONPATH: how other parts (e.g. the data sync) run a `skyward.worker` module there."""
+    words = " ".join(shlex.quote(a) for a in args)
+    return f'cd "$HOME" && {_pythonpath()} exec {shlex.quote(python)} -m {module} {words}'
+
+
 async def _install_uv(node: RemoteNode, bootstrap: Bootstrap, python: str, log: Log) -> str:
     version = bootstrap.uv_version
     root = f"{CACHE}/bootstrap"

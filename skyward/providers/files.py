@@ -85,7 +85,8 @@ class _Peer:
                 f"{what} on {node.host}: the node was not prepared (no interpreter yet)",
                 node=node.index,
             )
-        command = module_command(node.python, MODULE, *args)
+        # -S: the module needs only the stdlib, and a site with many .pth files costs ~50 ms.
+        command = module_command(node.python, MODULE, *args, site=False)
         try:
             proc = await node.host.start(command)
         except (OSError, asyncssh.Error) as exc:
@@ -137,8 +138,10 @@ class _Peer:
         """End the input (before b"E": the node drops its temp dir) and wait for the exit."""
         with contextlib.suppress(Exception):
             self.proc.process.stdin.write_eof()
-        if self.final is not None and not self.final.done():
+        if self.final is not None:
             self.final.cancel()
+            with contextlib.suppress(BaseException):
+                await self.final  # its error was raised already, or is moot now
         try:
             await asyncio.wait_for(self.proc.exit_status(), 10 if abort else 30)
         except TimeoutError:
@@ -166,7 +169,13 @@ async def push_tree(
     say = log or (lambda _line: None)
     peers: list[_Peer] = []
     try:
-        peers = list(await _gather(*(_Peer.start(n, "sending data", "receive") for n in nodes)))
+        started = await asyncio.gather(
+            *(_Peer.start(n, "sending data", "receive") for n in nodes), return_exceptions=True
+        )
+        peers = [p for p in started if isinstance(p, _Peer)]
+        for failure in started:
+            if isinstance(failure, BaseException):
+                raise failure
         paths = dict(await _gather(*(_offer(p, manifest, say) for p in peers)))
         await _send_contents(Path(root), manifest, [p for p in peers if p.need])
         waiting = [p for p in peers if p.final is not None]

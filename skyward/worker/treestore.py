@@ -51,14 +51,12 @@ import fcntl
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import signal
 import stat
 import struct
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, NamedTuple
@@ -219,6 +217,8 @@ def _hash_all(entries: list[Entry], paths: list[Path]) -> None:
             todo.append((i, path, key))
     if not todo:
         return
+    from concurrent.futures import ThreadPoolExecutor  # here: a node's receive never needs it
+
     workers = min(len(todo), os.cpu_count() or 1, 8)
     with ThreadPoolExecutor(workers) as pool:
         digests = list(pool.map(lambda item: _hash_file(item[1]), todo))
@@ -333,7 +333,7 @@ class Build:
         for folder in (store.trees, store.objects, store.tmp):
             folder.mkdir(parents=True, exist_ok=True)
         store.clean()
-        token = f"{manifest.digest[:16]}-{secrets.token_hex(4)}"
+        token = f"{manifest.digest[:16]}-{os.urandom(4).hex()}"
         self.work = store.tmp / token
         self.lock = store.tmp / f"{token}.lock"
         # The lock is taken before the dir exists, so a cleaner never sees it unlocked.

@@ -898,8 +898,13 @@ class NetnsHosts:
         start_sshd: bool = True,
         sshd_extra_config: Sequence[str] = (),
         sshd_timeout: float = 10.0,
+        sshd_host_config: Sequence[Sequence[str]] = (),
     ) -> None:
-        """Describe (not build) ``count`` hosts; ``authorized_keys`` go to every sshd."""
+        """Describe (not build) ``count`` hosts; ``authorized_keys`` go to every sshd.
+
+        ``sshd_host_config[i]``, when given, adds config lines to host i's sshd only (after
+        ``sshd_extra_config``), e.g. ``SetEnv`` for an environment variable of its own.
+        """
         network = ipaddress.IPv4Network(subnet)
         if network.prefixlen < 17 or network.prefixlen > 24:
             raise ValueError("subnet must be between a /17 and a /24")
@@ -918,6 +923,7 @@ class NetnsHosts:
         self.authorized_keys = list(authorized_keys)
         self.start_sshd = start_sshd
         self.sshd_extra_config = list(sshd_extra_config)
+        self.sshd_host_config = [list(lines) for lines in sshd_host_config]
         self.sshd_timeout = sshd_timeout
         self.hosts: list[NetnsHost] = [
             NetnsHost(
@@ -966,13 +972,14 @@ class NetnsHosts:
             for host in self.hosts:
                 self._build_host(host)
             if self.start_sshd:
-                for host in self.hosts:
+                for i, host in enumerate(self.hosts):
+                    own = self.sshd_host_config[i] if i < len(self.sshd_host_config) else []
                     host.server = SshdServer(
                         host.address,
                         22,
                         netns=host.netns,
                         authorized_keys=self.authorized_keys,
-                        extra_config=self.sshd_extra_config,
+                        extra_config=[*self.sshd_extra_config, *own],
                         start_timeout=self.sshd_timeout,
                     )
                     host.server.start()

@@ -79,6 +79,17 @@ class Data:
             raise ValueError(f"{self.source} is not a local path")
         return Path(self.source)
 
+    def existing_path(self) -> Path:
+        """The local source, checked: a `DataError` when it does not exist here."""
+        path = self.path
+        if not os.path.lexists(path):
+            raise DataError(
+                f"sky.Data path {self.source} does not exist on this machine (a relative path "
+                "is taken from the current directory)",
+                path=self.source,
+            )
+        return path
+
     def place(self, placement: Placement) -> bool:
         """Record where the nodes find this content; whether that changed (the pool's job)."""
         changed = placement != self._placement
@@ -131,7 +142,7 @@ def _on_node(placement: Placement) -> str:
         if kind == "tree":
             from skyward.worker import treestore
 
-            return _existing(treestore.materialized_path(rest[0], rest[1]))
+            return _existing(treestore.tree_path(rest[0], rest[1]))
         if kind == "s3":
             from skyward.worker import s3sync
 

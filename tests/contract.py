@@ -356,11 +356,14 @@ class ProviderContract:
             where = write_outputs("gone") >> pool
             with pytest.raises(sky.ConfigError, match="output_dir"):
                 pool.collect_outputs()
-        # Every provider's test hosts share this machine's files, so the node's directory can
-        # be looked at from here.
-        assert not Path(where).exists(), f"{where} was left behind"
+        self.assert_outputs_removed(where)
 
     # -- what "nothing remains" means; override for each provider ----------------------------
+
+    def assert_outputs_removed(self, where: str) -> None:
+        """A node's output directory is gone with its pool. Every provider's test hosts share
+        this machine's files, so the directory can be looked at from here."""
+        assert not Path(where).exists(), f"{where} was left behind"
 
     def assert_gone(self, provider: object, pids: list[int]) -> None:
         """Check the agents with `pids` no longer run (override for remote nodes)."""

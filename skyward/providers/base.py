@@ -34,7 +34,7 @@ from pathlib import Path
 
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.data import Data, Placement
-from skyward.errors import ConfigError, DataError
+from skyward.errors import ConfigError
 from skyward.image import Image
 from skyward.transport.base import AgentStream
 from skyward.worker.gpus import Gpu
@@ -127,13 +127,7 @@ class Provider(ABC):
         default serves nodes that share this machine's files: the path itself, no copy."""
         if data.is_s3:
             return ("s3", data.source)
-        if not data.path.exists():
-            raise DataError(
-                f"sky.Data path {data.source} does not exist on this machine (a relative path "
-                "is taken from the current directory)",
-                path=data.source,
-            )
-        return ("path", data.source)
+        return ("path", str(data.existing_path()))
 
     def node_output_dir(self, cluster: Cluster, node: Node) -> str:
         """Node `node`'s directory for `sky.output_dir()`; a relative path is under the node's

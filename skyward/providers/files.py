@@ -295,7 +295,8 @@ async def _drain(peers: list[_Peer]) -> None:
 
 
 async def pull_tree(node: RemoteNode, remote_dir: str, local_dir: Path) -> PullStats:
-    """Make `local_dir` mirror `remote_dir` on `node` (relative to the node's home).
+    """Make `local_dir` mirror `remote_dir` on `node` (a relative one is under the node's
+    skyward cache directory, as its output directories are).
 
     Incremental: only files whose size or mtime differ from the local copy are sent, each
     written to a temp name and renamed, so a reader never sees half a file. Modes, mtimes,

@@ -327,13 +327,16 @@ def _pythonpath() -> str:
     return f'PYTHONPATH="{CACHE}/src/{source_hash()}"'
 
 
-def module_command(python: str, module: str, *args: str, site: bool = True) -> str:
-    """``python -m module args`` on a prepared host, in $HOME, with skyward's source on
-    PYTHONPATH: how other parts (e.g. the data sync) run a `skyward.worker` module there.
-    ``site=False`` (``python -S``) starts faster, for a module that needs only the stdlib."""
+def module_command(
+    python: str, module: str, *args: str, site: bool = True, cwd: str = '"$HOME"'
+) -> str:
+    """``python -m module args`` on a prepared host, in `cwd` (a shell word), with skyward's
+    source on PYTHONPATH: how other parts (e.g. the data sync) run a `skyward.worker` module
+    there. ``site=False`` (``python -S``) starts faster, for a module that needs only the
+    stdlib."""
     words = " ".join(shlex.quote(a) for a in args)
     flags = "" if site else "-S "
-    return f'cd "$HOME" && {_pythonpath()} exec {shlex.quote(python)} {flags}-m {module} {words}'
+    return f"cd {cwd} && {_pythonpath()} exec {shlex.quote(python)} {flags}-m {module} {words}"
 
 
 async def _install_uv(node: RemoteNode, bootstrap: Bootstrap, python: str, log: Log) -> str:

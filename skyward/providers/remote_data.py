@@ -45,7 +45,7 @@ async def stage_tree(cluster: Cluster, data: Data, log: Log) -> Placement:
     """Where the nodes find `data`, after pushing it to those that lack it."""
     if data.is_s3:
         return ("s3", data.source)
-    manifest = await asyncio.to_thread(treestore.scan, data.path)
+    manifest = await asyncio.to_thread(treestore.scan, data.existing_path())
     single = manifest.entries[0].path if manifest.single else ""
     lacking = [n for n in remote_nodes(cluster) if manifest.digest not in n.trees]
     if lacking:
@@ -85,9 +85,11 @@ async def _collect_one(cluster: Cluster, node: RemoteNode, output_dir: str) -> N
     if node.python is None:
         raise DataError(f"node {node.index} was never prepared", node=node.index)
     uri = f"{output_dir}/node-{node.index}"
-    done = await node.host.run(
-        module_command(node.python, "skyward.worker.s3sync", "upload", where, uri)
+    # `where` is relative to the host's cache directory; the module runs there.
+    command = module_command(
+        node.python, "skyward.worker.s3sync", "upload", where, uri, cwd=HOST_CACHE
     )
+    done = await node.host.run(f"mkdir -p {HOST_CACHE} && {command}")
     lines = done.stdout.decode(errors="replace").strip().splitlines()
     result = _last_json(lines)
     if done.status != 0 or "error" in result:

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 from skyward.errors import DataError
+from skyward.info import cache_root
 
 CHUNK = 1 << 20
 END = 0xFFFFFFFF  # ends a pull's file stream
@@ -249,9 +250,13 @@ def _hash_file(path: Path) -> str:
 
 
 def store_root() -> Path:
-    """``<cache>/data`` on this machine."""
-    cache = os.environ.get("SKYWARD_CACHE_DIR") or "~/.cache/skyward"
-    return Path(cache).expanduser().absolute() / "data"
+    """``<cache>/data`` on this machine (`skyward.info.cache_root`)."""
+    return Path(cache_root()).absolute() / "data"
+
+
+def tree_path(digest: str, single_name: str = "") -> str:
+    """Where tree `digest` is materialized in this machine's store (what a function gets)."""
+    return str(Store(store_root()).tree_path(digest, single_name))
 
 
 class Failure(Exception):
@@ -585,7 +590,8 @@ def main(argv: list[str]) -> int:
         if argv[:1] == ["receive"]:
             receive(source, out, Store(store_root()))
         elif argv[:1] == ["send"] and len(argv) == 2:
-            send(Path(argv[1]).expanduser(), source, out)
+            # A relative directory is under skyward's cache directory (a node's outputs).
+            send(Path(cache_root()) / Path(argv[1]).expanduser(), source, out)
         else:
             print("usage: python -m skyward.worker.treestore receive | send DIR", file=sys.stderr)
             return 2

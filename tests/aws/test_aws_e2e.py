@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -89,6 +90,12 @@ class TestAWSContract(ProviderContract):
         assert ec2.describe_key_pairs()["KeyPairs"] == []
         groups = ec2.describe_security_groups()["SecurityGroups"]
         assert [g["GroupName"] for g in groups if g["GroupName"] != "default"] == []
+
+    def assert_outputs_removed(self, where: str) -> None:
+        """An instance's disk goes with the instance: terminated is removed. (The simulated
+        instances are namespaces on this machine, whose files stay: they go here.)"""
+        self.assert_gone(None, [])
+        shutil.rmtree(Path(where).parent, ignore_errors=True)
 
     def assert_gone(self, provider: object, pids: list[int]) -> None:
         ec2 = new_session(self.stubs).client("ec2")

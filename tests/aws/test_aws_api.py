@@ -446,3 +446,31 @@ def test_a_replacement_is_one_instance_launched_as_the_pools_were(
     removed = teardown.remove_pool(ec2_client, pool.pool_id, poll=0.01)
     assert f"instance {fresh['InstanceId']}" in removed
     assert leftovers(ec2) == []
+
+
+@pytest.mark.parametrize("by_arn", [False, True])
+def test_an_instance_profile_gives_the_nodes_their_own_credentials(
+    ec2: Any, subnet: str, stubs: Stubs, by_arn: bool
+) -> None:
+    iam = new_session(stubs).client("iam")
+    made = iam.create_instance_profile(InstanceProfileName="skyward-data-reader")
+    arn = made["InstanceProfile"]["Arn"]
+    aws = provider(stubs, subnet, iam_instance_profile=arn if by_arn else "skyward-data-reader")
+    pool = spec(1, pool_id="t-iam")
+    params = instances.set_up(
+        aws.client("ec2"),
+        aws.client("ssm"),
+        aws.placement,
+        pool,
+        instance_types.choose(None, None),
+        Path(tempfile.mkdtemp()) / "id_ed25519",
+        userdata.HostKey.generate("t"),
+        teardown.Made(),
+        lambda: None,
+    )
+    expected = {"Arn": arn} if by_arn else {"Name": "skyward-data-reader"}
+    assert params["IamInstanceProfile"] == expected
+    (instance_id,) = instances.run(aws.client("ec2"), params, 1, pool.pool_id)
+    found = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"][0]["Instances"][0]
+    assert found["IamInstanceProfile"]["Arn"] == arn
+    ec2.terminate_instances(InstanceIds=[instance_id])

@@ -69,6 +69,7 @@ class Placement:
     ssh_cidr: str | None = None
     idle_timeout: float = 300.0
     placement_group: bool = False
+    iam_instance_profile: str | None = None  # a name or an ARN
 
 
 def set_up(
@@ -141,6 +142,12 @@ def set_up(
     check_cancel()
 
     options: dict[str, Any] = {}
+    profile = placement.iam_instance_profile
+    if profile:
+        # The nodes' own credentials (sky.Data("s3://..."), s3:// output_dir): a role the user
+        # owns; the pool only names it, so the teardown has nothing to remove.
+        key = "Arn" if profile.startswith("arn:") else "Name"
+        options["IamInstanceProfile"] = {key: profile}
     if placement.spot:
         options["InstanceMarketOptions"] = {
             "MarketType": "spot",

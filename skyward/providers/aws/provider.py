@@ -110,6 +110,9 @@ class AWS(RemoteData, Provider):
         user: login user of the AMI (``ubuntu`` for the Deep Learning AMIs and Ubuntu).
         python: interpreter on the instances (default ``python3``; see `sky.SSH`).
         placement_group: put the nodes in a new cluster placement group (low-latency network).
+        iam_instance_profile: an instance profile (name or ARN) for the instances: the nodes'
+            own AWS credentials, e.g. to read ``sky.Data("s3://...")`` or write an s3://
+            ``output_dir``.
         boot_timeout: seconds for all instances to run and accept the verified SSH login.
         connect_timeout, keepalive, build_env: as for `sky.SSH`.
         poll_interval: seconds between EC2 state polls (boot, termination).
@@ -135,6 +138,7 @@ class AWS(RemoteData, Provider):
         user: str = "ubuntu",
         python: str | None = None,
         placement_group: bool = False,
+        iam_instance_profile: str | None = None,
         boot_timeout: float = 900.0,
         connect_timeout: float = 10.0,
         keepalive: float = 15.0,
@@ -153,7 +157,14 @@ class AWS(RemoteData, Provider):
         self.region = region
         self.instance_type = instance_type
         self.placement = instances.Placement(
-            ami, spot, subnet_id, use_private_ips, ssh_cidr, idle_timeout, placement_group
+            ami,
+            spot,
+            subnet_id,
+            use_private_ips,
+            ssh_cidr,
+            idle_timeout,
+            placement_group,
+            iam_instance_profile,
         )
         self.user = user
         self.boot_timeout = boot_timeout

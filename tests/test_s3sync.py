@@ -321,3 +321,12 @@ def test_upload_errors_name_the_uri(s3: Any, tmp_path: Path) -> None:
         s3sync.upload(tmp_path / "missing", f"s3://{BUCKET}/out")
     with pytest.raises(DataError, match="not an s3:// URI"):
         s3sync.upload(tmp_path, "gs://elsewhere/out")
+
+
+def test_missing_boto3_says_how_to_add_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed: import raises
+    with pytest.raises(DataError, match=r'lacks boto3.*sky\.Image\(pip=\["boto3"\]\)') as caught:
+        s3sync.download(f"s3://{BUCKET}/ds", tmp_path)
+    assert caught.value.path == f"s3://{BUCKET}/ds"
+    with pytest.raises(DataError, match="lacks boto3"):
+        s3sync.upload(tmp_path, f"s3://{BUCKET}/out")

@@ -112,6 +112,12 @@ def cache_dir() -> Path:
     return Path(base) / "skyward"
 
 
+def cache_root(uri: str, cache: Path | None = None) -> Path:
+    """The folder that holds every version of `uri` (and its lock)."""
+    loc = S3Location.parse(uri)
+    return (cache or cache_dir()) / "data" / "s3" / loc.bucket / _digest(loc.key.rstrip("/"))[:16]
+
+
 def download(uri: str, cache: Path | None = None) -> str:
     """The local path holding `uri`: a directory for a prefix, a file for one object."""
     return fetch(uri, cache).path
@@ -120,7 +126,7 @@ def download(uri: str, cache: Path | None = None) -> str:
 def fetch(uri: str, cache: Path | None = None) -> DownloadStats:
     """`download`, with what it cost. Raises `DataError` (path=uri) saying what to do."""
     loc = S3Location.parse(uri)
-    root = (cache or cache_dir()) / "data" / "s3" / loc.bucket / _digest(loc.key.rstrip("/"))[:16]
+    root = cache_root(uri, cache)
     client = _client(loc)
     for attempt in range(ATTEMPTS):
         with _errors(loc, "read", root):
@@ -158,7 +164,12 @@ def upload(local_dir: Path, uri: str) -> UploadStats:
         same_size = [rel for rel, (size, _) in files.items() if remote.get(keys[rel]) == size]
 
         def uploaded_mtime(rel: str) -> str | None:
-            head = client.head_object(Bucket=loc.bucket, Key=keys[rel])
+            try:
+                head = client.head_object(Bucket=loc.bucket, Key=keys[rel])
+            except Exception as exc:
+                if _error_code(exc) in ("404", "NoSuchKey"):
+                    return None  # deleted since the listing: upload it again
+                raise
             value = head.get("Metadata", {}).get(MTIME_KEY)
             return None if value is None else str(value)
 
@@ -331,19 +342,15 @@ def _part(
 
 
 def _run_all(tasks: Sequence[Callable[[], None]]) -> None:
-    """Run `tasks` on a thread pool; the first failure cancels what has not started."""
-    if not tasks:
-        return
-    with ThreadPoolExecutor(min(WORKERS, len(tasks)), thread_name_prefix="s3sync") as pool:
-        futures = [pool.submit(task) for task in tasks]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = next((f for f in done if f.exception() is not None), None)
-        if failed is not None:
-            for future in futures:
-                future.cancel()
-            exc = failed.exception()
-            assert exc is not None
-            raise exc
+    """Run `tasks` on a thread pool. The first failure (or a Ctrl-C) cancels what has not
+    started and waits for what has, so no thread still writes when the caller cleans up."""
+    pool = ThreadPoolExecutor(max(1, min(WORKERS, len(tasks))), thread_name_prefix="s3sync")
+    try:
+        done, _ = wait([pool.submit(task) for task in tasks], return_when=FIRST_EXCEPTION)
+        for future in done:
+            future.result()  # raises the failure, if any
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @contextlib.contextmanager

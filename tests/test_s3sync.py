@@ -23,6 +23,7 @@ import pytest
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
+import skyward as sky  # noqa: E402
 from skyward.errors import DataError  # noqa: E402
 from skyward.worker import s3sync  # noqa: E402
 from tests.support import sshd  # noqa: E402
@@ -338,3 +339,34 @@ def test_missing_boto3_says_how_to_add_it(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert caught.value.path == f"s3://{BUCKET}/ds"
     with pytest.raises(DataError, match="lacks boto3"):
         s3sync.upload(tmp_path, f"s3://{BUCKET}/out")
+
+
+# -- through a pool (Local nodes; tests/ssh/test_s3_from_hosts.py does SSH hosts) -----------
+
+
+@sky.compute
+def read_s3_data(path: str) -> tuple[int, dict[str, bytes]]:
+    out = Path(sky.output_dir())
+    (out / "metrics.json").write_text('{"loss": 0.5}')
+    return sky.instance_info().node, tree(Path(path))
+
+
+def test_a_pool_reads_s3_data_and_uploads_its_outputs(
+    s3: Any, moto: MotoS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SKYWARD_CACHE_DIR", str(tmp_path / "cache"))
+    files = {"a.bin": b"A" * 100, "sub/b.bin": b"B" * 10}
+    put_tree(s3, "ds", files)
+    mark = moto.mark()
+    with sky.ComputePool(nodes=2, output_dir=f"s3://{BUCKET}/runs/", stream_output=False) as pool:
+        seen = read_s3_data(sky.Data(f"s3://{BUCKET}/ds")) @ pool
+        assert seen == [(0, files), (1, files)]
+        # both nodes share this machine's cache: the objects were fetched once
+        assert len(moto.object_gets(BUCKET, mark)) == len(files)
+        with pytest.raises(sky.DataError, match="does not exist") as caught:
+            read_s3_data(sky.Data("s3://no-such-bucket/ds")) >> pool
+        assert caught.value.path == "s3://no-such-bucket/ds" and caught.value.node in (0, 1)
+    for node in (0, 1):
+        body = s3.get_object(Bucket=BUCKET, Key=f"runs/node-{node}/metrics.json")["Body"].read()
+        assert body == b'{"loss": 0.5}'
+    assert not leftovers(tmp_path / "cache")

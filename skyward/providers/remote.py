@@ -160,6 +160,7 @@ class RemoteNode(Node):
         self.prepared = ""  # the environment hash the node was prepared for
         self.gpu_env: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES for the GPUs it owns
         self.trees: set[str] = set()  # digests of the `sky.Data` trees pushed to it
+        self.agent_env: dict[str, str] = {}  # the pool's env= and the image's, once started
 
     async def start_agent(self, env: Mapping[str, str]) -> AgentStream:
         if self.python is None:
@@ -167,6 +168,7 @@ class RemoteNode(Node):
                 f"the environment of {self.host} was not prepared before the agent started",
                 node=self.index,
             )
+        self.agent_env = dict(env)  # node-side commands for the pool (an S3 upload) get it too
         # The source path must expand on the host, so it is the one value left unquoted.
         full = {**self.gpu_env, **env, "PYTHONUNBUFFERED": "1"}
         words = shell_env({k: v for k, v in full.items() if k != "PYTHONPATH"})

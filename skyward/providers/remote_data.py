@@ -23,6 +23,7 @@ from skyward.errors import DataError
 from skyward.providers import files
 from skyward.providers.base import Cluster, Log, Provider, local_outputs, output_path
 from skyward.providers.remote import RemoteNode, module_command, remote_nodes
+from skyward.transport.ssh import shell_env
 from skyward.worker import treestore
 
 # skyward's cache directory on a host, as its shell spells it (`skyward.info.cache_root`).
@@ -89,7 +90,11 @@ async def _collect_one(cluster: Cluster, node: RemoteNode, output_dir: str) -> N
     command = module_command(
         node.python, "skyward.worker.s3sync", "upload", where, uri, cwd=HOST_CACHE
     )
-    done = await node.host.run(f"mkdir -p {HOST_CACHE} && {command}")
+    # A node that never started its agent has no directory: nothing to upload.
+    absent = f"test -d {HOST_CACHE}/{shlex.quote(where)} || {{ echo '{{}}'; exit 0; }}"
+    env = {k: v for k, v in node.agent_env.items() if k != "PYTHONPATH"}
+    exports = f"export {shell_env(env)}; " if env else ""  # the credentials the pool gave
+    done = await node.host.run(f"{absent}; {exports}{command}")
     lines = done.stdout.decode(errors="replace").strip().splitlines()
     result = _last_json(lines)
     if done.status != 0 or "error" in result:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+import skyward as sky
 from tests.ssh.conftest import Hosts
 from tests.support import sshd
 from tests.support.motos3 import MotoS3, moto_s3, s3_env
@@ -89,3 +90,46 @@ def test_each_host_downloads_from_s3_itself(
     served = bridge_moto.requests(mark)
     assert all(r.is_listing for r in served), served
     assert sorted(r.client for r in served) == sorted(addresses)
+
+
+@sky.compute
+def checksum_data(path: str) -> tuple[int, int]:
+    out = Path(sky.output_dir()) / "ckpt"
+    out.mkdir(exist_ok=True)
+    (out / "state.bin").write_bytes(b"state of node %d" % sky.instance_info().node)
+    return sky.instance_info().node, sum(len(p.read_bytes()) for p in Path(path).rglob("*.bin"))
+
+
+def test_a_pool_on_hosts_reads_s3_data_and_uploads_outputs_to_s3(
+    netns_hosts: Hosts, bridge_moto: MotoS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    env = s3_env(bridge_moto.url)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=BUCKET)
+    for i in range(3):
+        client.put_object(Bucket=BUCKET, Key=f"pool-ds/{i}.bin", Body=os.urandom(1000))
+    addresses = {host.address for host in netns_hosts.net.hosts[:2]}
+    mark = bridge_moto.mark()
+    with sky.ComputePool(
+        provider=netns_hosts.provider(2),
+        env=env,
+        output_dir=f"s3://{BUCKET}/runs",
+        stream_output=False,
+    ) as pool:
+        assert checksum_data(sky.Data(f"s3://{BUCKET}/pool-ds")) @ pool == [(0, 3000), (1, 3000)]
+        with pytest.raises(sky.DataError, match="nothing at") as caught:
+            checksum_data(sky.Data(f"s3://{BUCKET}/no-such-prefix")) >> pool
+        assert caught.value.node in (0, 1)
+    # the hosts themselves asked moto, and uploaded their outputs themselves
+    assert {r.client for r in bridge_moto.requests(mark) if r.method == "GET"} <= addresses
+    assert {r.client for r in bridge_moto.object_puts(BUCKET, mark)} == addresses
+    for node in (0, 1):
+        key = f"runs/node-{node}/ckpt/state.bin"
+        assert (
+            client.get_object(Bucket=BUCKET, Key=key)["Body"].read() == b"state of node %d" % node
+        )

@@ -349,6 +349,21 @@ class ProviderContract:
                 write_then_fail("second") >> pool
         assert (runs / "node-0" / "last.txt").read_text() == "second"
 
+    def test_outputs_are_collected_on_ctrl_c(
+        self, make_provider: Callable[[], object], tmp_path: Path
+    ) -> None:
+        runs = tmp_path / "runs"
+        with pytest.raises(KeyboardInterrupt):
+            with sky.ComputePool(
+                provider=make_provider(),  # type: ignore[arg-type]
+                nodes=1,
+                output_dir=runs,
+                stream_output=False,
+            ) as pool:
+                write_outputs("interrupted") >> pool
+                raise KeyboardInterrupt  # what Ctrl-C raises in the main thread
+        assert (runs / "node-0" / "ckpt" / "state.txt").read_text() == "interrupted from node 0"
+
     def test_outputs_without_output_dir_go_with_the_pool(
         self, make_provider: Callable[[], object]
     ) -> None:

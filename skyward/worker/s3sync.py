@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from skyward.errors import DataError
+from skyward.info import cache_root as cache_root_dir
 
 WORKERS = 16  # concurrent requests per node; S3 scales per connection, moto does not care
 PART_SIZE = 32 * 1024 * 1024  # objects above this are fetched as ranged GETs in parallel
@@ -104,12 +105,8 @@ class UploadStats:
 
 
 def cache_dir() -> Path:
-    """``$SKYWARD_CACHE_DIR`` or ``~/.cache/skyward`` (as the environments' cache)."""
-    explicit = os.environ.get("SKYWARD_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "skyward"
+    """``$SKYWARD_CACHE_DIR`` or ``~/.cache/skyward`` (`skyward.info.cache_root`)."""
+    return Path(cache_root_dir())
 
 
 def cache_root(uri: str, cache: Path | None = None) -> Path:

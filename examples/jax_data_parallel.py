@@ -43,7 +43,9 @@ def make_rows(step: int, node: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @sky.compute
-def train(steps: int = 300, global_batch: int = 256, lr: float = 1e-2, log_every: int = 50):
+def train(
+    steps: int = 300, global_batch: int = 256, lr: float = 1e-2, log_every: int = 50
+) -> dict[str, Any]:
     """Train on every node at once (run it with ``train(...) @ pool``)."""
     # Import inside the function: it runs on the nodes, where the JAX plugin has already
     # called jax.distributed.initialize, so jax.devices() lists every node's devices.

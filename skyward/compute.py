@@ -15,7 +15,7 @@ import sysconfig
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, TypeVarTuple, overload
 
 import cloudpickle
 
@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T1 = TypeVar("T1")
+T2 = TypeVar("T2")
+T3 = TypeVar("T3")
+T4 = TypeVar("T4")
+T5 = TypeVar("T5")
+T6 = TypeVar("T6")
+Ts = TypeVarTuple("Ts")
+Ts2 = TypeVarTuple("Ts2")
 
 # Places each `sky.Data` of a call's arguments; True when a placement changed.
 Stage = Callable[[list[Data]], bool]
@@ -139,15 +147,22 @@ class PendingCall(Generic[R]):
     def __rshift__(self, pool: ComputePool) -> R:
         return pool.run(self)
 
-    def __and__(self, other: PendingCall[Any] | Gather) -> Gather:
+    @overload
+    def __and__(self, other: PendingCall[T2]) -> Gather[R, T2]: ...
+    @overload
+    def __and__(self, other: Gather[*Ts]) -> Gather[R, *Ts]: ...
+    def __and__(self, other: PendingCall[Any] | Gather[*tuple[Any, ...]]) -> Gather[Any]:
         return Gather(self) & other
 
     def __repr__(self) -> str:
         return f"<pending call of {_name(self.function.fn)}>"
 
 
-class Gather:
-    """Several pending calls to run at once: ``(a & b & c) >> pool`` -> ``(ra, rb, rc)``."""
+class Gather(Generic[*Ts]):
+    """Several pending calls to run at once: ``(a & b & c) >> pool`` -> ``(ra, rb, rc)``.
+
+    Typed per call: ``gather(f(1), g(2)) >> pool`` is a ``tuple[F, G]`` for a type checker.
+    """
 
     __slots__ = ("calls",)
 
@@ -159,14 +174,20 @@ class Gather:
                 )
         self.calls: tuple[PendingCall[Any], ...] = calls
 
-    def __and__(self, other: PendingCall[Any] | Gather) -> Gather:
+    @overload
+    def __and__(self, other: PendingCall[T2]) -> Gather[*Ts, T2]: ...
+    @overload
+    def __and__(self, other: Gather[*Ts2]) -> Gather[*tuple[Any, ...]]: ...
+    def __and__(
+        self, other: PendingCall[Any] | Gather[*tuple[Any, ...]]
+    ) -> Gather[*tuple[Any, ...]]:
         more = other.calls if isinstance(other, Gather) else (other,)
         return Gather(*self.calls, *more)
 
-    def __rshift__(self, pool: ComputePool) -> tuple[Any, ...]:
+    def __rshift__(self, pool: ComputePool) -> tuple[*Ts]:
         return pool.gather(self.calls)
 
-    def local(self) -> tuple[Any, ...]:
+    def local(self) -> tuple[*Ts]:
         """Run every call here, one after another (for debugging)."""
         return tuple(call.local() for call in self.calls)
 
@@ -179,8 +200,40 @@ def compute(fn: Callable[P, R]) -> Compute[P, R]:
     return Compute(fn)
 
 
-def gather(*calls: PendingCall[Any]) -> Gather:
-    """Group calls to run concurrently across a pool's nodes: ``sky.gather(a, b) >> pool``."""
+@overload
+def gather(a: PendingCall[T1], /) -> Gather[T1]: ...
+@overload
+def gather(a: PendingCall[T1], b: PendingCall[T2], /) -> Gather[T1, T2]: ...
+@overload
+def gather(a: PendingCall[T1], b: PendingCall[T2], c: PendingCall[T3], /) -> Gather[T1, T2, T3]: ...
+@overload
+def gather(
+    a: PendingCall[T1], b: PendingCall[T2], c: PendingCall[T3], d: PendingCall[T4], /
+) -> Gather[T1, T2, T3, T4]: ...
+@overload
+def gather(
+    a: PendingCall[T1],
+    b: PendingCall[T2],
+    c: PendingCall[T3],
+    d: PendingCall[T4],
+    e: PendingCall[T5],
+    /,
+) -> Gather[T1, T2, T3, T4, T5]: ...
+@overload
+def gather(
+    a: PendingCall[T1],
+    b: PendingCall[T2],
+    c: PendingCall[T3],
+    d: PendingCall[T4],
+    e: PendingCall[T5],
+    f: PendingCall[T6],
+    /,
+) -> Gather[T1, T2, T3, T4, T5, T6]: ...
+@overload
+def gather(*calls: PendingCall[Any]) -> Gather[*tuple[Any, ...]]: ...
+def gather(*calls: PendingCall[Any]) -> Gather[*tuple[Any, ...]]:
+    """Group calls to run concurrently across a pool's nodes: ``sky.gather(a, b) >> pool``
+    (typed per call for up to six; more are ``tuple[Any, ...]``)."""
     return Gather(*calls)
 
 

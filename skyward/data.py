@@ -41,31 +41,38 @@ Placement = tuple[str, ...]
 _collector = threading.local()
 
 
-class Data:
+class Data(str):
     """Content for a call: ``train(sky.Data("./dataset")) >> pool`` hands ``train`` a path.
 
     Args:
         source: a local file or directory (``~`` expanded, relative to the current directory),
             or ``"s3://bucket/prefix"``.
 
-    The function receives a ``str``. Treat it as read-only: on SSH and AWS nodes it is a shared
-    cache entry that later calls with the same content reuse.
+    A `Data` is a ``str`` (its absolute source path or URI), so it type-checks where the
+    function takes a path; the function receives a plain ``str``, a path on its node. Treat that
+    path as read-only: on SSH and AWS nodes it is a shared cache entry that later calls with the
+    same content reuse.
     """
 
-    __slots__ = ("_placement", "source")
+    _placement: Placement | None
 
-    def __init__(self, source: str | os.PathLike[str]) -> None:
+    def __new__(cls, source: str | os.PathLike[str]) -> Data:
         if not isinstance(source, str | os.PathLike):
             raise ConfigError(f"sky.Data takes a path or an s3:// URI, got {source!r}")
         text = os.fspath(source)
         if text.startswith(S3_SCHEME):
-            bucket = text[len(S3_SCHEME) :].split("/", 1)[0]
-            if not bucket:
+            if not text[len(S3_SCHEME) :].split("/", 1)[0]:
                 raise ConfigError(f"sky.Data({text!r}): the URI names no bucket")
-            self.source = text
         else:
-            self.source = str(Path(text).expanduser().absolute())
-        self._placement: Placement | None = None
+            text = str(Path(text).expanduser().absolute())
+        made = super().__new__(cls, text)
+        made._placement = None
+        return made
+
+    @property
+    def source(self) -> str:
+        """The absolute local path or the ``s3://`` URI, as a plain ``str``."""
+        return str.__str__(self)
 
     @property
     def is_s3(self) -> bool:
@@ -105,17 +112,6 @@ class Data:
             )
         found.append(self)
         return (_on_node, (self._placement or ("unplaced", self.source),))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Data) and other.source == self.source
-
-    def __hash__(self) -> int:
-        return hash(self.source)
-
-    def __fspath__(self) -> str:
-        if self.is_s3:
-            raise TypeError(f"{self.source} is not a local path")
-        return self.source
 
     def __repr__(self) -> str:
         return f"sky.Data({self.source!r})"

@@ -40,7 +40,7 @@ def _as_index(value: Index | str) -> Index:
     return value if isinstance(value, Index) else Index(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Image:
     """What every node's environment holds.
 
@@ -60,14 +60,25 @@ class Image:
     env: Mapping[str, str] = field(default_factory=dict)
     setup: tuple[str, ...] = ()
 
-    def __post_init__(self) -> None:
-        for name in ("pip", "apt", "setup"):
-            value = getattr(self, name)
+    def __init__(
+        self,
+        python: str | None = None,
+        pip: Iterable[str] = (),
+        indexes: Iterable[Index | str] = (),
+        apt: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+        setup: Iterable[str] = (),
+    ) -> None:
+        # Written out so that lists type-check too; stored as tuples (an image is hashable).
+        lists = {"pip": pip, "apt": apt, "setup": setup}
+        for name, value in lists.items():
             if isinstance(value, str):
                 raise ConfigError(f"Image({name}=...) takes a list of strings, not one string")
             object.__setattr__(self, name, tuple(value))
-        object.__setattr__(self, "indexes", tuple(_as_index(i) for i in self.indexes))
-        object.__setattr__(self, "env", MappingProxyType(dict(sorted(dict(self.env).items()))))
+        object.__setattr__(self, "python", python)
+        object.__setattr__(self, "indexes", tuple(_as_index(i) for i in indexes))
+        env_items = sorted(dict(env or {}).items())
+        object.__setattr__(self, "env", MappingProxyType(dict(env_items)))
         for spec in self.pip:
             try:
                 Requirement(spec)

@@ -61,6 +61,7 @@ def test_data_outside_a_call_does_not_pickle(tmp_path: Path) -> None:
 
 def test_data_paths_and_uris_are_checked() -> None:
     assert sky.Data("~/x").source == str(Path.home() / "x")
+    assert isinstance(sky.Data("x"), str), "a Data type-checks where a path is taken"
     assert sky.Data("s3://bucket/prefix/").is_s3
     with pytest.raises(sky.ConfigError, match="no bucket"):
         sky.Data("s3:///prefix")

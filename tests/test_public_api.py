@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import skyward as sky
 
 
 def test_a_provider_whose_extra_is_missing_says_which_extra(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     # a stand-in asyncssh that cannot be imported, as on an install without the [ssh] extra
     (tmp_path / "asyncssh.py").write_text("raise ModuleNotFoundError(name='asyncssh')\n")
     script = (
@@ -39,29 +40,69 @@ def test_all_lists_exactly_the_lazy_exports() -> None:
     assert sorted(sky.__all__) == sorted(_EXPORTS)
 
 
-def test_a_users_script_type_checks_under_mypy_strict(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    import pytest
-
+def mypy_strict(*paths: Path, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     pytest.importorskip("mypy")
-    script = tmp_path / "train.py"
-    script.write_text(
-        "import skyward as sky\n\n\n"
-        "@sky.compute\n"
-        "def square(x: int) -> int:\n"
-        "    return x * x\n\n\n"
-        "with sky.ComputePool(nodes=2, provider=sky.Local()) as pool:\n"
-        "    every: list[int] = square(3) @ pool\n"
-        "    one: int = square(2) >> pool\n"
-        "    both = sky.gather(square(1), square(2)) >> pool\n"
-        "    info: sky.InstanceInfo | None = None\n"
-    )
-    checked = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(script)],
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", *flags, *map(str, paths)],
         capture_output=True,
         text=True,
         check=False,
     )
+
+
+USER_SCRIPT = """\
+import skyward as sky
+
+
+@sky.compute
+def square(x: int) -> int:
+    return x * x
+
+
+@sky.compute
+def name(x: int) -> str:
+    return str(x)
+
+
+with sky.ComputePool(nodes=2, provider=sky.Local()) as pool:
+    every: list[int] = square(3) @ pool
+    one: int = square(2) >> pool
+    both: tuple[int, str] = sky.gather(square(1), name(2)) >> pool
+    three: tuple[int, str, int] = (square(1) & name(2) & square(3)) >> pool
+    six: tuple[int, int, int, int, int, str] = (
+        sky.gather(square(1), square(2), square(3), square(4), square(5), name(6)) >> pool
+    )
+    info: sky.InstanceInfo | None = None
+    data = sky.Data("./dataset")
+    report: sky.Report | None = None
+{extra}"""
+
+
+def test_a_users_script_type_checks_under_mypy_strict(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(USER_SCRIPT.format(extra=""))
+    checked = mypy_strict(script)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_gather_results_are_typed_per_call(tmp_path: Path) -> None:
+    # The same script with one element of a gather given the wrong type must not type-check.
+    script = tmp_path / "wrong.py"
+    script.write_text(
+        USER_SCRIPT.format(
+            extra="    wrong: tuple[str, str] = sky.gather(square(1), name(2)) >> pool\n"
+        )
+    )
+    checked = mypy_strict(script)
+    assert checked.returncode == 1, checked.stdout
+    assert "tuple[str, str]" in checked.stdout and "wrong.py:" in checked.stdout
+
+
+def test_the_examples_type_check_under_mypy_strict() -> None:
+    examples = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py"))
+    assert examples
+    # Some of JAX's own functions (PartitionSpec, make_array_from_process_local_data) are not
+    # annotated; calling them is what --allow-untyped-calls lets through. Everything else is
+    # --strict, skyward's API included.
+    checked = mypy_strict(*examples, flags=("--allow-untyped-calls",))
     assert checked.returncode == 0, checked.stdout + checked.stderr

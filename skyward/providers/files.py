@@ -202,7 +202,7 @@ async def push_tree(
     say = log or (lambda _line: None)
     receivers = [_receiver(n) for n in nodes]
     async with contextlib.AsyncExitStack() as held:
-        # One order for every push: two pushes sharing nodes never wait for each other.
+        # One order for every push: two pushes sharing nodes never wait for each other in a cycle.
         for receiver in sorted(set(receivers), key=id):
             await held.enter_async_context(receiver.lock)
         peers = await _open(nodes, receivers)

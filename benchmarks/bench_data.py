@@ -8,11 +8,13 @@ Everything (data, caches, copies) lives in one temp dir removed at the end. A re
 exits 0.
 
 - push: a tree of 1,000 files of 1 MiB (``--quick``: 100) to 3 hosts at once, stores emptied
-  before each run, vs the faster of two raw copies of the same files to the same 3 hosts over
-  the same asyncssh connections: one local ``tar c`` stream written to ``tar x`` on an exec
-  channel per host, and SFTP ``put`` (recursive, preserving times) to each host at once.
+  before each run (the first run opens the nodes' receivers, later ones reuse them), vs the
+  faster of two raw copies of the same files to the same 3 hosts over the same asyncssh
+  connections: one local ``tar c`` stream written to ``tar x`` on an exec channel per host, and
+  SFTP ``put`` (recursive, preserving times) to each host at once.
 - re-push: one 1 MiB file changed, then scan + push to the 3 hosts (which hold the previous
-  version); the bytes on each node's wire are printed. Floor: that one file as a tar stream.
+  version), over the receivers the push runs opened, as a pool's later pushes do; the bytes on
+  each node's wire are printed. Floor: that one file as a tar stream (a new exec channel).
 - pull: 200 files of 1 MB (``--quick``: 20) from each of 3 hosts at once into empty local dirs,
   vs the faster of ``tar c`` on each host read into a local ``tar x``, and SFTP ``get``.
 """

@@ -2,8 +2,15 @@
 
 `push_tree` makes a scanned local tree (`treestore.scan`) exist in every node's store at once
 and returns where; `pull_tree` mirrors a node's directory into a local one. Both talk to
-``python -m skyward.worker.treestore`` on the node over one exec channel per node, with the
-framing described in `skyward.worker.treestore`.
+``python -m skyward.worker.treestore`` on the node, with the framing described in
+`skyward.worker.treestore`: a pull over an exec channel of its own, pushes over the node's
+`Receiver`, one ``receive`` process opened by the node's first push and kept for the next ones
+(an exec channel costs a login shell and an interpreter's start: 0.2-0.4 s, most of a small
+re-push). Its process group is the host's (`SSHHost.start` adopts it), so closing the host,
+which a pool's end or `replace` does, ends it. Pushes to one node take turns on its receiver;
+a push that fails closes the receivers it used (a node that reported an error discards the rest
+of its input), and the next push opens new ones. A kept receiver that died since its last push
+(killed on the host) is reopened once, transparently, when its first reply fails.
 
 Push, per node: the tree's digest (a node that has the tree answers at once: one small round
 trip), then the manifest, to which the node answers the contents it lacks; only those are sent.
@@ -71,10 +78,14 @@ class PullStats:
 
 
 class _Peer:
-    """One node's treestore process, its replies, and what was written to it."""
+    """One node's treestore process, its replies, and what one transfer wrote to it."""
 
-    def __init__(self, node: RemoteNode, proc: RemoteProcess, what: str) -> None:
-        self.node, self.proc, self.what = node, proc, what
+    def __init__(self, node: RemoteNode, proc: RemoteProcess, what: str, *args: str) -> None:
+        self.node, self.proc, self.what, self.args = node, proc, what, args
+        self.kept = False  # a push finished on this process: it is reused, and may have died
+        self.reset()
+
+    def reset(self) -> None:
         self.sent = 0
         self.files = 0
         self.need: set[str] = set()
@@ -82,18 +93,14 @@ class _Peer:
 
     @classmethod
     async def start(cls, node: RemoteNode, what: str, *args: str) -> _Peer:
-        if node.python is None:
-            raise DataError(
-                f"{what} on {node.host}: the node was not prepared (no interpreter yet)",
-                node=node.index,
-            )
-        # -S: the module needs only the stdlib, and a site with many .pth files costs ~50 ms.
-        command = module_command(node.python, MODULE, *args, site=False)
-        try:
-            proc = await node.host.start(command)
-        except (OSError, asyncssh.Error) as exc:
-            raise DataError(f"{what} on {node.host} failed: {exc}", node=node.index) from None
-        return cls(node, proc, what)
+        return cls(node, await _launch(node, what, *args), what, *args)
+
+    async def reopen(self) -> None:
+        """Replace a broken process with a new one."""
+        await self.close(abort=True)
+        self.proc = await _launch(self.node, self.what, *self.args)
+        self.kept = False
+        self.reset()
 
     def error(self, message: str, path: str = "") -> DataError:
         where = f" ({path})" if path and path not in message else ""
@@ -151,6 +158,30 @@ class _Peer:
         self.node.host.groups.discard(self.proc.pid)
 
 
+async def _launch(node: RemoteNode, what: str, *args: str) -> RemoteProcess:
+    """Start the treestore module on the node, in a process group the host adopts."""
+    if node.python is None:
+        raise DataError(
+            f"{what} on {node.host}: the node was not prepared (no interpreter yet)",
+            node=node.index,
+        )
+    # -S: the module needs only the stdlib, and a site with many .pth files costs ~50 ms.
+    command = module_command(node.python, MODULE, *args, site=False)
+    try:
+        return await node.host.start(command)
+    except (OSError, asyncssh.Error) as exc:
+        raise DataError(f"{what} on {node.host} failed: {exc}", node=node.index) from None
+
+
+class Receiver:
+    """A node's ``treestore receive`` process (`peer`, None until a push opens one), kept for
+    its later pushes, which take turns on `lock`."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.peer: _Peer | None = None
+
+
 async def push_tree(
     nodes: Sequence[RemoteNode],
     root: Path,
@@ -169,32 +200,60 @@ async def push_tree(
     """
     stats = stats if stats is not None else PushStats()
     say = log or (lambda _line: None)
-    peers: list[_Peer] = []
-    try:
-        started = await asyncio.gather(
-            *(_Peer.start(n, "sending data", "receive") for n in nodes), return_exceptions=True
-        )
-        peers = [p for p in started if isinstance(p, _Peer)]
-        for failure in started:
-            if isinstance(failure, BaseException):
-                raise failure
-        paths = dict(await _gather(*(_offer(p, manifest, say) for p in peers)))
-        await _send_contents(Path(root), manifest, [p for p in peers if p.need])
-        waiting = [p for p in peers if p.final is not None]
-        for p in waiting:
-            p.write(b"E")
-        finals = await _gather(*(p.final for p in waiting if p.final is not None))
-        for peer, final in zip(waiting, finals, strict=True):
-            paths[peer.node.index] = str(final["done"])
-    except BaseException:
-        await asyncio.gather(*(p.close(abort=True) for p in peers), return_exceptions=True)
-        raise
-    finally:
+    receivers = [_receiver(n) for n in nodes]
+    async with contextlib.AsyncExitStack() as held:
+        # One order for every push: two pushes sharing nodes never wait for each other in a cycle.
+        for receiver in sorted(set(receivers), key=id):
+            await held.enter_async_context(receiver.lock)
+        peers = await _open(nodes, receivers)
+        try:
+            paths = dict(await _gather(*(_offer(p, manifest, say) for p in peers)))
+            await _send_contents(Path(root), manifest, [p for p in peers if p.need])
+            waiting = [p for p in peers if p.final is not None]
+            for p in waiting:
+                p.write(b"E")
+            finals = await _gather(*(p.final for p in waiting if p.final is not None))
+            for peer, final in zip(waiting, finals, strict=True):
+                paths[peer.node.index] = str(final["done"])
+        except BaseException:
+            # A node that failed discards its input until the end, the others are mid-push:
+            # their channels are spent, so close them (the nodes drop their temp dirs).
+            for r in receivers:
+                r.peer = None
+            await asyncio.gather(*(p.close(abort=True) for p in peers), return_exceptions=True)
+            raise
+        finally:
+            for p in peers:
+                stats.bytes_sent[p.node.index] = p.sent
+                stats.files_sent[p.node.index] = p.files
         for p in peers:
-            stats.bytes_sent[p.node.index] = p.sent
-            stats.files_sent[p.node.index] = p.files
-    await asyncio.gather(*(p.close() for p in peers), return_exceptions=True)
+            p.kept = True
+            p.reset()
     return [paths[n.index] for n in nodes]
+
+
+def _receiver(node: RemoteNode) -> Receiver:
+    if node.receiver is None:
+        node.receiver = Receiver()
+    return node.receiver
+
+
+async def _open(nodes: Sequence[RemoteNode], receivers: Sequence[Receiver]) -> list[_Peer]:
+    """Each node's receiver process, started where there is none (those that start are kept
+    when another fails)."""
+
+    async def one(node: RemoteNode, receiver: Receiver) -> _Peer:
+        if receiver.peer is None:
+            receiver.peer = await _Peer.start(node, "sending data", "receive")
+        return receiver.peer
+
+    started = await asyncio.gather(
+        *(one(n, r) for n, r in zip(nodes, receivers, strict=True)), return_exceptions=True
+    )
+    for failure in started:
+        if isinstance(failure, BaseException):
+            raise failure
+    return [p for p in started if isinstance(p, _Peer)]
 
 
 async def _gather(*aws: Any) -> list[Any]:
@@ -211,8 +270,17 @@ async def _gather(*aws: Any) -> list[Any]:
 
 async def _offer(peer: _Peer, manifest: Manifest, say: Callable[[str], None]) -> tuple[int, str]:
     """Digest, then (if the node lacks the tree) manifest; sets `peer.need`."""
-    peer.write(b"D" + bytes.fromhex(manifest.digest))
-    answer = await peer.reply()
+    digest = b"D" + bytes.fromhex(manifest.digest)
+    try:
+        peer.write(digest)
+        answer = await peer.reply()
+    except (DataError, OSError, asyncssh.Error):
+        if not peer.kept:
+            raise
+        # The kept process died since its last push (killed on the host): a new one, once.
+        await peer.reopen()
+        peer.write(digest)
+        answer = await peer.reply()
     if "have" in answer:
         say(f"[{peer.node.host}] the data is already there")
         return peer.node.index, str(answer["have"])

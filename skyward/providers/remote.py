@@ -35,7 +35,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
@@ -50,6 +50,9 @@ from skyward.transport.channels import open_agent
 from skyward.transport.ssh import Completed, Endpoint, SSHConnectError, SSHHost, connect, shell_env
 from skyward.worker import hostcheck
 from skyward.worker.gpus import Gpu, Inventory, visible_env
+
+if TYPE_CHECKING:
+    from skyward.providers.files import Receiver
 
 CACHE = "$HOME/.cache/skyward"  # expanded by the remote shell
 _CHECK_CACHE = "~/.cache/skyward"  # expanded by the check itself
@@ -161,6 +164,7 @@ class RemoteNode(Node):
         self.gpu_env: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES for the GPUs it owns
         self.trees: set[str] = set()  # digests of the `sky.Data` trees pushed to it
         self.agent_env: dict[str, str] = {}  # the pool's env= and the image's, once started
+        self.receiver: Receiver | None = None  # its data receiver, opened by the first push
 
     async def start_agent(self, env: Mapping[str, str]) -> AgentStream:
         if self.python is None:

@@ -25,16 +25,18 @@ transfer is never visible. Two receivers of the same tree (two pools, or hosts s
 over NFS) both build it; whoever renames second discards its copy. Trees share inodes with
 objects/: a function must not modify its input files in place.
 
-Wire, ``python -m skyward.worker.treestore receive`` (integers big-endian; a node's reply is
-``!I`` length + a JSON object)::
+Wire, ``python -m skyward.worker.treestore receive``: one process serves any number of pushes,
+one after another (integers big-endian; a node's reply is ``!I`` length + a JSON object). A push::
 
     client: b"D" + digest (32 bytes)          node: {"have": path} | {"manifest": true}
     client: b"M" + !Q length + manifest JSON  node: {"need": [sha256, ...]}
     client: b"C" + sha256 (32 bytes) + chunks (!I n + n bytes) + !I 0   (one per needed content)
     client: b"E"                              node: {"done": path}
 
+End of input between pushes ends the process (status 0); within a push it aborts that push.
 Any failure on the node: {"error": message, "path": entry} (its temp dir already removed), and
-the rest of the input is discarded. End of input before b"E" aborts the receive.
+the rest of the input is discarded: the channel is spent, its client closes it and opens
+another for the next push. The process holds no lock between pushes.
 
 ``python -m skyward.worker.treestore send DIR`` (for a pull): the node writes a listing
 (``!I`` + JSON {"missing": bool, "entries": [[path, kind, mode, mtime_ns, size, target], ...]},
@@ -479,16 +481,23 @@ def reply(out: IO[bytes], message: dict[str, Any]) -> None:
 
 
 def receive(source: IO[bytes], out: IO[bytes], store: Store) -> None:
-    """Serve one push (see the module docstring for the wire)."""
+    """Serve pushes until the input ends (see the module docstring for the wire)."""
     data = Input(source)
+    while tag := source.read(1):
+        if not _push(tag, data, out, store):
+            return  # the input was discarded to its end
+
+
+def _push(tag: bytes, data: Input, out: IO[bytes], store: Store) -> bool:
+    """Serve one push that began with `tag`; False when it failed (and the input is spent)."""
     try:
-        if data.exact(1) != b"D":
+        if tag != b"D":
             raise Failure("protocol error: expected the tree's digest")
         digest = data.exact(32).hex()
         have = store.has(digest)
         if have is not None:
             reply(out, {"have": str(have)})
-            return
+            return True
         reply(out, {"manifest": True})
         if data.exact(1) != b"M":
             raise Failure("protocol error: expected the manifest")
@@ -497,9 +506,8 @@ def receive(source: IO[bytes], out: IO[bytes], store: Store) -> None:
         if manifest.digest != digest:
             raise Failure("the manifest does not match its digest (client and node differ)")
     except (Failure, ValueError, OSError) as exc:
-        return _fail(out, data, exc)
-    except EOFError:
-        return
+        _fail(out, data, exc)
+        return False
     build: Build | None = None
     try:
         build = Build(store, manifest)
@@ -509,10 +517,12 @@ def receive(source: IO[bytes], out: IO[bytes], store: Store) -> None:
         if tag != b"E":
             raise Failure("protocol error: expected content or the end")
         reply(out, {"done": str(build.finish())})
+        return True
     except (Failure, OSError) as exc:
         if build is not None:
             build.close()
         _fail(out, data, exc)
+        return False
     except BaseException:  # end of input (the client aborted), a signal: leave nothing
         if build is not None:
             build.close()

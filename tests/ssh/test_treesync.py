@@ -1,4 +1,5 @@
-"""The data sync over real sshd: content-addressed pushes to many hosts, incremental pulls.
+"""The data sync over real sshd: content-addressed pushes to many hosts, incremental pulls, each
+node's receiver kept open across pushes.
 
 Each sshd gives its sessions their own ``SKYWARD_CACHE_DIR`` (``SetEnv``), a symlink that a test
 can point elsewhere (a fresh dir, a tiny tmpfs). Nodes are built the way `sky.SSH` builds them:
@@ -9,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import json
 import os
 import shutil
+import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -28,6 +33,7 @@ from skyward.providers.files import PullStats, PushStats, pull_tree, push_tree
 from skyward.providers.remote import RemoteNode, close_hosts, remote_nodes
 from skyward.worker import treestore
 from skyward.worker.treestore import scan
+from tests.ssh.conftest import processes_with, wait_until
 from tests.support import sshd
 
 pytestmark = pytest.mark.ssh
@@ -225,6 +231,158 @@ def test_two_pushes_of_the_same_tree_at_once(
     assert a == b
     assert_same_tree(root, Path(a))
     assert not list((data / "tmp").iterdir())
+
+
+def receiver_pid(remote: RemoteNode) -> int:
+    assert remote.receiver is not None and remote.receiver.peer is not None
+    pid = remote.receiver.peer.proc.pid  # the group's leader, which exec'd the interpreter
+    assert b"skyward.worker.treestore" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    return pid
+
+
+def test_pushes_reuse_one_receiver(node: Any, tmp_path: Path) -> None:
+    loop, remote, _data = node
+    root = make_tree(tmp_path / "src")
+    push(loop, [remote], root)
+    pid = receiver_pid(remote)
+    (root / "run.sh").write_text("#!/bin/sh\necho again\n")
+    stats = PushStats()
+    [path] = push(loop, [remote], root, stats)
+    assert stats.files_sent[remote.index] == 1
+    assert_same_tree(root, Path(path))
+    assert receiver_pid(remote) == pid
+
+
+def test_a_killed_receiver_is_reopened_by_the_next_push(node: Any, tmp_path: Path) -> None:
+    loop, remote, _data = node
+    root = make_tree(tmp_path / "src")
+    push(loop, [remote], root)
+    pid = receiver_pid(remote)
+    os.kill(pid, signal.SIGKILL)  # namespaces share our pids
+    assert wait_until(lambda: not sshd.pid_alive(pid), 5)
+    (root / "run.sh").write_text("#!/bin/sh\necho after\n")
+    stats = PushStats()
+    [path] = push(loop, [remote], root, stats)
+    assert_same_tree(root, Path(path))
+    assert receiver_pid(remote) != pid
+    assert stats.bytes_sent[remote.index] < len(scan(root).encoded) + 200  # one digest sent
+
+
+def test_different_trees_at_once_take_turns(node: Any, tmp_path: Path) -> None:
+    loop, remote, data = node
+    roots = [tmp_path / "one", tmp_path / "two"]
+    for root in roots:
+        root.mkdir()
+        for i in range(10):
+            (root / f"f{i}").write_bytes(os.urandom(300_000))
+
+    async def both() -> list[list[str]]:
+        pushes = (push_tree([remote], r, scan(r)) for r in roots)
+        return list(await asyncio.gather(*pushes))
+
+    [a], [b] = loop.run(both())
+    assert_same_tree(roots[0], Path(a))
+    assert_same_tree(roots[1], Path(b))
+    assert not list((data / "tmp").iterdir())
+
+
+def receivers_of(cache: Path) -> list[int]:
+    """Live treestore processes whose sshd session set SKYWARD_CACHE_DIR to `cache`."""
+    mine = f"SKYWARD_CACHE_DIR={cache}".encode()
+    found = []
+    for pid in processes_with("skyward.worker.treestore"):
+        with contextlib.suppress(OSError):
+            if mine in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
+    return found
+
+
+def test_closing_the_hosts_ends_the_receivers(
+    keys: sshd.KeyPair, base: Path, tmp_path: Path
+) -> None:
+    link = cache_link(base, "closing")
+    server = sshd.SshdServer(
+        authorized_keys=[keys], extra_config=[f"SetEnv SKYWARD_CACHE_DIR={link}"]
+    )
+    with server:
+        provider = sky.SSH(
+            [f"root@127.0.0.1:{server.port}"] * 2,
+            key=str(keys.private_path),
+            known_hosts=[server.known_hosts_line()],
+            python=sys.executable,
+        )
+        pids: list[int] = []
+        try:
+            with ssh_nodes(provider, 2) as (loop, nodes):
+                push(loop, nodes, make_tree(tmp_path / "src"))
+                pids = [receiver_pid(n) for n in nodes]
+                assert sorted(receivers_of(link)) == sorted(pids)
+                # One receiver would end by itself at the end of its input; a stopped one
+                # must be killed by its host's close (its process group was adopted).
+                os.kill(pids[1], signal.SIGSTOP)
+            assert wait_until(lambda: not receivers_of(link), 10), receivers_of(link)
+        finally:
+            for pid in receivers_of(link):
+                os.kill(pid, signal.SIGKILL)
+
+
+def node_side(*pushes: bytes, store: treestore.Store) -> list[dict[str, Any]]:
+    """`treestore.receive` in this process over `pushes`; the replies it wrote."""
+    out = io.BytesIO()
+    treestore.receive(io.BytesIO(b"".join(pushes)), out, store)
+    replies, view = [], out.getvalue()
+    while view:
+        size = struct.unpack("!I", view[:4])[0]
+        replies.append(json.loads(view[4 : 4 + size]))
+        view = view[4 + size :]
+    return replies
+
+
+def frames(root: Path, manifest: treestore.Manifest, send: set[str] | None = None) -> bytes:
+    """A whole push of `manifest` from `root`, with the contents `send` (None: all)."""
+    wire = b"D" + bytes.fromhex(manifest.digest)
+    wire += b"M" + struct.pack("!Q", len(manifest.encoded)) + manifest.encoded
+    todo = {e.sha256 for e in manifest.files} if send is None else set(send)
+    for e in manifest.files:
+        if e.sha256 in todo:
+            todo.discard(e.sha256)
+            body = (root / e.path).read_bytes()
+            wire += b"C" + bytes.fromhex(e.sha256) + struct.pack("!I", len(body)) + body
+            wire += struct.pack("!I", 0)
+    return wire + b"E"
+
+
+def test_one_receive_serves_pushes_in_turn_until_an_error(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "a").write_bytes(b"a" * 1000)
+    (root / "b").write_bytes(b"b" * 1000)
+    first = scan(root)
+    first_push = frames(root, first)
+    (root / "b").write_bytes(b"B" * 1000)
+    second = scan(root)
+    changed = {e.sha256 for e in second.files} - {e.sha256 for e in first.files}
+    store = treestore.Store(tmp_path / "data")
+    replies = node_side(
+        first_push, b"D" + bytes.fromhex(first.digest), frames(root, second, changed), store=store
+    )
+    assert [next(iter(r)) for r in replies] == [
+        *("manifest", "need", "done"),
+        "have",
+        *("manifest", "need", "done"),
+    ]
+    assert replies[5]["need"] == sorted(changed)
+    assert (Path(replies[6]["done"]) / "b").read_bytes() == b"B" * 1000
+    # After an error the rest of the input is discarded: the push after it is not served.
+    (root / "c").write_bytes(b"c")
+    third = scan(root)
+    sha = bytes.fromhex(third.files[-1].sha256)
+    bad = frames(root, third).replace(b"C" + sha, b"C" + bytes(32))
+    replies = node_side(bad, b"D" + bytes.fromhex(first.digest), store=store)
+    assert [next(iter(r)) for r in replies] == ["manifest", "need", "error"]
+    assert "not in the manifest" in replies[2]["error"]
+    assert not list(store.tmp.iterdir())
+    assert store.has(third.digest) is None
 
 
 def test_missing_path_and_special_files_fail_before_sending(tmp_path: Path) -> None:

@@ -25,8 +25,10 @@ async def handshake(
     plugins: Sequence[Plugin],
     plugins_blob: bytes,
     output_dirs: Sequence[str] = (),
+    silence_timeout: float = 0.0,
 ) -> list[InstanceInfo]:
-    """Take every node through the handshake; the nodes' identities, in node order."""
+    """Take every node through the handshake; the nodes' identities, in node order. A remote
+    agent stops after `silence_timeout` s without a ping (`session.ping_agents`)."""
     names = tuple(dict.fromkeys((HEAD_PORT, *(name for p in plugins for name in p.ports))))
     started = await asyncio.gather(*(session.open(names) for session in sessions))
     from skyward import __version__
@@ -39,7 +41,7 @@ async def handshake(
     infos = identities(nodes, spec, started[0].ports, output_dirs)
     await asyncio.gather(
         *(
-            session.hello(info, plugins_blob, sessions)
+            session.hello(info, plugins_blob, sessions, silence_timeout)
             for session, info in zip(sessions, infos, strict=True)
         )
     )

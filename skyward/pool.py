@@ -45,7 +45,7 @@ from skyward.plugins import hooks
 from skyward.plugins.base import Plugin
 from skyward.providers.base import Cluster, Node, Provider
 from skyward.reports import Report
-from skyward.session import NodeSession, watch_heartbeats
+from skyward.session import NodeSession, ping_agents, watch_heartbeats
 from skyward.transport import frames
 
 if TYPE_CHECKING:
@@ -152,6 +152,7 @@ class ComputePool:
         self._closed = False
         self._plugins_blob = b""
         self._heartbeats: asyncio.Task[None] | None = None
+        self._pings: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -278,6 +279,11 @@ class ComputePool:
             f"{self.pool_id}: launching {self.spec.nodes} node(s) on {self.spec.provider}"
         )
         self.cluster = await self.provider.launch(self.spec, self.console.status)
+        # Remote agents stop when the client goes quiet (cut off by the network): keep them
+        # hearing from it from their Hello on.
+        self._pings = asyncio.get_running_loop().create_task(
+            ping_agents(lambda: self._sessions, self.heartbeat_timeout)
+        )
         await self.provider.prepare(self.cluster, self.image, self.console.build_log)
         await self._start_agents()
         self._heartbeats = asyncio.get_running_loop().create_task(
@@ -312,6 +318,7 @@ class ComputePool:
                     self.plugins,
                     self._plugins_blob,
                     [self.provider.node_output_dir(cluster, node) for node in cluster.nodes],
+                    self.heartbeat_timeout,
                 ),
                 self.startup_timeout,
             )

@@ -153,13 +153,15 @@ class NodeSession:
         info: InstanceInfo,
         plugins: bytes,
         peers: Sequence[NodeSession],
+        silence_timeout: float = 0.0,
     ) -> None:
         """Give the node its identity and plugins, and wait until its plugins are set up.
 
         A failure names the node and, from `peers`, where the other nodes were at that moment.
         """
-        self.stage = Stage.SETTING_UP
-        self.send(messages.Hello(info), [plugins])
+        self.stage = Stage.SETTING_UP  # from here on, `ping_agents` pings a remote node
+        silence = silence_timeout if self.stream.remote else 0.0
+        self.send(messages.Hello(info, silence), [plugins])
         await self._expect(messages.Ready, peers)
         self.stage = Stage.READY
 
@@ -429,6 +431,17 @@ async def watch_heartbeats(sessions: Callable[[], Sequence[NodeSession]], timeou
         now = time.monotonic()
         for session in sessions():
             session.check_heartbeat(now, timeout)
+
+
+async def ping_agents(sessions: Callable[[], Sequence[NodeSession]], timeout: float) -> None:
+    """Ping every remote agent past its Hello three times per `timeout`, forever: an agent
+    that hears nothing for `timeout` stops (its client is gone or cut off)."""
+    ping = frames.encode(messages.Ping())
+    while True:
+        await asyncio.sleep(timeout / 3)
+        for session in sessions():
+            if session.stream.remote and session.stage is not Stage.STARTING and not session.dead:
+                session.stream.write(ping)
 
 
 def _coalesce(chunks: list[frames.Buffer]) -> list[frames.Buffer]:

@@ -19,6 +19,10 @@ Receiver = Callable[[bytes], None]
 class AgentStream(Protocol):
     """A started agent: control frames in through `write`, out through `start`'s callbacks."""
 
+    # True when the agent runs on another machine: a network can cut it off from the client
+    # without closing its stream, so the client pings it (`session.ping_agents`).
+    remote: bool
+
     def start(self, on_control: Receiver, on_output: Receiver) -> None:
         """Deliver what the agent sends: its control bytes to `on_control`, its output (fds 1
         and 2) to `on_output`, each as it arrives and ``b""`` once at its end. Called once,

@@ -45,6 +45,8 @@ async def open_agent(host: SSHHost, command: str, timeout: float = 30.0) -> Agen
 class AgentChannel(asyncssh.SSHClientSession[bytes]):
     """The agent's channel: an `AgentStream` fed by asyncssh's session callbacks."""
 
+    remote = True
+
     def __init__(self, host: SSHHost, loop: asyncio.AbstractEventLoop) -> None:
         self.host = host
         self.pid = 0

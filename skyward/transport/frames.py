@@ -12,10 +12,12 @@ This module is shared by the client and the worker agent, so it imports only the
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import pickle
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -103,12 +105,22 @@ def loads(segments: Sequence[Buffer]) -> Any:
 
 
 class SyncChannel:
-    """Blocking frame I/O over two file descriptors (the agent's side of the stream)."""
+    """Blocking frame I/O over two file descriptors (the agent's side of the stream).
+
+    One thread reads (`read`); while it is busy elsewhere (running a call), another may take
+    the frames that have arrived meanwhile (`read_ahead`) and keep them for it, so that the
+    client's pings are seen and its input never piles up. `last_input` is when a frame last
+    arrived, by either way.
+    """
 
     def __init__(self, fd_in: int, fd_out: int) -> None:
         self._in = io.BufferedReader(io.FileIO(fd_in, "rb"), buffer_size=1 << 16)
         self._out_fd = fd_out
         self.fileno_in = fd_in
+        self._lock = threading.Lock()  # held by whoever reads the input
+        self._early: collections.deque[tuple[Message, list[bytes]]] = collections.deque()
+        self._ended = False
+        self.last_input = time.monotonic()
 
     def _read_exactly(self, n: int) -> bytes:
         data = self._in.read(n)
@@ -118,17 +130,51 @@ class SyncChannel:
 
     def read(self) -> tuple[Message, list[bytes]] | None:
         """Read one frame; None when the stream has closed between frames."""
+        with self._lock:
+            if self._early:
+                return self._early.popleft()
+            if self._ended:
+                return None
+            return self._read_frame()
+
+    def _read_frame(self) -> tuple[Message, list[bytes]] | None:
         header = self._in.read(HEADER.size)
         if not header:
+            self._ended = True
             return None
         if len(header) < HEADER.size:
             raise FrameError("stream closed in the middle of a frame header")
         meta_len, count = HEADER.unpack(header)
         lengths = struct.unpack(f"!{count}Q", self._read_exactly(8 * count)) if count else ()
         message = from_wire(pickle.loads(self._read_exactly(meta_len)))
+        self.last_input = time.monotonic()
         # each segment its own bytes object: an out-of-band ``bytes`` argument is then rebuilt
         # as that very object, with no copy
         return message, [self._read_exactly(n) if n else b"" for n in lengths]
+
+    def read_ahead(self, keep: Callable[[Message], bool]) -> None:
+        """From another thread: take the frames that have arrived while the reader is busy
+        (a frame that has begun to arrive is read whole), keeping those `keep` accepts for
+        `read`. Does nothing while the reader is reading."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            while not self._ended and self._has_input():
+                frame = self._read_frame()
+                if frame is not None and keep(frame[0]):
+                    self._early.append(frame)
+        finally:
+            self._lock.release()
+
+    def _has_input(self) -> bool:
+        fd = self.fileno_in
+        os.set_blocking(fd, False)  # so peek() reports an empty pipe instead of waiting on it
+        try:
+            return bool(self._in.peek(1))
+        except BlockingIOError:
+            return False
+        finally:
+            os.set_blocking(fd, True)
 
     def linger(self, seconds: float) -> None:
         """Poll for up to `seconds` for the next frame instead of letting the next `read` sleep.
@@ -139,12 +185,15 @@ class SyncChannel:
         """
         if seconds <= 0:
             return
-        fd = self.fileno_in
-        os.set_blocking(fd, False)  # so peek() reports an empty pipe instead of waiting on it
-        try:
-            spin_until(lambda: bool(self._in.peek(1)), seconds)
-        finally:
-            os.set_blocking(fd, True)
+        with self._lock:
+            if self._early:
+                return
+            fd = self.fileno_in
+            os.set_blocking(fd, False)  # so peek() reports an empty pipe instead of waiting
+            try:
+                spin_until(lambda: bool(self._in.peek(1)), seconds)
+            finally:
+                os.set_blocking(fd, True)
 
     def write(self, message: Message, segments: Segments = ()) -> None:
         """Write one frame. Not thread-safe: callers serialize writes."""

@@ -12,6 +12,7 @@ A conversation with one agent::
                                 <-  Reported(entries)        (sky.report, while the call runs)
                                 <-  Result(call_id) + value  or  Raised(call_id, error) + exception
                                 <-  Heartbeat()              (every 2 s while the agent lives)
+    Ping()                      ->                          (over SSH, while the agent lives)
     Shutdown()                  ->                          (the agent unwinds its plugins, exits)
 
 On the wire a message is a tuple ``(kind, *fields)``, pickled as a frame's metadata (see
@@ -37,10 +38,13 @@ class Open:
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """client -> agent: the node's identity; segments: the pickled plugins."""
+    """client -> agent: the node's identity; segments: the pickled plugins. With
+    `silence_timeout`, the client pings the agent and the agent stops after that many seconds
+    without a word from it (a client cut off by the network); 0: it never does."""
 
     KIND: ClassVar[int] = 1
     info: Any  # skyward.info.InstanceInfo (typed loosely: this module imports nothing of ours)
+    silence_timeout: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,13 @@ class Shutdown:
     """client -> agent: finish the calls already sent, unwind the plugins, exit."""
 
     KIND: ClassVar[int] = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """client -> agent: still here (every third of `Hello.silence_timeout`)."""
+
+    KIND: ClassVar[int] = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +157,7 @@ Message = (
     | Hello
     | Call
     | Shutdown
+    | Ping
     | Started
     | Progress
     | Ready
@@ -161,6 +173,7 @@ _TYPES: tuple[type[Any], ...] = (
     Hello,
     Call,
     Shutdown,
+    Ping,
     Started,
     Progress,
     Ready,

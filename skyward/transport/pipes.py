@@ -32,6 +32,8 @@ _BIG_READ = 1 << 20
 class SubprocessStream:
     """A local agent process in its own session, so `kill` takes down what it started too."""
 
+    remote = False  # a child of the client: its pipes close when the client dies
+
     def __init__(self, process: subprocess.Popen[bytes], linger: float = 0.0) -> None:
         assert process.stdin and process.stdout and process.stderr
         self._process = process

@@ -80,7 +80,10 @@ class Agent:
             return 0
         hello, plugins = second
         info_module.set_current(hello.info)
-        threading.Thread(target=self._watch, name="skyward-watcher", daemon=True).start()
+        watcher = threading.Thread(
+            target=self._watch, args=(hello.silence_timeout,), name="skyward-watcher", daemon=True
+        )
+        watcher.start()
         reports.install(self._reports.put)
         self._reports.start()
         with contextlib.ExitStack() as stack:
@@ -171,24 +174,44 @@ class Agent:
         self._reports.flush()  # the client sees a call's reports before its result
         self.send(messages.Result(call_id), result)
 
-    def _watch(self) -> None:
+    def _watch(self, silence_timeout: float) -> None:
         """Heartbeats while calls run; and a hard exit when the client has gone away.
 
         The client's end closing shows as POLLHUP on the control input without reading from it,
         so this works while the main thread is stuck in a call. An idle main thread sees the end
         of the stream itself and unwinds the plugins; this thread gives it a grace period.
+
+        A client cut off by the network closes nothing: with `silence_timeout`, the client
+        pings, and this thread takes what arrived while the main thread runs a call
+        (`read_ahead`); no word for that long and the agent stops.
         """
         poller = select.poll()
         poller.register(self._channel.fileno_in, 0)  # 0: only hang-ups and errors wake us
         while True:
             if poller.poll(HEARTBEAT_SECONDS * 1000):
                 break
+            if silence_timeout > 0:
+                self._channel.read_ahead(_not_a_ping)
+                quiet = time.monotonic() - self._channel.last_input
+                if quiet > silence_timeout:
+                    print(
+                        f"[skyward] no word from the client for {quiet:.0f} s (more than its "
+                        f"heartbeat_timeout of {silence_timeout:g} s): it is gone or cut off, "
+                        "so this agent stops",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    break
             try:
                 self.send(messages.Heartbeat())
             except OSError:
                 break
         time.sleep(ORPHAN_GRACE_SECONDS)
         _exit_hard(1)
+
+
+def _not_a_ping(message: messages.Message) -> bool:
+    return not isinstance(message, messages.Ping)
 
 
 def _linger_seconds() -> float:

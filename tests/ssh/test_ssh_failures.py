@@ -20,7 +20,7 @@ import pytest
 import skyward as sky
 from skyward.transport.ssh import HostKeyError, HostUnreachableError, SSHAuthError
 from tests.conftest import sigint_default
-from tests.ssh.conftest import Server, processes_with, wait_until
+from tests.ssh.conftest import Hosts, Server, processes_with, wait_until
 from tests.support import sshd
 
 pytestmark = pytest.mark.ssh
@@ -247,6 +247,40 @@ def test_a_hung_agent_is_declared_dead_and_removed(local_sshd: Server) -> None:
         assert caught.value.node == 1
         assert time.monotonic() - started < 20  # 2 s of silence, checked a few times a second
     assert wait_until(lambda: not any(sshd.pid_alive(p) for p in pids), 10)
+
+
+def test_a_host_cut_off_mid_call_fails_the_call_and_its_agent_stops_by_itself(
+    netns_hosts: Hosts,
+) -> None:
+    """A partition: the host's link goes down mid-call, so nothing closes and no signal can
+    reach it. The client declares the node dead after heartbeat_timeout; the agent, hearing
+    no ping for as long, stops by itself, before the link comes back; a new pool then works."""
+    host = netns_hosts.net.hosts[-1]
+    provider = netns_hosts.provider(len(netns_hosts.net.hosts))
+    provider.endpoints = provider.endpoints[-1:]  # that one host
+    timeout = 4.0
+    link = ["ip", "link", "set", host.veth]
+    try:
+        with sky.ComputePool(
+            provider=provider, nodes=1, heartbeat_timeout=timeout, stream_output=False
+        ) as pool:
+            pid = node_pid() >> pool
+            threading.Timer(0.5, subprocess.run, ([*link, "down"],), {"check": True}).start()
+            started = time.monotonic()
+            with pytest.raises(sky.WorkerError, match="heartbeat_timeout") as caught:
+                nap(60) >> pool
+            noticed = time.monotonic() - started
+            assert caught.value.node == 0
+            # Still cut off: only the agent itself can end it.
+            assert wait_until(lambda: not sshd.pid_alive(pid), timeout + 15), "agent still runs"
+            stopped = time.monotonic() - started
+            subprocess.run([*link, "up"], check=True)
+        print(f"partition: client noticed in {noticed:.1f} s, agent gone in {stopped:.1f} s")
+        assert noticed < timeout + 10
+    finally:
+        subprocess.run([*link, "up"], check=False)
+    with sky.ComputePool(provider=provider, nodes=1, stream_output=False) as pool:
+        assert node_pid() >> pool != pid
 
 
 # -- Ctrl-C ---------------------------------------------------------------------------------------

@@ -38,8 +38,9 @@ def assign(
         return [()] * nodes
     if accelerator.is_tpu:
         raise ConfigError(
-            f"the Local provider cannot provide accelerator={str(accelerator)!r}: TPUs are "
-            "reached through sky.GCP"
+            f"the Local provider cannot provide accelerator={str(accelerator)!r}: it runs on "
+            "this machine's CPU and NVIDIA GPUs; no provider reaches TPUs yet (a GCP provider "
+            "is planned)"
         )
     available = usable(inventory, os.environ if environ is None else environ)
     if not inventory.gpus:

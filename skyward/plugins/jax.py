@@ -16,8 +16,6 @@ import contextlib
 import logging
 import os
 import re
-import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -114,7 +112,6 @@ class JaxPlugin(Plugin):
 
     @contextlib.contextmanager
     def _distributed(self, info: InstanceInfo) -> Iterator[None]:
-        port = info.ports["jax"]
         coordinator = export_launcher_env(info)
         if not self.initialize or info.total_nodes == 1:
             # The user's code may initialize JAX itself, with no arguments.
@@ -124,7 +121,8 @@ class JaxPlugin(Plugin):
         import jax
 
         if not info.is_head:
-            _wait_for_coordinator(info.head_addr, port, self.initialization_timeout)
+            # A process that dials the coordinator before it listens waits ~1 s to retry.
+            jaxenv.wait_for_listener(coordinator, self.initialization_timeout)
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=info.total_nodes,
@@ -228,19 +226,3 @@ def _note_once(message: str, *args: object) -> None:
     if message not in _noted:
         _noted.add(message)
         logging.getLogger("skyward").debug(message, *args)
-
-
-def _wait_for_coordinator(host: str, port: int, timeout: float) -> None:
-    """Return once the head's coordinator accepts connections (or `timeout` passed).
-
-    A process that dials the coordinator before it listens is refused, and gRPC then waits about
-    a second before trying again: on a pool whose nodes import JAX at slightly different speeds
-    that second is most of the start-up. Knocking first costs a few milliseconds.
-    """
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return
-        except OSError:
-            time.sleep(0.02)

@@ -6,18 +6,27 @@ launcher-style scripts call ``initialize()`` with no arguments. The registration
 script imports JAX (importing it first would read JAX's environment before the script sets it),
 and the hook is JAX-internal: without it, such scripts must pass the variables themselves.
 
+``initialize`` also knocks on the coordinator first, on every process but the first: a process
+that dials the coordinator before it listens is refused, and gRPC then waits about a second
+before it tries again, which is most of a start-up where processes import JAX at slightly
+different speeds. The arguments and the outcome are JAX's own.
+
 Runs on the nodes: standard library only.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import socket
 import sys
+import time
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 _taught = False
 
@@ -54,6 +63,45 @@ def teach_jax() -> None:
             return int(os.environ["JAX_PROCESS_ID"])
 
     _taught = SkywardCluster is not None
+    _knock_first()
+
+
+def _knock_first() -> None:
+    """Wrap ``jax.distributed.initialize`` so a process other than the first waits until the
+    coordinator accepts connections before it dials it."""
+    import jax.distributed as distributed
+
+    real = distributed.initialize
+
+    @functools.wraps(real)
+    def initialize(
+        coordinator_address: str | None = None,
+        num_processes: int | None = None,
+        process_id: int | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+        rank = process_id if process_id is not None else os.environ.get("JAX_PROCESS_ID")
+        if address and rank not in (None, 0, "0"):
+            wait_for_listener(address, float(kwargs.get("initialization_timeout", 300)))
+        return real(coordinator_address, num_processes, process_id, *args, **kwargs)
+
+    distributed.initialize = initialize
+
+
+def wait_for_listener(address: str, timeout: float) -> None:
+    """Return once ``host:port`` accepts a connection, or `timeout` seconds have passed."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return  # JAX will say what is wrong with it
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.02)
 
 
 def teach_jax_when_imported() -> None:

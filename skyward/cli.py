@@ -124,6 +124,8 @@ def _aws_command(args: argparse.Namespace) -> int:
     try:
         return _aws_ls(args) if args.command == "ls" else _aws_down(args)
     except (SkywardError, BotoCoreError, ClientError) as exc:
+        if args.debug:
+            traceback.print_exc()
         print(f"skyward {args.command}: {exc}", file=sys.stderr)
         return 1
 
@@ -192,9 +194,13 @@ def _one_line(command: str, exc: BaseException) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    # --debug before or after the command (SUPPRESS: a command's default must not undo it)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser = argparse.ArgumentParser(prog="skyward", description=_DESCRIPTION, parents=[common])
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+    parser = argparse.ArgumentParser(prog="skyward", description=_DESCRIPTION)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("--version", action="version", version=f"skyward {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(

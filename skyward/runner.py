@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from skyward.compute import compute
+from skyward import compute  # the decorator (the package binds it over the module)
 from skyward.data import Data
 from skyward.errors import ConfigError
 from skyward.plugins.base import Plugin

@@ -64,6 +64,19 @@ class Profile:
         try:
             provider: Provider = cls(**self.options)
         except TypeError as exc:
+            missing = [
+                name
+                for name, param in inspect.signature(cls.__init__).parameters.items()
+                if param.default is inspect.Parameter.empty
+                and param.kind is param.POSITIONAL_OR_KEYWORD
+                and name not in ("self", *self.options)
+            ]
+            if missing:
+                raise ConfigError(
+                    f"provider {self.provider!r} needs {', '.join(missing)}: pass "
+                    f"--{missing[0].replace('_', '-')} or set {missing[0]} in a profile "
+                    "(see docs/cli.md)"
+                ) from None
             raise ConfigError(f"provider {self.provider!r} ({self.source}): {exc}") from None
         return provider
 

@@ -140,6 +140,8 @@ def local_pools() -> list[LocalPool]:
             command = " ".join(a.decode(errors="replace") for a in argv if a)
         except OSError:
             command = "?"
+        if command.startswith("sshd"):
+            command = f"agents started over SSH: {command}"
         oldest = min(started for _, started in agents)
         pids = tuple(sorted(pid for pid, _ in agents))
         found.append(LocalPool(client, command, pids, now - oldest))

@@ -247,7 +247,7 @@ def test_cli_errors_are_one_line_and_debug_shows_the_traceback(
         (["run", "--plugin", "torch", "x.py"], "unknown plugin 'torch'; use jax"),
         (["run", "--profile", "gpu", "x.py"], "no profile 'gpu' in skyward.toml"),
         (["run", "--nodes", "0", "x.py"], "--nodes must be at least 1"),
-        (["run", "--provider", "ssh", "x.py"], "hosts"),
+        (["run", "--provider", "ssh", "x.py"], "needs hosts: pass --hosts or set hosts"),
         (["status", "--profile", "nope"], "no profile 'nope'"),
     ]:
         Path("x.py").write_text("")

@@ -1,7 +1,7 @@
 """Local-provider benchmarks: each skyward figure beside a floor measured in the same run.
 
 Run ``python benchmarks/bench_local.py`` (``--quick`` for fewer iterations, ``--only NAME`` for
-one figure; NAME is one of rtt, gather, broadcast, bulk, jax, step, output, report). It is a
+one figure; NAME is one of rtt, gather, broadcast, bulk, jax, run, step, output, report). It is a
 report, not a test: a MISS is printed, never turned into a failing exit status. See
 benchmarks/README.md.
 """
@@ -24,6 +24,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +39,7 @@ from skyward.plugins import jax as jax_plugin
 from skyward.pool import ComputePool
 from skyward.reports import report
 
-NAMES = ("rtt", "gather", "broadcast", "bulk", "jax", "step", "output", "report")
+NAMES = ("rtt", "gather", "broadcast", "bulk", "jax", "run", "step", "output", "report")
 PIPE_SIZE = 1 << 20  # the agent enlarges its control pipes to this; the floors use the same
 BULK_BYTES = 100_000_000
 HEADER = struct.Struct("!Q")
@@ -199,6 +200,27 @@ JAX_CHILD = (
 )
 
 
+# The script `run` launches, Kubeflow style: it reads the JAX_* variables its launcher sets (plain
+# JAX reads only the coordinator's address from the environment, so by hand a bare initialize()
+# would not do).
+RUN_SCRIPT = textwrap.dedent(
+    """
+    import os
+
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+        process_id=int(os.environ["JAX_PROCESS_ID"]),
+    )
+    xs = jax.numpy.ones(jax.local_device_count())
+    print("RESULT", jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")(xs)[0], flush=True)
+    jax.distributed.shutdown()
+    """
+)
+
+
 # -- results ----------------------------------------------------------------------------------
 
 
@@ -222,6 +244,7 @@ class Settings:
     broadcasts: int
     bulk_runs: int
     jax_runs: int
+    run_runs: int  # launches of each side for `run`
     output_lines: int  # lines of 100 bytes a node prints for `output`
     reports: int  # sky.report calls timed on the node for `report`
 
@@ -234,6 +257,7 @@ FULL = Settings(
     broadcasts=1000,
     bulk_runs=5,
     jax_runs=3,
+    run_runs=5,
     output_lines=2_000_000,
     reports=100_000,
 )
@@ -245,6 +269,7 @@ QUICK = Settings(
     broadcasts=200,
     bulk_runs=2,
     jax_runs=1,
+    run_runs=2,
     output_lines=200_000,
     reports=20_000,
 )
@@ -475,6 +500,43 @@ def hand_jax_once() -> int:
     return elapsed
 
 
+def run_once(script: str, by_hand: bool) -> int:
+    """`skyward run --nodes 2 script` from launch to exit, or the same script launched by hand as
+    two processes with the JAX_* variables set (a free coordinator port)."""
+    cpu_only = {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    start = time.perf_counter_ns()
+    if by_hand:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, script],
+                stdout=subprocess.PIPE,
+                text=True,
+                env={
+                    **cpu_only,
+                    "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                    "JAX_NUM_PROCESSES": "2",
+                    "JAX_PROCESS_ID": str(rank),
+                },
+            )
+            for rank in range(2)
+        ]
+    else:
+        command = [sys.executable, "-m", "skyward.cli", "run", "--nodes", "2", script]
+        procs = [
+            subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cpu_only
+            )
+        ]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    elapsed = time.perf_counter_ns() - start
+    assert all(proc.returncode == 0 for proc in procs), outputs
+    assert "".join(outputs).count("RESULT 2.0") == 2, outputs
+    return elapsed
+
+
 def _result_line(proc: subprocess.Popen[str]) -> str:
     """The child's result (gloo prints its own lines on stdout too); "" if it ended without one."""
     assert proc.stdout is not None
@@ -686,12 +748,39 @@ def bench_jax(s: Settings) -> Row:
     )
 
 
+def bench_run(s: Settings) -> Row:
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "jax_multiprocess.py")
+        with open(script, "w") as handle:
+            handle.write(RUN_SCRIPT)
+        run_once(script, by_hand=True)  # warms the page cache for both sides
+        hand: list[int] = []
+        launched: list[int] = []
+        for run in range(s.run_runs):  # interleaved, each going first in turn
+            first, second = (hand, launched) if run % 2 else (launched, hand)
+            first.append(run_once(script, by_hand=first is hand))
+            second.append(run_once(script, by_hand=second is hand))
+    floor, figure = statistics.median(hand), statistics.median(launched)
+    ratio = figure / floor
+    return Row(
+        "run: skyward run --nodes 2 script.py",
+        ms(figure),
+        f"{ms(floor)} by hand",
+        ratio,
+        "<= 1.2x",
+        ratio <= 1.2,
+        f"skyward run {spread(launched, ms)}; by hand {spread(hand, ms)}; fastest of each: "
+        f"{ms(min(launched))} vs {ms(min(hand))}",
+    )
+
+
 BENCHES: dict[str, Callable[[Settings], Row]] = {
     "rtt": bench_rtt,
     "gather": bench_gather,
     "broadcast": bench_broadcast,
     "bulk": bench_bulk,
     "jax": bench_jax,
+    "run": bench_run,
     "step": bench_step,
     "output": bench_output,
     "report": bench_report,

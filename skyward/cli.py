@@ -1,7 +1,11 @@
-"""The ``skyward`` command: versions, cached environments, and skyward's EC2 resources.
+"""The ``skyward`` command: run a script on a pool, list live pools, cached environments, and
+skyward's EC2 resources.
 
-``skyward ls`` lists everything tagged ``skyward:pool`` in a region; ``skyward down POOL`` (or
-``--all``) removes it: the orphan sweep for pools whose client died before its teardown.
+``skyward run script.py`` runs an unmodified script on every node (see `skyward.runner`);
+``skyward status`` lists this user's live pools; ``skyward ls`` lists everything tagged
+``skyward:pool`` in a region; ``skyward down POOL`` (or ``--all``) removes it: the orphan sweep
+for pools whose client died before its teardown. An error is one line on stderr (the traceback
+too with ``--debug``).
 """
 
 from __future__ import annotations
@@ -9,18 +13,28 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from skyward import __version__
+from skyward.errors import ConfigError
 from skyward.providers.local import cache_dir
 from skyward.providers.source import source_hash
 from skyward.worker import envbuild
 
 _DESCRIPTION = (
-    "Versions, cached environments, and skyward's EC2 resources. 'skyward ls' lists everything "
-    "tagged skyward:pool in a region; 'skyward down POOL' (or --all) removes it: the orphan "
-    "sweep for pools whose client died before its teardown."
+    "Run a script on a pool, list live pools, cached environments, and skyward's EC2 resources. "
+    "'skyward run --nodes 2 script.py' runs an unmodified script on every node; 'skyward status' "
+    "lists your live pools; 'skyward ls' lists everything tagged skyward:pool in a region; "
+    "'skyward down POOL' (or --all) removes it: the orphan sweep for pools whose client died "
+    "before its teardown."
+)
+_RUN_EPILOG = (
+    "Every node runs 'python SCRIPT ARGS' with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
+    "JAX_PROCESS_ID set, so jax.distributed.initialize() needs no arguments. Settings come from "
+    "[profile.NAME] in ./skyward.toml or [tool.skyward.profile.NAME] in ./pyproject.toml "
+    "(default: 'default'); flags override them."
 )
 
 
@@ -110,30 +124,145 @@ def _aws_command(args: argparse.Namespace) -> int:
     try:
         return _aws_ls(args) if args.command == "ls" else _aws_down(args)
     except (SkywardError, BotoCoreError, ClientError) as exc:
+        if args.debug:
+            traceback.print_exc()
         print(f"skyward {args.command}: {exc}", file=sys.stderr)
         return 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+def _run(args: argparse.Namespace) -> int:
+    from skyward import profiles, runner
+
+    flags = {
+        "provider": args.provider,
+        "nodes": args.nodes,
+        "accelerator": args.accelerator,
+        "plugins": profiles.check_plugins(args.plugin, "--plugin"),
+        "env": profiles.parse_env(args.env),
+        "workdir": args.workdir,
+        "options": {
+            "hosts": args.hosts.split(",") if args.hosts else None,
+            "user": args.user,
+            "key": args.key,
+            "region": args.region,
+            "instance_type": args.instance_type,
+            "spot": True if args.spot else None,
+        },
+    }
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
+    profile = profiles.with_flags(profiles.load_profile(args.profile), flags)
+    try:
+        outcome = runner.run(profile, args.script, args.args)
+    except KeyboardInterrupt:
+        print("skyward run: interrupted; every node was stopped", file=sys.stderr)
+        return 130
+    if outcome.message:
+        print(f"skyward run: {outcome.message}", file=sys.stderr)
+    return outcome.status
+
+
+def _status(args: argparse.Namespace) -> int:
+    from skyward import profiles, runner
+
+    found = runner.print_local_pools()
+    chosen = [profiles.load_profile(args.profile)] if args.profile else profiles.all_profiles()
+    seen: set[str] = set()
+    for profile in chosen:
+        key = f"{profile.provider} {sorted(profile.options.items())}"
+        if profile.provider == "local" or key in seen:
+            continue
+        seen.add(key)
+        if profile.provider == "aws":
+            found += runner.print_aws_pools(profile)
+        else:
+            print(
+                f"{profile.provider:<6} profile {profile.name!r}: not checked (SSH hosts are not "
+                "queried; a pool's agents end with its client)"
+            )
+    if not found:
+        print("no live pools")
+    return 0
+
+
+def _one_line(command: str, exc: BaseException) -> str:
+    text = str(exc).strip()
+    lines = text.splitlines()
+    first = lines[0] if lines else type(exc).__name__
+    more = "; --debug shows the rest" if len(lines) > 1 else ""
+    return f"skyward {command}: {first}{more}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    # --debug before or after the command (SUPPRESS: a command's default must not undo it)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
     parser = argparse.ArgumentParser(prog="skyward", description=_DESCRIPTION)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("--version", action="version", version=f"skyward {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    cache = commands.add_parser("cache", help="node environments built on this machine")
+    run = commands.add_parser(
+        "run",
+        parents=[common],
+        help="run an unmodified script on every node of a pool",
+        usage="skyward run [options] SCRIPT [ARGS...]",
+        epilog=_RUN_EPILOG,
+    )
+    run.add_argument("--profile", help="the profile to start from (default: 'default', if any)")
+    run.add_argument("--provider", choices=["local", "ssh", "aws"], help="default: local")
+    run.add_argument("--nodes", type=int, help="how many nodes (default: the provider's)")
+    run.add_argument("--accelerator", help="what each node must have, e.g. A100 or A100:8")
+    run.add_argument(
+        "--plugin", action="append", default=[], help="'jax': install JAX on the nodes"
+    )
+    run.add_argument("--env", action="append", default=[], metavar="K=V", help="node env var")
+    run.add_argument("--workdir", help="a directory to copy to every node and run the script in")
+    run.add_argument("--hosts", help="ssh: comma-separated hosts ('user@host:port' each)")
+    run.add_argument("--user", help="ssh/aws: the login user")
+    run.add_argument("--key", help="ssh: the private key file")
+    run.add_argument("--region", help="aws: the region")
+    run.add_argument("--instance-type", help="aws: the instance type")
+    run.add_argument("--spot", action="store_true", help="aws: spot instances")
+    run.add_argument("script", help="the script, as you would give it to python")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    status = commands.add_parser(
+        "status", parents=[common], help="this user's live pools on every configured provider"
+    )
+    status.add_argument("--profile", help="only this profile's provider (and this machine)")
+    cache = commands.add_parser(
+        "cache", parents=[common], help="node environments built on this machine"
+    )
     cache.add_argument("action", choices=["list", "clear"])
     for name, text in (("ls", "list skyward's EC2 resources"), ("down", "remove them")):
-        sub = commands.add_parser(name, help=text)
+        sub = commands.add_parser(name, parents=[common], help=text)
         sub.add_argument("--region", help="AWS region (default: the standard resolution)")
         sub.add_argument("--profile", help="AWS profile")
         if name == "down":
             sub.add_argument("pool", nargs="?", help="the pool id (see `skyward ls`)")
             sub.add_argument("--all", action="store_true", help="every skyward pool")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = _parser().parse_args(argv)
     if args.command in ("ls", "down"):
         return _aws_command(args)
-    if args.command == "cache":
-        where = cache_dir()
-        return _cache_list(where) if args.action == "list" else _cache_clear(where)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "status":
+            return _status(args)
+        if args.command == "cache":
+            where = cache_dir()
+            return _cache_list(where) if args.action == "list" else _cache_clear(where)
+    except Exception as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(_one_line(args.command, exc), file=sys.stderr)
+        return 1
     return 2
 
 

@@ -4,17 +4,18 @@
 ``jax[cuda13]`` where the driver supports CUDA 13, ``jax[tpu]``), adds the JAX release index
 scoped to jax and jaxlib, and drops the user's own jax/jaxlib pins that would shadow it.
 `around_app` exports ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
-(so scripts written for other JAX launchers work with ``initialize=False``), then calls
-``jax.distributed.initialize`` and, at shutdown, ``jax.distributed.shutdown``.
+then calls ``jax.distributed.initialize`` and, at shutdown, ``jax.distributed.shutdown``. A
+script written for another JAX launcher runs unchanged: its own ``initialize()`` with no
+arguments, or with the pool's, returns quietly; with ``initialize=False`` it does the work, and
+a bare call reads the JAX_* variables.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
-import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from skyward.errors import ConfigError
 from skyward.image import Image, Index
 from skyward.info import InstanceInfo
 from skyward.plugins.base import Plugin
+from skyward.worker import jaxenv
 
 JAX_RELEASES = "https://storage.googleapis.com/jax-releases/jax_releases.html"
 LIBTPU_RELEASES = "https://storage.googleapis.com/jax-releases/libtpu_releases.html"
@@ -110,22 +112,17 @@ class JaxPlugin(Plugin):
 
     @contextlib.contextmanager
     def _distributed(self, info: InstanceInfo) -> Iterator[None]:
-        port = info.ports["jax"]
-        coordinator = f"{info.head_addr}:{port}"
-        os.environ["JAX_COORDINATOR_ADDRESS"] = coordinator
-        os.environ["JAX_NUM_PROCESSES"] = str(info.total_nodes)
-        os.environ["JAX_PROCESS_ID"] = str(info.node)
-        if not self.initialize:
-            _teach_jax_the_environment()
-            yield
-            return
-        if info.total_nodes == 1:
+        coordinator = export_launcher_env(info)
+        if not self.initialize or info.total_nodes == 1:
+            # The user's code may initialize JAX itself, with no arguments.
+            jaxenv.teach_jax_when_imported()
             yield
             return
         import jax
 
         if not info.is_head:
-            _wait_for_coordinator(info.head_addr, port, self.initialization_timeout)
+            # A process that dials the coordinator before it listens waits ~1 s to retry.
+            jaxenv.wait_for_listener(coordinator, self.initialization_timeout)
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=info.total_nodes,
@@ -133,9 +130,31 @@ class JaxPlugin(Plugin):
             initialization_timeout=self.initialization_timeout,
         )
         try:
-            yield
+            with _pool_owns_initialization(coordinator, info.total_nodes, info.node):
+                yield
         finally:
             jax.distributed.shutdown()  # type: ignore[no-untyped-call]
+
+
+class LauncherEnv(Plugin):
+    """Only exports the JAX_* variables (`export_launcher_env`): no wheel, no initialization.
+    What ``skyward run`` uses without ``--plugin jax``."""
+
+    name = "launcher-env"
+    ports = ("jax",)
+
+    def around_app(self, info: InstanceInfo) -> None:
+        export_launcher_env(info)
+
+
+def export_launcher_env(info: InstanceInfo) -> str:
+    """Export ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` for this
+    node (the coordinator on node 0's ``jax`` port); returns the coordinator's address."""
+    coordinator = f"{info.head_addr}:{info.ports['jax']}"
+    os.environ["JAX_COORDINATOR_ADDRESS"] = coordinator
+    os.environ["JAX_NUM_PROCESSES"] = str(info.total_nodes)
+    os.environ["JAX_PROCESS_ID"] = str(info.node)
+    return coordinator
 
 
 def jax(
@@ -151,60 +170,59 @@ def jax(
     )
 
 
-def _wait_for_coordinator(host: str, port: int, timeout: float) -> None:
-    """Return once the head's coordinator accepts connections (or `timeout` passed).
+@contextlib.contextmanager
+def _pool_owns_initialization(coordinator: str, count: int, rank: int) -> Iterator[None]:
+    """While the plugin's initialization stands, a script's own ``jax.distributed.initialize``
+    returns quietly when it asks for nothing else (no arguments, or the pool's), and its
+    ``jax.distributed.shutdown`` leaves the pool's runtime up; other arguments raise."""
+    import jax.distributed as distributed
 
-    A process that dials the coordinator before it listens is refused, and gRPC then waits about
-    a second before trying again: on a pool whose nodes import JAX at slightly different speeds
-    that second is most of the start-up. Knocking first costs a few milliseconds.
-    """
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return
-        except OSError:
-            time.sleep(0.02)
+    real = distributed.initialize, distributed.shutdown
+    pool = {"coordinator_address": coordinator, "num_processes": count, "process_id": rank}
 
+    def initialize(
+        coordinator_address: str | None = None,
+        num_processes: int | None = None,
+        process_id: int | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        asked = {
+            "coordinator_address": coordinator_address,
+            "num_processes": num_processes,
+            "process_id": process_id,
+        }
+        conflicts = [
+            f"{name}={value!r} (the pool's: {pool[name]!r})"
+            for name, value in asked.items()
+            if value is not None and value != pool[name]
+        ]
+        if conflicts:
+            raise ConfigError(
+                f"jax.distributed.initialize({', '.join(conflicts)}) conflicts with the JAX "
+                "distributed setup the pool's JAX plugin already made on this node; to let "
+                "your code initialize JAX itself, use sky.plugins.jax(initialize=False)"
+            )
+        _note_once(
+            "jax.distributed.initialize() called on node %d: the pool's JAX plugin already "
+            "initialized it with these settings; nothing to do",
+            rank,
+        )
 
-_taught = False
+    def shutdown() -> None:
+        _note_once("jax.distributed.shutdown() on node %d: left to the pool", rank)
 
-
-def _teach_jax_the_environment() -> None:
-    """Make a bare ``jax.distributed.initialize()`` read the JAX_* variables exported above.
-
-    JAX reads only ``JAX_COORDINATOR_ADDRESS`` by itself; the process count and id come from a
-    cluster environment it detects (SLURM, MPI, ...). Registering one for skyward lets launcher
-    scripts call ``initialize()`` with no arguments. The hook is JAX-internal, so its absence in
-    some JAX release only means those scripts must pass the variables themselves.
-    """
-    global _taught
-    if _taught:
-        return
+    distributed.initialize, distributed.shutdown = initialize, shutdown
     try:
-        from jax._src import clusters
-    except ImportError:
-        return
+        yield
+    finally:
+        distributed.initialize, distributed.shutdown = real
 
-    class SkywardCluster(clusters.ClusterEnv):  # type: ignore[no-untyped-call]  # registers itself
-        name = "skyward"
 
-        @classmethod
-        def is_env_present(cls) -> bool:
-            return "JAX_NUM_PROCESSES" in os.environ and "JAX_PROCESS_ID" in os.environ
+_noted: set[str] = set()
 
-        @classmethod
-        def get_coordinator_address(
-            cls, timeout_secs: int | None, override_coordinator_port: str | None = None
-        ) -> str:
-            return os.environ["JAX_COORDINATOR_ADDRESS"]
 
-        @classmethod
-        def get_process_count(cls) -> int:
-            return int(os.environ["JAX_NUM_PROCESSES"])
-
-        @classmethod
-        def get_process_id(cls) -> int:
-            return int(os.environ["JAX_PROCESS_ID"])
-
-    _taught = SkywardCluster is not None
+def _note_once(message: str, *args: object) -> None:
+    if message not in _noted:
+        _noted.add(message)
+        logging.getLogger("skyward").debug(message, *args)

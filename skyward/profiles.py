@@ -1,0 +1,230 @@
+"""Profiles for the ``skyward`` command: where a pool comes from, from a file and from flags.
+
+A profile is a table in ``skyward.toml`` (``[profile.NAME]``) or in ``pyproject.toml``
+(``[tool.skyward.profile.NAME]``), looked up in the current directory; ``skyward.toml`` wins.
+Its keys are the pool's (`POOL_KEYS`) and the provider's constructor arguments::
+
+    [profile.default]
+    provider = "ssh"                  # local (the default), ssh, aws
+    hosts = ["10.0.0.1", "10.0.0.2"]  # sky.SSH(hosts=..., user=..., key=...)
+    user = "ubuntu"
+    nodes = 2
+    plugins = ["jax"]
+    env = { WANDB_MODE = "offline" }
+
+Flags override the file's keys; a flag naming another provider drops the file's provider
+arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skyward.errors import ConfigError
+from skyward.providers.base import Provider
+
+PROVIDERS = {
+    "local": ("skyward.providers.local", "Local"),
+    "ssh": ("skyward.providers.ssh", "SSH"),
+    "aws": ("skyward.providers.aws", "AWS"),
+}
+POOL_KEYS = ("provider", "nodes", "accelerator", "plugins", "env", "workdir")
+PLUGINS = ("jax",)
+
+
+@dataclass
+class Profile:
+    """What ``skyward run`` launches: the provider and its arguments, and the pool's settings."""
+
+    name: str = "default"
+    provider: str = "local"
+    options: dict[str, Any] = field(default_factory=dict)  # the provider's constructor arguments
+    nodes: int | None = None
+    accelerator: str | None = None
+    plugins: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    source: str = "flags"  # where it was read: a file's name, or "flags"
+
+    def build_provider(self) -> Provider:
+        """The provider object, e.g. ``sky.SSH(hosts=[...])``; a bad argument is a ConfigError."""
+        cls = provider_class(self.provider)
+        accepted = _arguments(cls)
+        unknown = sorted(set(self.options) - set(accepted))
+        if unknown:
+            raise ConfigError(
+                f"profile {self.name!r} ({self.source}): {', '.join(unknown)} is not an option of "
+                f"provider {self.provider!r}; it takes {', '.join(accepted)}"
+            )
+        try:
+            provider: Provider = cls(**self.options)
+        except TypeError as exc:
+            missing = [
+                name
+                for name, param in inspect.signature(cls.__init__).parameters.items()
+                if param.default is inspect.Parameter.empty
+                and param.kind is param.POSITIONAL_OR_KEYWORD
+                and name not in ("self", *self.options)
+            ]
+            if missing:
+                raise ConfigError(
+                    f"provider {self.provider!r} needs {', '.join(missing)}: pass "
+                    f"--{missing[0].replace('_', '-')} or set {missing[0]} in a profile "
+                    "(see docs/cli.md)"
+                ) from None
+            raise ConfigError(f"provider {self.provider!r} ({self.source}): {exc}") from None
+        return provider
+
+
+def provider_class(name: str) -> type[Provider]:
+    """The provider class for a name in `PROVIDERS`."""
+    import importlib
+
+    if name not in PROVIDERS:
+        raise ConfigError(f"unknown provider {name!r}; use one of {', '.join(PROVIDERS)}")
+    module, attr = PROVIDERS[name]
+    try:
+        cls: type[Provider] = getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        extra = "aws" if name == "aws" else "ssh"
+        raise ConfigError(
+            f"provider {name!r} needs an extra: pip install 'skyward[{extra}]' ({exc})"
+        ) from None
+    return cls
+
+
+def _arguments(cls: type[Provider]) -> list[str]:
+    skip = {"self", "session"}
+    return [p for p in inspect.signature(cls.__init__).parameters if p not in skip]
+
+
+def profile_files(directory: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The profile tables found in `directory`: ``skyward.toml`` first, then pyproject's."""
+    found = []
+    for name, keys in (("skyward.toml", ()), ("pyproject.toml", ("tool", "skyward"))):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            table: Any = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path} cannot be read: {exc}") from None
+        for key in keys:
+            table = table.get(key, {}) if isinstance(table, dict) else {}
+        profiles = table.get("profile", {}) if isinstance(table, dict) else {}
+        if not isinstance(profiles, dict):
+            raise ConfigError(f"{path}: 'profile' must be a table of [profile.NAME] tables")
+        if profiles:
+            found.append((path, profiles))
+    return found
+
+
+def load_profile(name: str | None, directory: Path | None = None) -> Profile:
+    """Profile `name` (default: ``default``, or nothing when there is none) from the files in
+    `directory` (the current one)."""
+    files = profile_files(directory or Path.cwd())
+    wanted = name or "default"
+    for path, profiles in files:
+        if wanted in profiles:
+            return parse_profile(wanted, profiles[wanted], path.name)
+    if name is not None:
+        where = ", ".join(f"{p.name}: {', '.join(sorted(t)) or 'none'}" for p, t in files)
+        raise ConfigError(
+            f"no profile {name!r} in skyward.toml or pyproject.toml here"
+            + (f" (found {where})" if where else "")
+            + "; add a [profile.NAME] table or drop --profile"
+        )
+    return Profile()
+
+
+def all_profiles(directory: Path | None = None) -> list[Profile]:
+    """Every profile of the files in `directory` (the current one); ``skyward.toml`` first."""
+    found: dict[str, Profile] = {}
+    for path, profiles in profile_files(directory or Path.cwd()):
+        for name, table in profiles.items():
+            found.setdefault(name, parse_profile(name, table, path.name))
+    return list(found.values())
+
+
+def parse_profile(name: str, table: Any, source: str) -> Profile:
+    """A `Profile` from one ``[profile.NAME]`` table."""
+    where = f"profile {name!r} ({source})"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where} must be a table of keys")
+    options = {k: v for k, v in table.items() if k not in POOL_KEYS}
+    provider = table.get("provider", "local")
+    if provider not in PROVIDERS:
+        raise ConfigError(f"{where}: unknown provider {provider!r}; use {', '.join(PROVIDERS)}")
+    nodes = table.get("nodes")
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int)):
+        raise ConfigError(f"{where}: nodes must be a whole number, got {nodes!r}")
+    accelerator = table.get("accelerator")
+    if accelerator is not None and not isinstance(accelerator, str):
+        raise ConfigError(f"{where}: accelerator must be a string such as 'A100:8'")
+    plugins = table.get("plugins", [])
+    if isinstance(plugins, str):
+        plugins = [plugins]
+    env = table.get("env", {})
+    if not isinstance(env, dict):
+        raise ConfigError(f'{where}: env must be a table, e.g. env = {{ KEY = "value" }}')
+    workdir = table.get("workdir")
+    return Profile(
+        name=name,
+        provider=provider,
+        options=options,
+        nodes=nodes,
+        accelerator=accelerator,
+        plugins=check_plugins(plugins, where),
+        env={str(k): str(v) for k, v in env.items()},
+        workdir=str(workdir) if workdir is not None else None,
+        source=source,
+    )
+
+
+def check_plugins(names: Any, where: str) -> tuple[str, ...]:
+    """`names` as a tuple of known plugin names, or a ConfigError."""
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{where}: plugins must be a list of names such as ['jax']")
+    unknown = [n for n in names if n not in PLUGINS]
+    if unknown:
+        raise ConfigError(f"{where}: unknown plugin {unknown[0]!r}; use {', '.join(PLUGINS)}")
+    return tuple(dict.fromkeys(names))
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    """``["K=V", ...]`` as a dict; a pair without ``=`` is a ConfigError."""
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--env takes KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
+
+
+def with_flags(profile: Profile, flags: Mapping[str, Any]) -> Profile:
+    """`profile` with the flags that were given (not None) on top; a flag naming another
+    provider than the profile's drops the profile's provider arguments."""
+    options = dict(profile.options)
+    provider = flags.get("provider") or profile.provider
+    if provider != profile.provider:
+        options = {}
+    for key, value in flags.get("options", {}).items():
+        if value is not None:
+            options[key] = value
+    return Profile(
+        name=profile.name,
+        provider=provider,
+        options=options,
+        nodes=flags.get("nodes") or profile.nodes,
+        accelerator=flags.get("accelerator") or profile.accelerator,
+        plugins=tuple(dict.fromkeys([*profile.plugins, *flags.get("plugins", ())])),
+        env={**profile.env, **flags.get("env", {})},
+        workdir=flags.get("workdir") or profile.workdir,
+        source=profile.source,
+    )

@@ -1,0 +1,135 @@
+"""Make a bare ``jax.distributed.initialize()`` read ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``.
+
+JAX reads only ``JAX_COORDINATOR_ADDRESS`` from the environment by itself; the process count and
+id come from a cluster environment it detects (SLURM, MPI, ...). Registering one for skyward lets
+launcher-style scripts call ``initialize()`` with no arguments. The registration waits until the
+script imports JAX (importing it first would read JAX's environment before the script sets it),
+and the hook is JAX-internal: without it, such scripts must pass the variables themselves.
+
+``initialize`` also knocks on the coordinator first, on every process but the first: a process
+that dials the coordinator before it listens is refused, and gRPC then waits about a second
+before it tries again, which is most of a start-up where processes import JAX at slightly
+different speeds. The arguments and the outcome are JAX's own.
+
+Runs on the nodes: standard library only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+_taught = False
+
+
+def teach_jax() -> None:
+    """Register skyward's JAX cluster environment now (imports JAX)."""
+    global _taught
+    if _taught:
+        return
+    try:
+        from jax._src import clusters
+    except ImportError:
+        return
+
+    class SkywardCluster(clusters.ClusterEnv):  # type: ignore[no-untyped-call]  # registers itself
+        name = "skyward"
+
+        @classmethod
+        def is_env_present(cls) -> bool:
+            return "JAX_NUM_PROCESSES" in os.environ and "JAX_PROCESS_ID" in os.environ
+
+        @classmethod
+        def get_coordinator_address(
+            cls, timeout_secs: int | None, override_coordinator_port: str | None = None
+        ) -> str:
+            return os.environ["JAX_COORDINATOR_ADDRESS"]
+
+        @classmethod
+        def get_process_count(cls) -> int:
+            return int(os.environ["JAX_NUM_PROCESSES"])
+
+        @classmethod
+        def get_process_id(cls) -> int:
+            return int(os.environ["JAX_PROCESS_ID"])
+
+    _taught = SkywardCluster is not None
+    _knock_first()
+
+
+def _knock_first() -> None:
+    """Wrap ``jax.distributed.initialize`` so a process other than the first waits until the
+    coordinator accepts connections before it dials it."""
+    import jax.distributed as distributed
+
+    real = distributed.initialize
+
+    @functools.wraps(real)
+    def initialize(
+        coordinator_address: str | None = None,
+        num_processes: int | None = None,
+        process_id: int | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+        rank = process_id if process_id is not None else os.environ.get("JAX_PROCESS_ID")
+        if address and rank not in (None, 0, "0"):
+            wait_for_listener(address, float(kwargs.get("initialization_timeout", 300)))
+        return real(coordinator_address, num_processes, process_id, *args, **kwargs)
+
+    distributed.initialize = initialize
+
+
+def wait_for_listener(address: str, timeout: float) -> None:
+    """Return once ``host:port`` accepts a connection, or `timeout` seconds have passed."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return  # JAX will say what is wrong with it
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.02)
+
+
+def teach_jax_when_imported() -> None:
+    """`teach_jax` as soon as JAX is imported (at once if it already is)."""
+    if "jax" in sys.modules:
+        teach_jax()
+    elif not any(isinstance(f, _AfterJaxImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterJaxImport())
+
+
+class _AfterJaxImport(importlib.abc.MetaPathFinder):
+    """Finds ``jax`` through the other finders and registers the cluster once it is loaded."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "jax":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader if spec is not None else None
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run_module = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run_module(module)
+            teach_jax()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec

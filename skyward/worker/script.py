@@ -1,0 +1,67 @@
+"""Run a user's script on a node, as ``python script.py args`` would (what ``skyward run`` does).
+
+`run_script` runs in the agent: it starts the script as a child process, in the agent's process
+group (so stopping the agent stops it) with the agent's environment (the JAX_* variables a
+plugin exported), and returns its exit status. The child's output goes to the agent's fds 1 and
+2, which are the node's output stream.
+
+``python -m skyward.worker.script SCRIPT [ARGS...]`` is the child: it arranges that a bare
+``jax.distributed.initialize()`` reads the JAX_* variables, then runs SCRIPT as ``__main__``
+with ``sys.argv == [SCRIPT, *ARGS]`` and the script's directory first on ``sys.path``.
+
+Runs on the nodes: standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from skyward.worker import jaxenv
+
+
+def run_script(
+    script: str | os.PathLike[str], args: Sequence[str], cwd: str | os.PathLike[str] | None = None
+) -> int:
+    """Run `script` with `args` in `cwd` (default: the agent's) and return its exit status
+    (``-N`` when signal N killed it). On the node, a `sky.Data` argument is already a path."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its output streams as it is printed
+    command = [sys.executable, "-m", "skyward.worker.script", os.fspath(script), *args]
+    child = subprocess.Popen(command, cwd=cwd, env=env, preexec_fn=_die_with_parent)
+    try:
+        return child.wait()
+    finally:
+        if child.poll() is None:  # the call was interrupted: the script goes with it
+            child.kill()
+            child.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the agent dies, however it dies (Linux only)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def main(argv: Sequence[str]) -> None:
+    """Run ``argv[0]`` as the main script with ``argv[1:]`` as its arguments."""
+    if not argv:
+        sys.exit("usage: python -m skyward.worker.script SCRIPT [ARGS...]")
+    script = argv[0]
+    if "JAX_NUM_PROCESSES" in os.environ:
+        jaxenv.teach_jax_when_imported()
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

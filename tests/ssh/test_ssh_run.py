@@ -1,0 +1,67 @@
+"""`skyward run` on SSH hosts (network namespaces): the work directory travels, the script runs
+unchanged in its copy on every host, JAX initialized by the script across the hosts."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from skyward import runner
+from skyward.profiles import Profile
+from tests.ssh.conftest import Hosts
+
+pytestmark = [pytest.mark.ssh]
+
+SCRIPT = """\
+import os
+import sys
+
+import jax
+
+from helper import greeting  # a sibling module: the work directory travelled
+
+jax.distributed.initialize()
+total = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")(jax.numpy.ones(1))
+print(greeting(jax.process_index()), jax.process_count(), total, sys.argv[1:], flush=True)
+jax.distributed.shutdown()
+sys.exit(int(os.environ["JAX_PROCESS_ID"]) * int(sys.argv[1]))
+"""
+
+
+@pytest.mark.slow
+def test_skyward_run_on_ssh_hosts_with_a_workdir(
+    netns_hosts: Hosts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    work = tmp_path / "project"
+    work.mkdir()
+    (work / "train.py").write_text(SCRIPT)
+    (work / "helper.py").write_text(
+        textwrap.dedent(
+            """
+            def greeting(rank):
+                return f"hello from {rank}"
+            """
+        )
+    )
+    profile = Profile(
+        provider="ssh",
+        options={
+            "hosts": netns_hosts.net.addresses[:2],
+            "user": "root",
+            "key": str(netns_hosts.key.private_path),
+            "known_hosts": str(netns_hosts.known_hosts),
+            "python": sys.executable,
+        },
+        env={"JAX_PLATFORMS": "cpu"},
+        workdir=str(work),
+    )
+    assert runner.run(profile, str(work / "train.py"), ["0"]) == runner.Outcome(0)
+    out = capsys.readouterr().out
+    for node in (0, 1):
+        assert f"(node {node}) hello from {node} 2 [2.] ['0']" in out, out
+    # rank 1 exits with 5; rank 0 with 0
+    outcome = runner.run(profile, str(work / "train.py"), ["5"])
+    assert outcome == runner.Outcome(5, "rank 1 exited with status 5")

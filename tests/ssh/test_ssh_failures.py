@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
@@ -338,3 +340,93 @@ def test_a_value_over_2_gib_travels_both_ways_over_ssh(local_sshd: Server) -> No
         started = time.monotonic()
         assert value_ends(data) >> pool == (n, 1, 2)
         print(f"2 GiB over SSH: {back:.1f} s back, {time.monotonic() - started:.1f} s out")
+
+
+SSH_CLIENT = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, time
+    import skyward as sky
+
+    config = json.loads(sys.argv[1])
+
+    @sky.compute
+    def hang():
+        child = subprocess.Popen(["sleep", "300"])
+        print("PIDS", os.getpid(), child.pid, flush=True)
+        time.sleep(300)
+
+    provider = sky.SSH([config["host"]] * 2, key=config["key"], known_hosts=config["known"],
+                       python=sys.executable)
+    with sky.ComputePool(provider=provider, nodes=2) as pool:
+        hang() @ pool
+    """
+)
+
+
+def test_the_client_killed_mid_call_leaves_nothing_on_the_host(local_sshd: Server) -> None:
+    """SIGKILL: the client unwinds nothing. Its TCP connection closes with it, sshd ends the
+    sessions, and each agent, finding its stream gone, takes down what it started."""
+    config = json.dumps(
+        {
+            "host": local_sshd.host(),
+            "key": str(local_sshd.key.private_path),
+            "known": str(local_sshd.known_hosts),
+        }
+    )
+    client = subprocess.Popen(
+        [sys.executable, "-c", SSH_CLIENT, config],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=Path(__file__).parents[2],
+        preexec_fn=sigint_default,
+    )
+    assert client.stdout is not None
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 4 and time.monotonic() < deadline:
+            line = client.stdout.readline()
+            if not line:
+                break
+            if "PIDS" in line:
+                pids += [int(p) for p in line.split("PIDS", 1)[1].split()]
+        assert len(pids) == 4, f"the nodes never reported their pids: {pids}"
+    finally:
+        client.kill()
+        client.wait(10)
+    killed = time.monotonic()
+    assert wait_until(lambda: not any(sshd.pid_alive(p) for p in pids), 20), "left running"
+    print(f"client SIGKILL: agents and their children gone in {time.monotonic() - killed:.1f} s")
+
+
+def test_a_host_whose_every_process_dies_fails_the_call_and_can_be_replaced(
+    netns_hosts: Hosts,
+) -> None:
+    """A reboot, as near as a namespace gets: every process in it is killed (sshd, agent,
+    what the agent started). The call fails at once naming the node; once sshd is back,
+    `replace` brings the node back."""
+    host = netns_hosts.net.hosts[-1]
+    assert host.server is not None
+    provider = netns_hosts.provider(len(netns_hosts.net.hosts))
+    provider.endpoints = provider.endpoints[-1:]
+    with start(provider, nodes=1) as pool:
+        first = node_pid() >> pool
+
+        def reboot() -> None:
+            for pid in host.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+        threading.Timer(0.5, reboot).start()
+        began = time.monotonic()
+        try:
+            with pytest.raises(sky.WorkerError) as caught:
+                nap(60) >> pool
+            assert caught.value.node == 0
+            assert time.monotonic() - began < 10
+        finally:
+            host.server.start()  # the host is back
+        pool.replace(0)
+        assert node_pid() >> pool != first
+    assert not sshd.pid_alive(first)

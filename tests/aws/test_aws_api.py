@@ -474,3 +474,21 @@ def test_an_instance_profile_gives_the_nodes_their_own_credentials(
     found = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"][0]["Instances"][0]
     assert found["IamInstanceProfile"]["Arn"] == arn
     ec2.terminate_instances(InstanceIds=[instance_id])
+
+
+def test_an_unreachable_endpoint_mid_launch_names_the_call_and_leaves_nothing(
+    ec2: Any, subnet: str, stubs: Stubs
+) -> None:
+    from botocore.exceptions import EndpointConnectionError
+
+    aws = provider(stubs, subnet)
+
+    def cut_off(**_: Any) -> None:
+        raise EndpointConnectionError(endpoint_url="https://ec2.us-east-1.amazonaws.com/")
+
+    aws.session().events.register("before-call.ec2.RunInstances", cut_off)
+    with pytest.raises(ProvisionError) as caught:
+        asyncio.run(aws.launch(spec(2), print))
+    message = str(caught.value)
+    assert "RunInstances" in message and "Could not connect to the endpoint URL" in message
+    assert leftovers(ec2) == []

@@ -197,9 +197,9 @@ class AWS(RemoteData, Provider):
                 # Adaptive: standard retries (throttling, 5xx, dropped connections) plus a
                 # client-side rate limit when EC2 throttles, which a teardown of many pools hits.
                 config = Config(retries={"mode": "adaptive", "max_attempts": 5})
-                self._clients[service] = session.client(
-                    service, region_name=self.region, config=config
-                )
+                client = session.client(service, region_name=self.region, config=config)
+                client.meta.events.register("before-parameter-build", _note_operation)
+                self._clients[service] = client
             return self._clients[service]
 
     # -- the provider protocol -------------------------------------------------------------
@@ -351,6 +351,13 @@ class AWS(RemoteData, Provider):
             raise ConfigError("no AWS credentials found (see `aws configure`)") from None
         except NoRegionError:
             raise ConfigError("no AWS region: pass sky.AWS(region=...)") from None
+        except (BotoCoreError, ResponseParserError) as exc:
+            # What botocore's retries could not get past (an endpoint that cannot be reached,
+            # an answer that cannot be read): named here, once, with the call that failed.
+            raise ProvisionError(
+                f"launching pool {pool.pool_id}: the AWS call {last_operation()} failed after "
+                f"botocore's retries: {exc}"
+            ) from None
 
     def _wait_running(self, ec2: Any, pool: AWSCluster, ids: list[str]) -> list[dict[str, Any]]:
         return instances.wait_running(
@@ -435,6 +442,20 @@ def _aws(cluster: Cluster) -> AWSCluster:
     if not isinstance(cluster, AWSCluster):
         raise TypeError(f"{cluster!r} is not a pool of the AWS provider")
     return cluster
+
+
+_operations = threading.local()
+
+
+def _note_operation(model: Any, **_: Any) -> None:
+    """botocore's before-parameter-build event (the first of a call): remember, per thread, which
+    API call is under way."""
+    _operations.name = getattr(model, "name", "?")
+
+
+def last_operation() -> str:
+    """The API call this thread made last (``RunInstances``), for an error to name."""
+    return str(getattr(_operations, "name", "?"))
 
 
 def _in_thread(fn: Callable[[], T], name: str) -> Future[T]:

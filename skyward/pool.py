@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
@@ -26,7 +27,7 @@ import cloudpickle
 from skyward import failures
 from skyward.checkpoints import Checkpoints
 from skyward.cluster import Accelerator, ClusterSpec
-from skyward.console import Console
+from skyward.console import Console, duration
 from skyward.data import S3_SCHEME, Data, Placement
 from skyward.dispatch import Dispatch
 from skyward.errors import (
@@ -43,9 +44,10 @@ from skyward.info import InstanceInfo
 from skyward.loop import LoopThread, sigterm_unwinds
 from skyward.plugins import hooks
 from skyward.plugins.base import Plugin
+from skyward.progress import Phase
 from skyward.providers.base import Cluster, Node, Provider
 from skyward.reports import Report
-from skyward.session import NodeSession, ping_agents, watch_heartbeats
+from skyward.session import NodeSession, Stage, ping_agents, watch_heartbeats
 from skyward.transport import frames
 
 if TYPE_CHECKING:
@@ -70,7 +72,9 @@ class ComputePool:
         broadcast_grace: after one node of a broadcast fails, seconds the others get to finish
             before they are stopped (an SPMD program cannot go on without a rank).
         heartbeat_timeout: a node silent this long is declared dead.
-        stream_output: print every node's output, prefixed with its node, as it arrives.
+        stream_output: print every node's output, prefixed with its node, as it arrives, and
+            show the nodes' phases in a live region on a terminal; False prints no node output
+            and only plain status lines (``SKYWARD_QUIET=1`` silences those too).
         output_dir: where every node's `sky.output_dir()` ends up: a local directory (node i's
             in ``<output_dir>/node-<i>``) or ``"s3://bucket/prefix"`` (the nodes upload there
             themselves). Collected when the pool ends, on every exit path, and on
@@ -138,7 +142,8 @@ class ComputePool:
         self.broadcast_grace = broadcast_grace
         self.heartbeat_timeout = heartbeat_timeout
         self.collect_timeout = collect_timeout
-        self.console = Console(enabled=stream_output)
+        self.console = Console(self.pool_id, nodes, provider.name, stream_output)
+        self.console.activity = self._activity
         # What the nodes gave `sky.report`, in arrival order (appended to by skyward's threads).
         self.reports: list[Report] = []
         self._on_report = on_report
@@ -184,6 +189,7 @@ class ComputePool:
         self._lifetime.enter_context(sigterm_unwinds())
         self._loop = LoopThread(f"skyward-{self.pool_id}")
         try:
+            self.console.start()
             hooks.enter_hooks(
                 self._lifetime, self.plugins, "around_client", lambda p: p.around_client(self)
             )
@@ -202,19 +208,25 @@ class ComputePool:
         if self._closed:
             return
         self._closed = True
+        began = time.monotonic()
+        summary: str | None = None
         try:
             if self._loop is not None:
+                self.console.phase(None, Phase.STOPPING)
                 busy = any(session.pending for session in self._sessions)
                 timeout = self.shutdown_timeout if graceful and not busy else 0.5
                 with contextlib.suppress(Exception):
                     self._loop.run(self._stop_agents(timeout))
                 collected = self._collect_at_close()
+                summary = f"removing the pool failed after {duration(time.monotonic() - began)} s"
                 try:
                     self._loop.run(self._terminate())
                 except SkywardError as problem:
                     if failure is None:
                         raise
                     failure.add_note(f"and removing the pool then failed too: {problem}")
+                else:
+                    summary = self._removed(time.monotonic() - began)
                 if collected is not None:
                     if failure is None or isinstance(collected, KeyboardInterrupt):
                         raise collected
@@ -222,7 +234,14 @@ class ComputePool:
         finally:
             if self._loop is not None:
                 self._loop.stop()
+                self.console.finish(summary)
             self._lifetime.close()
+
+    def _removed(self, seconds: float) -> str:
+        """The teardown's last line: ``removed 4 instances in 38.2 s``."""
+        if self.cluster is None:
+            return f"nothing was left to remove ({duration(seconds)} s)"
+        return f"{self.provider.teardown_summary(len(self.cluster.nodes))} in {duration(seconds)} s"
 
     def _collect_at_close(self) -> BaseException | None:
         """Bring every node's outputs back before the nodes go; what went wrong, if anything
@@ -245,7 +264,7 @@ class ComputePool:
         cluster = self.cluster
         assert cluster is not None, "launched first"
         indices = [node.index for node in cluster.nodes]
-        await self.provider.collect_outputs(cluster, indices, self.console.status)
+        await self.provider.collect_outputs(cluster, indices, self.console)
 
     def collect_outputs(self) -> None:
         """Bring every node's `sky.output_dir()` to the pool's ``output_dir`` now (only what
@@ -270,32 +289,30 @@ class ComputePool:
         assert cluster is not None, "launched first"
         return list(
             await asyncio.gather(
-                *(self.provider.stage_data(cluster, d, self.console.status) for d in datas)
+                *(self.provider.stage_data(cluster, d, self.console) for d in datas)
             )
         )
 
     async def _start(self) -> None:
-        self.console.status(
-            f"{self.pool_id}: launching {self.spec.nodes} node(s) on {self.spec.provider}"
-        )
-        self.cluster = await self.provider.launch(self.spec, self.console.status)
+        self.cluster = await self.provider.launch(self.spec, self.console)
         # Remote agents stop when the client goes quiet (cut off by the network): keep them
         # hearing from it from their Hello on.
         self._pings = asyncio.get_running_loop().create_task(
             ping_agents(lambda: self._sessions, self.heartbeat_timeout)
         )
-        await self.provider.prepare(self.cluster, self.image, self.console.build_log)
+        await self.provider.prepare(self.cluster, self.image, self.console)
         await self._start_agents()
         self._heartbeats = asyncio.get_running_loop().create_task(
             watch_heartbeats(lambda: self._sessions, self.heartbeat_timeout)
         )
-        self.console.status(f"{self.pool_id}: ready ({self.spec.nodes} node(s))")
+        self.console.phase(None, Phase.READY)
 
     async def _start_agents(self) -> None:
         """Start an agent on every node and take each through the handshake and the plugins."""
         cluster = self.cluster
         assert cluster is not None, "launched first"
         env = {**self.image.env, **self.env}
+        self.console.phase(None, Phase.STARTING)
         streams = await asyncio.gather(*(node.start_agent(env) for node in cluster.nodes))
         earlier = {s.node: list(s.lines) for s in self._sessions}  # pool.logs() spans restarts
         self._dispatch.sessions = [
@@ -345,16 +362,17 @@ class ComputePool:
         self._loop.run(self._replace(node))
 
     async def _replace(self, index: int) -> None:
-        self.console.status(f"{self.pool_id}: replacing node {index}")
+        self.console.status(f"replacing node {index}")
+        self.console.phase(index, Phase.REQUESTED)
         cluster = self.cluster
         assert cluster is not None, "launched first"
         await self.provider.replace(cluster, index)
         # The whole cluster: the others' environments are there, so that costs a check each.
-        await self.provider.prepare(cluster, self.image, self.console.build_log)
+        await self.provider.prepare(cluster, self.image, self.console)
         await self._stop_agents(self.shutdown_timeout)
         await self._start_agents()
         self._dispatch.broken = None
-        self.console.status(f"{self.pool_id}: node {index} replaced; ready")
+        self.console.phase(None, Phase.READY)
 
     async def _stop_agents(self, timeout: float) -> None:
         await asyncio.gather(*(session.close(timeout) for session in self._sessions))
@@ -373,6 +391,22 @@ class ComputePool:
     @property
     def _sessions(self) -> list[NodeSession]:
         return self._dispatch.sessions
+
+    def _activity(self, node: int) -> tuple[Phase, str] | None:
+        """What the console sees of node `node` beyond its phase, read when it draws (so a call
+        pays nothing for it): a call in flight, a plugin hook, a dead agent."""
+        sessions = self._sessions
+        if node >= len(sessions):
+            return None
+        session = sessions[node]
+        if session.dead is not None and not session.dead.stopped:
+            return Phase.LOST, str(session.dead).splitlines()[0]
+        if session.pending:
+            calls = len(session.pending)
+            return Phase.RUNNING, f"{calls} calls" if calls > 1 else ""
+        if session.stage is Stage.IN_PLUGIN:
+            return Phase.STARTING, session.where
+        return None
 
     # -- calls -----------------------------------------------------------------------------
 

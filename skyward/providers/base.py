@@ -7,10 +7,11 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
 - `implied_accelerator()`  what an explicit instance type carries, so plugins see it (AWS);
 - `expected_cuda(spec)`    the highest CUDA the nodes' drivers support, if known before launch;
 - `validate(spec)`         checks the request before anything is created or paid for;
-- `launch(spec, log)`      creates all N nodes or raises, leaving nothing behind; returns the
+- `launch(spec, progress)`  creates all N nodes or raises, leaving nothing behind; returns the
                            `Cluster`: the nodes and everything the provider keeps for this pool;
-- `prepare(cluster, image, log)`  builds the image's environment on every node;
+- `prepare(cluster, image, progress)`  builds the image's environment on every node;
 - `terminate(cluster)`     removes every node and everything made for them; idempotent;
+- `teardown_summary(n)`    what `terminate` did, for the pool's last line ("removed 4 instances");
 - `replace(cluster, index)`  a fresh node in place of a lost one (default: not supported);
 - `explain(cluster, node)` why a node went away (a reclaimed spot instance), or None;
 - `stage_data(cluster, data, log)`  makes a `sky.Data` available on every node and says where
@@ -23,6 +24,11 @@ Per-pool state lives in the `Cluster` a provider returns from `launch` (subclass
 the provider object: one provider object may serve several pools at once.
 
 A `Node` knows its index, its addresses and how to start the agent on itself.
+
+`launch` and `prepare` report each node's phase to their `Progress` (`skyward.progress`):
+booting, connecting, building environment (with the build's output lines as detail); the pool
+sets the phases around them (requested, starting agent, ready, stopping). `Progress` is also a
+plain `Log`: ``progress("message")`` is a status line.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from skyward.cluster import Accelerator, ClusterSpec
 from skyward.data import Data, Placement
 from skyward.errors import ConfigError
 from skyward.image import Image
+from skyward.progress import Progress
 from skyward.transport.base import AgentStream
 from skyward.worker.gpus import Gpu
 
@@ -102,16 +109,23 @@ class Provider(ABC):
         return None
 
     @abstractmethod
-    async def launch(self, spec: ClusterSpec, log: Log) -> Cluster:
-        """Create all `spec.nodes` nodes, or raise and leave nothing behind."""
+    async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
+        """Create all `spec.nodes` nodes, or raise and leave nothing behind; report each
+        node's phases (booting, connecting) to `progress`."""
 
     @abstractmethod
-    async def prepare(self, cluster: Cluster, image: Image, log: Log) -> None:
-        """Build the image's environment on every node of `cluster` (once per image hash)."""
+    async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
+        """Build the image's environment on every node of `cluster` (once per image hash);
+        report `Phase.BUILDING` and the build's output lines to `progress`."""
 
     @abstractmethod
     async def terminate(self, cluster: Cluster) -> None:
         """Remove the nodes and what was created for them; idempotent."""
+
+    def teardown_summary(self, nodes: int) -> str:
+        """What `terminate` did to a pool of `nodes` nodes, in words for the pool's last line
+        (the pool adds the time): ``removed 4 instances``."""
+        return f"removed {count(nodes, 'node')}"
 
     async def replace(self, cluster: Cluster, index: int) -> Node:
         """Put a fresh node in ``cluster.nodes[index]`` (whose node was lost) and return it;
@@ -138,6 +152,11 @@ class Provider(ABC):
         """Bring the output directories of `nodes` to ``cluster.spec.outputs`` (node i's to
         ``<outputs>/node-<i>``, or uploaded under an s3:// prefix); only what changed."""
         return None
+
+
+def count(number: int, noun: str, plural: str | None = None) -> str:
+    """``1 instance``, ``4 instances``: a number and its noun."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
 def output_path(cluster: Cluster, index: int) -> str:

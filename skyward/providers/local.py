@@ -28,8 +28,9 @@ from skyward import info
 from skyward.cluster import ClusterSpec
 from skyward.errors import BootstrapError
 from skyward.image import Image
+from skyward.progress import Phase, Progress
 from skyward.providers import local_gpus
-from skyward.providers.base import Cluster, Log, Node, Provider
+from skyward.providers.base import Cluster, Log, Node, Provider, count
 from skyward.providers.environment import env_spec
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.base import AgentStream
@@ -111,7 +112,7 @@ class Local(Provider):
     def expected_cuda(self, spec: ClusterSpec) -> str | None:
         return machine_gpus().cuda if spec.accelerator is not None else None
 
-    async def launch(self, spec: ClusterSpec, log: Log) -> Cluster:
+    async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         # With a core for each node and one for the client, both ends of a small call poll
         # briefly for the other's answer instead of sleeping: it saves the two wake-ups that
         # are most of a small call's round trip. With fewer cores, polling would steal them.
@@ -119,7 +120,7 @@ class Local(Provider):
         inventory = await asyncio.to_thread(machine_gpus)
         owned = local_gpus.assign(inventory, spec.accelerator, spec.nodes)
         if spec.accelerator is None and local_gpus.usable(inventory, os.environ):
-            log(
+            progress(
                 f"this machine has {inventory.describe()}; the nodes run on the CPU: pass "
                 "accelerator='GPU' (or e.g. 'GPU:2' per node) to give each its own"
             )
@@ -138,11 +139,14 @@ class Local(Provider):
         cluster.nodes[index] = fresh
         return fresh
 
-    async def prepare(self, cluster: Cluster, image: Image, log: Log) -> None:
+    async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
         local = _local(cluster)
         spec = env_spec(image)
         if local.prepared == spec.hash:
             return
+        # One environment serves every node: they all go through the build together.
+        progress.phase(None, Phase.BUILDING, "checking this machine")
+        log = progress.log_for(None)
         cache = cache_dir()
         query = hostcheck.Query(
             cache=str(cache),
@@ -205,6 +209,9 @@ class Local(Provider):
                 if Path(self.node_output_dir(cluster, cluster.nodes[i])).is_dir()
             )
         )
+
+    def teardown_summary(self, nodes: int) -> str:
+        return f"stopped {count(nodes, 'process', 'processes')}"
 
     async def terminate(self, cluster: Cluster) -> None:
         # Agents are killed by the pool with their process groups; what is left is the

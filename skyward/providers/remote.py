@@ -42,6 +42,7 @@ import asyncssh
 from skyward.cluster import Accelerator
 from skyward.errors import BootstrapError, ProvisionError
 from skyward.image import Image
+from skyward.progress import Phase, Progress
 from skyward.providers.base import Cluster, Log, Node
 from skyward.providers.environment import env_spec
 from skyward.providers.source import source_hash, source_tarball, unpack_command
@@ -202,12 +203,14 @@ async def close_hosts(cluster: Cluster) -> None:
     await asyncio.gather(*(h.close() for h in hosts.values()), return_exceptions=True)
 
 
-async def prepare_nodes(cluster: Cluster, image: Image, bootstrap: Bootstrap, log: Log) -> None:
+async def prepare_nodes(
+    cluster: Cluster, image: Image, bootstrap: Bootstrap, progress: Progress
+) -> None:
     """Prepare every node of `cluster` not yet prepared for `image`, all hosts at once."""
     key = env_spec(image).hash
     await asyncio.gather(
         *(
-            prepare_host(node, image, bootstrap, log, cluster.spec.accelerator)
+            prepare_host(node, image, bootstrap, progress, cluster.spec.accelerator)
             for node in remote_nodes(cluster)
             if node.prepared != key
         )
@@ -218,16 +221,15 @@ async def prepare_host(
     node: RemoteNode,
     image: Image,
     bootstrap: Bootstrap,
-    log: Log,
+    progress: Progress,
     accelerator: Accelerator | None = None,
 ) -> None:
     """Check the host once (its GPUs against `accelerator` too), build only what is missing,
-    and set the node's interpreter and GPUs."""
-    host = node.host
+    and set the node's interpreter and GPUs; each step and its output lines are the node's
+    `Phase.BUILDING` details."""
     spec = env_spec(image)
-
-    def host_log(line: str) -> None:
-        log(f"[{host}] {line}")
+    progress.phase(node.index, Phase.BUILDING)
+    host_log = progress.log_for(node.index)
 
     query = hostcheck.Query(
         cache=_CHECK_CACHE,
@@ -385,6 +387,7 @@ async def _apt(
 async def _send(
     node: RemoteNode, bootstrap: Bootstrap, command: str, what: str, log: Log, input: bytes
 ) -> Completed:
+    log(what)  # the step's name, then its output lines: the node's detail as it builds
     try:
         return await node.host.run(bootstrap.prefix + command, input, log)
     except (OSError, asyncssh.Error) as exc:

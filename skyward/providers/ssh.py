@@ -19,8 +19,9 @@ from pathlib import Path
 from skyward.cluster import ClusterSpec
 from skyward.errors import ConfigError
 from skyward.image import Image
+from skyward.progress import Phase, Progress
 from skyward.providers import remote
-from skyward.providers.base import Cluster, Log, Node, Provider
+from skyward.providers.base import Cluster, Node, Provider, count
 from skyward.providers.remote_data import RemoteData, remove_outputs
 from skyward.transport.ssh import Endpoint, KnownHosts, load_known_hosts
 
@@ -98,8 +99,11 @@ class SSH(RemoteData, Provider):
                 f"node runs per host: pass nodes={len(self.endpoints)} or add hosts"
             )
 
-    async def launch(self, spec: ClusterSpec, log: Log) -> Cluster:
-        hosts = await remote.connect_all(self.endpoints[: spec.nodes], self.connect_options)
+    async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
+        endpoints = self.endpoints[: spec.nodes]
+        for index, endpoint in enumerate(endpoints):
+            progress.phase(index, Phase.CONNECTING, str(endpoint))
+        hosts = await remote.connect_all(endpoints, self.connect_options)
         nodes: list[Node] = [remote.RemoteNode(i, h) for i, h in enumerate(hosts)]
         return Cluster(spec, nodes)
 
@@ -110,8 +114,11 @@ class SSH(RemoteData, Provider):
         cluster.nodes[index] = remote.RemoteNode(index, host)
         return cluster.nodes[index]
 
-    async def prepare(self, cluster: Cluster, image: Image, log: Log) -> None:
-        await remote.prepare_nodes(cluster, image, self.bootstrap, log)
+    async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
+        await remote.prepare_nodes(cluster, image, self.bootstrap, progress)
+
+    def teardown_summary(self, nodes: int) -> str:
+        return f"closed {count(nodes, 'connection')}"
 
     async def terminate(self, cluster: Cluster) -> None:
         await remove_outputs(cluster)  # the hosts stay: what the pool wrote on them goes

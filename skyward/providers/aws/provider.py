@@ -41,9 +41,10 @@ from botocore.parsers import ResponseParserError
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
+from skyward.progress import Phase, Progress
 from skyward.providers.aws import instance_types, instances, resources, teardown, userdata
 from skyward.providers.aws.instances import logger
-from skyward.providers.base import Cluster, Log, Node, NodeLoss, Provider
+from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
 from skyward.providers.remote import (
     Bootstrap,
     BootWait,
@@ -231,7 +232,7 @@ class AWS(RemoteData, Provider):
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, SSO or an instance role)"
             )
 
-    async def launch(self, spec: ClusterSpec, log: Log) -> Cluster:
+    async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         choice = instance_types.choose(spec.accelerator, self.instance_type)
         cluster = AWSCluster(
             spec,
@@ -241,10 +242,11 @@ class AWS(RemoteData, Provider):
         )
         try:
             cluster.provisioning = _in_thread(
-                lambda: self._provision(cluster, choice), f"skyward-aws-launch-{spec.pool_id}"
+                lambda: self._provision(cluster, choice, progress),
+                f"skyward-aws-launch-{spec.pool_id}",
             )
             found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
-            cluster.nodes = await self._connect(cluster, found, range(len(found)))
+            cluster.nodes = await self._connect(cluster, found, range(len(found)), progress)
             return cluster
         except BaseException as exc:
             cluster.cancel.set()
@@ -278,8 +280,11 @@ class AWS(RemoteData, Provider):
         pool.nodes[index] = node
         return node
 
-    async def prepare(self, cluster: Cluster, image: Image, log: Log) -> None:
-        await prepare_nodes(cluster, image, self.bootstrap, log)
+    async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
+        await prepare_nodes(cluster, image, self.bootstrap, progress)
+
+    def teardown_summary(self, nodes: int) -> str:
+        return f"removed {count(nodes, 'instance')}"
 
     async def terminate(self, cluster: Cluster) -> None:
         await self._teardown(_aws(cluster))
@@ -328,7 +333,9 @@ class AWS(RemoteData, Provider):
 
     # -- launch and replace: the EC2 half runs in a thread ---------------------------------
 
-    def _provision(self, pool: AWSCluster, choice: instance_types.Choice) -> list[dict[str, Any]]:
+    def _provision(
+        self, pool: AWSCluster, choice: instance_types.Choice, progress: Progress
+    ) -> list[dict[str, Any]]:
         ec2 = self.client("ec2")
         try:
             pool.run_params = instances.set_up(
@@ -344,6 +351,8 @@ class AWS(RemoteData, Provider):
             )
             pool.instance_ids = instances.run(ec2, pool.run_params, pool.spec.nodes, pool.pool_id)
             pool.made.add(teardown.INSTANCE, *pool.instance_ids)
+            for index, instance_id in enumerate(pool.instance_ids):
+                progress.phase(index, Phase.BOOTING, f"{instance_id} {choice.instance_type}")
             return self._wait_running(ec2, pool, pool.instance_ids)
         except ClientError as exc:
             raise ProvisionError(instances.launch_error(exc, pool.spec, choice)) from None
@@ -371,7 +380,11 @@ class AWS(RemoteData, Provider):
     # -- launch and replace: the SSH half --------------------------------------------------
 
     async def _connect(
-        self, pool: AWSCluster, found: list[dict[str, Any]], indexes: Sequence[int]
+        self,
+        pool: AWSCluster,
+        found: list[dict[str, Any]],
+        indexes: Sequence[int],
+        progress: Progress | None = None,
     ) -> list[Node]:
         """Connect to the instances `found` (as nodes `indexes`), trusting only the pool's key."""
         key = "PrivateIpAddress" if self.placement.use_private_ips else "PublicIpAddress"
@@ -384,6 +397,9 @@ class AWS(RemoteData, Provider):
                     "public addresses, or use_private_ips=True from inside the VPC"
                 )
             addresses.append(str(address))
+            if progress is not None:
+                index = indexes[len(addresses) - 1]
+                progress.phase(index, Phase.CONNECTING, f"{instance['InstanceId']} {address}")
         options = ConnectOptions(
             known_hosts=load_known_hosts([pool.host_key.known_hosts_line(a) for a in addresses]),
             key=str(pool.key_path),

@@ -137,13 +137,12 @@ class Console(Progress):
 
     def detail(self, node: int | None, line: str) -> None:
         logger.debug("%s: %s: %s", self.name, "every node" if node is None else node, line)
-        if self._screen is not None:
-            text = line.strip()
-            if text:
-                with self._lock:
-                    for index in self._indices(node):
-                        self._nodes[index].detail = text
-        elif not self._quiet:
+        text = line.strip()
+        if text:
+            with self._lock:
+                for index in self._indices(node):
+                    self._nodes[index].detail = text
+        if self._screen is None and not self._quiet:
             where = "" if node is None else f"node {node}: "
             _write_line(sys.stderr, f"[skyward build] {where}{line}")
 
@@ -219,8 +218,9 @@ class Console(Progress):
             if seen is not None:
                 phase, detail = seen
         if phase is not node.shown:
+            # Told phases count from when they were told; seen ones from when first drawn.
+            node.shown_since = node.since if node.shown is None else now
             node.shown = phase
-            node.shown_since = node.since if phase is node.phase else now
         if index == 0 and self.latest is not None and phase in (Phase.READY, Phase.RUNNING):
             detail = _metrics(self.latest)
         return index, phase, now - node.shown_since, detail

@@ -23,6 +23,7 @@ from moto import mock_aws
 import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
+from skyward.progress import Progress
 from skyward.providers.aws import instance_types, instances, teardown, userdata
 from skyward.providers.aws.instances import describe_loss
 from skyward.providers.aws.resources import POOL_TAG, pool_tags
@@ -179,7 +180,7 @@ def test_launch_creates_exactly_this_and_a_failed_bootstrap_leaves_nothing(
     calls = count_calls(aws.session())
     aws.validate(spec(4, "A100"))
     with pytest.raises(ProvisionError, match="did not accept the verified SSH login"):
-        asyncio.run(aws.launch(spec(4, "A100"), print))
+        asyncio.run(aws.launch(spec(4, "A100"), Progress()))
 
     instances = seen["instances"]
     assert len(instances) == 4 and calls.count("RunInstances") == 1
@@ -225,7 +226,7 @@ def test_capacity_error_leaves_nothing_and_says_why(ec2: Any, subnet: str, stubs
     )
     aws = provider(stubs, subnet)
     with pytest.raises(ProvisionError) as caught:
-        asyncio.run(aws.launch(spec(4, "A100"), print))
+        asyncio.run(aws.launch(spec(4, "A100"), Progress()))
     message = str(caught.value)
     assert "InsufficientInstanceCapacity" in message and "Nothing was left running" in message
     assert leftovers(ec2) == []
@@ -241,7 +242,7 @@ def test_instance_that_dies_at_boot_fails_the_whole_pool(
 
     aws.session().events.register("after-call.ec2.RunInstances", kill_one)
     with pytest.raises(ProvisionError, match="1 stopped at once") as caught:
-        asyncio.run(aws.launch(spec(3), print))
+        asyncio.run(aws.launch(spec(3), Progress()))
     assert "all were terminated" in str(caught.value)
     assert "cleaning up failed" not in str(caught.value)
     assert leftovers(ec2) == []
@@ -266,7 +267,7 @@ def test_amis_come_from_public_ssm_parameters(ec2: Any, subnet: str, stubs: Stub
     aws = provider(stubs, subnet, ami=None)
     for accelerator in ("L4", None):
         with pytest.raises(ProvisionError):
-            asyncio.run(aws.launch(spec(1, accelerator, pool_id=f"t-{accelerator}"), print))
+            asyncio.run(aws.launch(spec(1, accelerator, pool_id=f"t-{accelerator}"), Progress()))
     gpu, cpu = stubs.ssm_names
     assert gpu.startswith("/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-")
     assert cpu.startswith("/aws/service/canonical/ubuntu/server/") and "/amd64/" in cpu

@@ -29,6 +29,7 @@ import pytest
 import skyward as sky
 from skyward.cluster import ClusterSpec
 from skyward.errors import DataError
+from skyward.progress import Progress
 from skyward.providers.files import PullStats, PushStats, pull_tree, push_tree
 from skyward.providers.remote import RemoteNode, close_hosts, remote_nodes
 from skyward.worker import treestore
@@ -63,9 +64,9 @@ def ssh_nodes(provider: sky.SSH, count: int) -> Iterator[tuple[Loop, list[Remote
     """`count` prepared RemoteNodes (the source shipped, the interpreter set)."""
     loop = Loop()
     spec = ClusterSpec(nodes=count, pool_id="treesync", provider="ssh")
-    cluster = loop.run(provider.launch(spec, lambda _line: None))
+    cluster = loop.run(provider.launch(spec, Progress()))
     try:
-        loop.run(provider.prepare(cluster, sky.Image(), lambda _line: None), 120)
+        loop.run(provider.prepare(cluster, sky.Image(), Progress()), 120)
         yield loop, remote_nodes(cluster)
     finally:
         loop.run(close_hosts(cluster))

@@ -1,7 +1,8 @@
 """Local-provider benchmarks: each skyward figure beside a floor measured in the same run.
 
 Run ``python benchmarks/bench_local.py`` (``--quick`` for fewer iterations, ``--only NAME`` for
-one figure; NAME is one of rtt, gather, broadcast, bulk, jax, run, step, output, report). It is a
+one figure; NAME is one of rtt, gather, broadcast, bulk, jax, run, step, output, output-tty,
+report). It is a
 report, not a test: a MISS is printed, never turned into a failing exit status. See
 benchmarks/README.md.
 """
@@ -39,7 +40,18 @@ from skyward.plugins import jax as jax_plugin
 from skyward.pool import ComputePool
 from skyward.reports import report
 
-NAMES = ("rtt", "gather", "broadcast", "bulk", "jax", "run", "step", "output", "report")
+NAMES = (
+    "rtt",
+    "gather",
+    "broadcast",
+    "bulk",
+    "jax",
+    "run",
+    "step",
+    "output",
+    "output-tty",
+    "report",
+)
 PIPE_SIZE = 1 << 20  # the agent enlarges its control pipes to this; the floors use the same
 BULK_BYTES = 100_000_000
 HEADER = struct.Struct("!Q")
@@ -704,6 +716,71 @@ def bench_output(s: Settings) -> Row:
     )
 
 
+def bench_output_tty(s: Settings) -> Row:
+    """`output` with the client on a terminal, so the live console is up: a child process on
+    a pty whose other end this process reads as fast as it can (a terminal that is never the
+    bottleneck). The floor is the same child writing the prefixed lines to that terminal."""
+    import pty
+    import termios
+    import threading
+
+    lines = s.output_lines
+    megabytes = lines * 100 / 1e6
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    received = [0]
+
+    def drain() -> None:
+        with contextlib.suppress(OSError):
+            while chunk := os.read(master, 1 << 16):
+                received[0] += len(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    read_fd, write_fd = os.pipe()
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--tty-child", str(lines), str(write_fd)],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        pass_fds=(write_fd,),
+        env={**os.environ, "TERM": "xterm-256color", "SKYWARD_QUIET": ""},
+    )
+    os.close(slave)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as answer:
+        floor_ns, figure_ns, live = (int(word) for word in answer.read().split())
+    child.wait()
+    os.close(master)
+    rate, floor_rate = megabytes / (figure_ns / 1e9), megabytes / (floor_ns / 1e9)
+    return Row(
+        f"output-tty: {megabytes:.0f} MB of lines, 1 node",
+        f"{rate:,.1f} MB/s",
+        f"{floor_rate:,.1f} MB/s to the tty",
+        floor_rate / rate,
+        ">= 1/4 rate",
+        rate * 4 >= floor_rate and bool(live),
+        f"live console {'up' if live else 'NOT up'}; the terminal read {received[0] / 1e6:.0f} MB",
+    )
+
+
+def tty_child(lines: int, answer_fd: int) -> None:
+    """`bench_output_tty`'s child, on the pty: the floor, then the pool, until the console
+    has written every line (the pool's close drains it)."""
+    began = time.perf_counter_ns()
+    raw_output(lines, sys.stdout)  # type: ignore[arg-type]
+    sys.stdout.flush()
+    floor_ns = time.perf_counter_ns() - began
+    p = ComputePool(nodes=1)
+    with p:
+        live = p.console._screen is not None
+        began = time.perf_counter_ns()
+        shout(lines) >> p
+    figure_ns = time.perf_counter_ns() - began
+    with os.fdopen(answer_fd, "w") as answer:
+        answer.write(f"{floor_ns} {figure_ns} {int(live)}")
+
+
 def bench_report(s: Settings) -> Row:
     with pool(1) as p:
         reported, appended = time_reports(s.reports, 1000) >> p
@@ -783,6 +860,7 @@ BENCHES: dict[str, Callable[[Settings], Row]] = {
     "run": bench_run,
     "step": bench_step,
     "output": bench_output,
+    "output-tty": bench_output_tty,
     "report": bench_report,
 }
 
@@ -818,6 +896,9 @@ def _version(name: str) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--tty-child"]:
+        tty_child(int(sys.argv[2]), int(sys.argv[3]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
     parser.add_argument(
@@ -828,6 +909,9 @@ def main() -> None:
         help=f"run only this figure (repeatable): {', '.join(NAMES)}",
     )
     args = parser.parse_args()
+    # The table is the report: the pools' own status lines would break it up (node output,
+    # which `output` measures, is still printed; output-tty's child turns it back on).
+    os.environ.setdefault("SKYWARD_QUIET", "1")
     settings = QUICK if args.quick else FULL
     chosen = [name for name in NAMES if not args.only or name in args.only]
 

@@ -153,12 +153,12 @@ class Console(Progress):
         if not self.stream_output:
             return
         screen = self._screen
-        if screen is not None:
+        if screen is not None and sys.stdout is screen.stdout:
             if "\r" in line:  # a progress bar redrawn in place: what a terminal would show
                 line = line.rsplit("\r", 1)[-1]
             screen.write(f"{screen.prefix(node)}{line}\n")
             return
-        out = sys.stdout
+        out = sys.stdout  # as it is now: a redirect_stdout() inside the pool's block wins
         if out is not self._out:
             self._out, self._prefixes = out, []
         while len(self._prefixes) <= node:
@@ -288,6 +288,7 @@ class _Screen:
         self._prefixes: list[str] = []
         self._swapped: list[tuple[logging.StreamHandler[TextIO], TextIO]] = []
         self._real: tuple[TextIO, TextIO] | None = None  # sys.stdout, sys.stderr while up
+        self.stdout: TextIO | None = None  # our proxy, while it is sys.stdout
 
     @classmethod
     def of(cls, stream: TextIO) -> _Screen:
@@ -384,7 +385,8 @@ class _Screen:
     def _redirect(self) -> None:
         out, err = self._real = (sys.stdout, sys.stderr)
         proxies = {id(real): cast(TextIO, _Proxy(self, real)) for real in (out, err)}
-        sys.stdout, sys.stderr = proxies[id(out)], proxies[id(err)]
+        self.stdout = proxies[id(out)]
+        sys.stdout, sys.stderr = self.stdout, proxies[id(err)]
         for handler in _stream_handlers():
             proxy = proxies.get(id(handler.stream))
             if proxy is not None:
@@ -404,7 +406,7 @@ class _Screen:
                 sys.stdout = self._real[0]
             if isinstance(sys.stderr, _Proxy):
                 sys.stderr = self._real[1]
-            self._real = None
+            self._real = self.stdout = None
 
 
 class _Proxy(io.TextIOBase):

@@ -2,8 +2,8 @@
 
 Run ``python benchmarks/bench_local.py`` (``--quick`` for fewer iterations, ``--only NAME`` for
 one figure; NAME is one of rtt, gather, broadcast, bulk, jax, run, step, output, output-tty,
-report). It is a report, not a test: a MISS is printed, never turned into a failing exit status. See
-benchmarks/README.md.
+report). It is a report, not a test: a MISS is printed, never turned into a failing exit
+status. See benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -489,7 +489,7 @@ def test_an_unreachable_endpoint_mid_launch_names_the_call_and_leaves_nothing(
 
     aws.session().events.register("before-call.ec2.RunInstances", cut_off)
     with pytest.raises(ProvisionError) as caught:
-        asyncio.run(aws.launch(spec(2), print))
+        asyncio.run(aws.launch(spec(2), Progress()))
     message = str(caught.value)
     assert "RunInstances" in message and "Could not connect to the endpoint URL" in message
     assert leftovers(ec2) == []

@@ -57,15 +57,7 @@ class Data(str):
     _placement: Placement | None
 
     def __new__(cls, source: str | os.PathLike[str]) -> Data:
-        if not isinstance(source, str | os.PathLike):
-            raise ConfigError(f"sky.Data takes a path or an s3:// URI, got {source!r}")
-        text = os.fspath(source)
-        if text.startswith(S3_SCHEME):
-            if not text[len(S3_SCHEME) :].split("/", 1)[0]:
-                raise ConfigError(f"sky.Data({text!r}): the URI names no bucket")
-        else:
-            text = str(Path(text).expanduser().absolute())
-        made = super().__new__(cls, text)
+        made = super().__new__(cls, location(source, "sky.Data"))
         made._placement = None
         return made
 
@@ -115,6 +107,19 @@ class Data(str):
 
     def __repr__(self) -> str:
         return f"sky.Data({self.source!r})"
+
+
+def location(value: object, what: str) -> str:
+    """`value` as skyward keeps a place: an ``s3://bucket/...`` URI as given, or an absolute
+    local path (``~`` expanded, relative to the current directory); `what` names it in errors."""
+    if not isinstance(value, str | os.PathLike):
+        raise ConfigError(f"{what} takes a path or an s3:// URI, got {value!r}")
+    text = os.fspath(value)
+    if not text.startswith(S3_SCHEME):
+        return str(Path(text).expanduser().absolute())
+    if not text[len(S3_SCHEME) :].split("/", 1)[0]:
+        raise ConfigError(f"{what}={text!r}: the URI names no bucket")
+    return text
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from skyward import failures
 from skyward.checkpoints import Checkpoints
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console import Console, duration
-from skyward.data import S3_SCHEME, Data, Placement
+from skyward.data import Data, Placement, location
 from skyward.dispatch import Dispatch
 from skyward.errors import (
     BootstrapError,
@@ -491,11 +491,4 @@ def _outputs(output_dir: str | os.PathLike[str] | None) -> str | None:
     """The pool's `output_dir` as the provider takes it: an s3:// URI or an absolute path."""
     if output_dir is None:
         return None
-    if not isinstance(output_dir, str | os.PathLike):
-        raise ConfigError(f"output_dir must be a path or an s3:// URI, got {output_dir!r}")
-    text = os.fspath(output_dir)
-    if text.startswith(S3_SCHEME):
-        if not text[len(S3_SCHEME) :].split("/", 1)[0]:
-            raise ConfigError(f"output_dir={text!r} names no bucket")
-        return text.rstrip("/")
-    return os.path.abspath(os.path.expanduser(text))
+    return location(output_dir, "output_dir").rstrip("/")

@@ -111,6 +111,19 @@ def make_tree(root: Path) -> Path:
 
 
 @sky.compute
+def zeros_with_marks(n: int) -> bytes:
+    """`n` zero bytes but the first (1) and the last (2)."""
+    data = bytearray(n)
+    data[0], data[-1] = 1, 2
+    return bytes(data)
+
+
+@sky.compute
+def ends(data: bytes) -> tuple[int, int, int]:
+    return len(data), data[0], data[-1]
+
+
+@sky.compute
 def write_outputs(tag: str) -> str:
     out = Path(sky.output_dir())
     assert os.environ["SKYWARD_OUTPUT_DIR"] == str(out)

@@ -74,7 +74,7 @@ def test_output_dir_off_a_node_and_bad_output_dirs() -> None:
         sky.output_dir()
     with pytest.raises(sky.ConfigError, match="names no bucket"):
         sky.ComputePool(output_dir="s3://")
-    with pytest.raises(sky.ConfigError, match="output_dir must be"):
+    with pytest.raises(sky.ConfigError, match="output_dir takes a path or an s3"):
         sky.ComputePool(output_dir=7)  # type: ignore[arg-type]
 
 

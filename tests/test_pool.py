@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import skyward as sky
+from tests.contract import ends, zeros_with_marks
 
 
 @sky.compute
@@ -323,18 +324,6 @@ def test_a_failing_around_app_names_the_plugin_and_node_and_unwinds_the_ones_ent
     assert "remote traceback of node 1" in str(error)
     with open(journal) as handle:  # node 1 unwound the plugin it had entered
         assert "exit first 1" in handle.read().split("\n")
-
-
-@sky.compute
-def zeros_with_marks(n: int) -> bytes:
-    data = bytearray(n)
-    data[0], data[-1] = 1, 2
-    return bytes(data)
-
-
-@sky.compute
-def ends(data: bytes) -> tuple[int, int, int]:
-    return len(data), data[0], data[-1]
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import pytest
 import skyward as sky
 from skyward.transport.ssh import HostKeyError, HostUnreachableError, SSHAuthError
 from tests.conftest import sigint_default
+from tests.contract import ends, zeros_with_marks
 from tests.ssh.conftest import Hosts, Server, processes_with, wait_until
 from tests.support import sshd
 
@@ -315,18 +316,6 @@ def test_ctrl_c_during_bootstrap_leaves_no_remote_process(local_sshd: Server) ->
     assert token not in out
 
 
-@sky.compute
-def big_value(n: int) -> bytes:
-    data = bytearray(n)
-    data[0], data[-1] = 1, 2
-    return bytes(data)
-
-
-@sky.compute
-def value_ends(data: bytes) -> tuple[int, int, int]:
-    return len(data), data[0], data[-1]
-
-
 @pytest.mark.slow
 def test_a_value_over_2_gib_travels_both_ways_over_ssh(local_sshd: Server) -> None:
     """Past every 32-bit length, through an SSH channel's flow control: a 2 GiB result comes
@@ -334,11 +323,11 @@ def test_a_value_over_2_gib_travels_both_ways_over_ssh(local_sshd: Server) -> No
     n = (2 << 30) + 12_345
     with sky.ComputePool(provider=local_sshd.provider(), nodes=1, stream_output=False) as pool:
         started = time.monotonic()
-        data = big_value(n) >> pool
+        data = zeros_with_marks(n) >> pool
         back = time.monotonic() - started
         assert (len(data), data[0], data[-1]) == (n, 1, 2)
         started = time.monotonic()
-        assert value_ends(data) >> pool == (n, 1, 2)
+        assert ends(data) >> pool == (n, 1, 2)
         print(f"2 GiB over SSH: {back:.1f} s back, {time.monotonic() - started:.1f} s out")
 
 

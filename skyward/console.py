@@ -12,7 +12,11 @@ The way is chosen when the pool starts:
 - plain: anything else (a file, a pipe, a CI log, ``stream_output=False``). One line per
   change, never redrawn: skyward's on stderr, node lines on stdout, each line one write, so
   lines are never interleaved mid-line. ``stream_output=False`` prints no node output.
-- quiet (``SKYWARD_QUIET=1``): none of skyward's own lines; node output as in plain.
+- notebook: an IPython kernel runs the pool (Jupyter). What comes while a pool operation runs
+  (a call, `start`, `close`) goes to one display in the cell that runs it, updated as it grows:
+  node lines, and the pool's status line replaced in place (`skyward.notebook`).
+- quiet (``SKYWARD_QUIET=1``): none of skyward's own lines; node output as in plain (or as in
+  a notebook).
 
 Whatever is shown, every phase and message is a `logging` record on the ``skyward`` logger
 (`skyward.progress`). What a node prints is not: it is kept by the pool (``pool.logs()``).
@@ -20,6 +24,7 @@ Whatever is shown, every phase and message is a `logging` record on the ``skywar
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -38,6 +43,7 @@ from rich.segment import Segment
 from rich.table import Column, Table
 from rich.text import Text
 
+from skyward.notebook import Notebook, kernel
 from skyward.progress import Phase, Progress, logger
 from skyward.reports import Report
 
@@ -83,18 +89,27 @@ class Console(Progress):
         self._wave = self._began  # when nodes were last requested: "ready in 3.1 s" counts from it
         self._nodes = [_Node(Phase.REQUESTED, self._began) for _ in range(nodes)]
         self._screen: _Screen | None = None
+        self.notebook: Notebook | None = None  # set by `start` in a Jupyter kernel
         self._out: TextIO | None = None  # the stream the node prefixes below were made for
         self._prefixes: list[str] = []
 
     # -- the pool's lifecycle ----------------------------------------------------------------
 
     def start(self) -> None:
-        """Choose the way to show the pool (live region or plain lines) and say it is launching."""
+        """Choose the way to show the pool (live region, notebook or plain lines) and say it is
+        launching."""
         self._began = self._wave = time.monotonic()
-        if self.stream_output and not self._quiet and _terminal(sys.stdout, sys.stderr):
+        if kernel() is not None:
+            self.notebook = Notebook()
+        elif self.stream_output and not self._quiet and _terminal(sys.stdout, sys.stderr):
             self._screen = _Screen.of(sys.stdout)
             self._screen.attach(self)
         self.phase(None, Phase.REQUESTED)
+
+    def calling(self) -> contextlib.AbstractContextManager[None]:
+        """Around a pool operation the caller's thread waits for: in a notebook, what the pool
+        shows meanwhile goes to the caller's cell."""
+        return self.notebook.calling() if self.notebook is not None else contextlib.nullcontext()
 
     def finish(self, summary: str | None) -> None:
         """The pool is gone: take its region away and print `summary` (the teardown) last."""
@@ -104,8 +119,8 @@ class Console(Progress):
         screen, self._screen = self._screen, None
         if screen is not None:
             screen.detach(self, self._styled_status(line, screen) if line else "")
-        elif line and not self._quiet:
-            _write_line(sys.stderr, f"[skyward] {line}")
+        elif line:
+            self._say(line)
 
     # -- Progress ----------------------------------------------------------------------------
 
@@ -132,8 +147,8 @@ class Console(Progress):
             screen.wake()
             if phase is Phase.READY and node is None:
                 self._say(line)  # the start-up time stays in the scrollback
-        elif not self._quiet:
-            _write_line(sys.stderr, f"[skyward] {line}")
+        else:
+            self._say(line)
 
     def detail(self, node: int | None, line: str) -> None:
         logger.debug("%s: %s: %s", self.name, "every node" if node is None else node, line)
@@ -142,8 +157,13 @@ class Console(Progress):
             with self._lock:
                 for index in self._indices(node):
                     self._nodes[index].detail = text
-        if self._screen is None and not self._quiet:
-            where = "" if node is None else f"node {node}: "
+        if self._screen is not None or self._quiet:
+            return
+        where = "" if node is None else f"node {node}: "
+        if self.notebook is not None:
+            if text:  # after the phase, in the status line: one line per build, not hundreds
+                self.notebook.status(f"[skyward] {self.name}: {where}{text}")
+        else:
             _write_line(sys.stderr, f"[skyward build] {where}{line}")
 
     # -- node output and reports -------------------------------------------------------------
@@ -151,6 +171,9 @@ class Console(Progress):
     def node_line(self, node: int, line: str) -> None:
         """One line a node printed, with its node's prefix (in colour on a terminal)."""
         if not self.stream_output:
+            return
+        if self.notebook is not None:
+            self.notebook.line(node, line)
             return
         screen = self._screen
         if screen is not None and sys.stdout is screen.stdout:
@@ -164,6 +187,13 @@ class Console(Progress):
         while len(self._prefixes) <= node:
             self._prefixes.append(_node_prefix(len(self._prefixes), _painter(out)))
         out.write(f"{self._prefixes[node]}{line}\n")  # one write a line: never mid-line
+
+    def node_partial(self, node: int, text: str) -> None:
+        """What a node printed of a line since its last ``\\r`` (a progress bar redrawn in
+        place): a notebook redraws the line now; elsewhere the whole line is shown when its
+        newline comes."""
+        if self.stream_output and self.notebook is not None:
+            self.notebook.partial(node, text)
 
     def report(self, report: Report) -> None:
         """Note a node's `sky.report`: node 0's latest is shown on its line (never printed: a
@@ -247,10 +277,15 @@ class Console(Progress):
         return f"{who} {phase.value}" + (f" ({detail})" if detail else "")
 
     def _say(self, line: str) -> None:
+        """A line of skyward's: above the region, in the cell's status or on stderr."""
         screen = self._screen
         if screen is not None:
             screen.write(self._styled_status(line, screen))
-        elif not self._quiet:
+        elif self._quiet:
+            return
+        elif self.notebook is not None:
+            self.notebook.status(f"[skyward] {line}")
+        else:
             _write_line(sys.stderr, f"[skyward] {line}")
 
     def _styled_status(self, line: str, screen: _Screen) -> str:

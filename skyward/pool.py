@@ -190,10 +190,11 @@ class ComputePool:
         self._loop = LoopThread(f"skyward-{self.pool_id}")
         try:
             self.console.start()
-            hooks.enter_hooks(
-                self._lifetime, self.plugins, "around_client", lambda p: p.around_client(self)
-            )
-            self._loop.run(self._start())
+            with self.console.calling():
+                hooks.enter_hooks(
+                    self._lifetime, self.plugins, "around_client", lambda p: p.around_client(self)
+                )
+                self._loop.run(self._start())
         except BaseException as exc:
             self._close(graceful=False, failure=exc)
             raise
@@ -208,6 +209,10 @@ class ComputePool:
         if self._closed:
             return
         self._closed = True
+        with self.console.calling():
+            self._teardown(graceful, failure)
+
+    def _teardown(self, graceful: bool, failure: BaseException | None) -> None:
         began = time.monotonic()
         summary: str | None = None
         try:
@@ -273,7 +278,8 @@ class ComputePool:
             raise ConfigError("this pool has no output_dir: ComputePool(output_dir=...)")
         if self._closed or self._loop is None:
             raise PoolClosedError("the pool is not running")
-        self._loop.run(self._collect())
+        with self.console.calling():
+            self._loop.run(self._collect())
 
     def _stage_data(self, found: list[Data]) -> bool:
         """Sync each `sky.Data` of a call to the nodes; whether any placement changed."""
@@ -323,6 +329,7 @@ class ComputePool:
                 functools.partial(self.provider.explain, cluster, node),
                 earlier.get(node.index, ()),
                 self._reported,
+                self.console.node_partial,
             )
             for node, stream in zip(cluster.nodes, streams, strict=True)
         ]
@@ -359,7 +366,8 @@ class ComputePool:
                 f"node {node} is not lost (it is alive, or was stopped because another node "
                 f"failed); replace() takes a node that died: {lost or 'none did'}"
             )
-        self._loop.run(self._replace(node))
+        with self.console.calling():
+            self._loop.run(self._replace(node))
 
     async def _replace(self, index: int) -> None:
         self.console.status(f"replacing node {index}")
@@ -425,7 +433,11 @@ class ComputePool:
 
     def run(self, call: PendingCall[T], node: int | None = None) -> T:
         """Run `call` on one node and return its result (what ``call >> pool`` does)."""
-        return self._check_open().run(call, node)
+        dispatch = self._check_open()
+        if self.console.notebook is None:  # the common case pays one attribute read
+            return dispatch.run(call, node)
+        with self.console.notebook.calling(self._drain_output):
+            return dispatch.run(call, node)
 
     def broadcast(self, call: PendingCall[T]) -> list[T]:
         """Run `call` on every node; results in node order (what ``call @ pool`` does).
@@ -434,7 +446,11 @@ class ComputePool:
         is then stopped (an SPMD program cannot go on without a rank) and the pool is closed.
         A node that dies stops the others at once.
         """
-        return self._check_open().broadcast(call)
+        dispatch = self._check_open()
+        if self.console.notebook is None:
+            return dispatch.broadcast(call)
+        with self.console.notebook.calling(self._drain_output):
+            return dispatch.broadcast(call)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
         """Run several calls at once, spread over the nodes; results in call order.
@@ -442,9 +458,19 @@ class ComputePool:
         The calls are independent: one failing does not stop the others. Once all have ended,
         the first failure is raised (a node's death before a user exception).
         """
-        return self._check_open().gather(calls)
+        dispatch = self._check_open()
+        if self.console.notebook is None:
+            return dispatch.gather(calls)
+        with self.console.notebook.calling(self._drain_output):
+            return dispatch.gather(calls)
 
     # -- output ----------------------------------------------------------------------------
+
+    def _drain_output(self) -> None:
+        """Have the loop read what the nodes' output pipes hold now: a call's last lines, written
+        before its reply but read apart from it, so that they show with the call."""
+        if self._loop is not None and not self._closed:
+            self._loop.run(_a_few_turns())
 
     def _submit(self, coro: Coroutine[Any, Any, None]) -> Future[None]:
         if self._loop is None:
@@ -485,6 +511,12 @@ class ComputePool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._sessions else "new"
         return f"<ComputePool {self.pool_id} {self.spec.provider} nodes={self.spec.nodes} {state}>"
+
+
+async def _a_few_turns() -> None:
+    # Each turn of the loop polls its readers once and runs what they have read.
+    for _ in range(3):
+        await asyncio.sleep(0)
 
 
 def _outputs(output_dir: str | os.PathLike[str] | None) -> str | None:

@@ -103,6 +103,7 @@ class NodeSession:
         explain: Explain | None = None,
         earlier_lines: Iterable[str] = (),
         on_report: Callable[[Report], None] | None = None,
+        on_partial: Callable[[int, str], None] | None = None,
     ) -> None:
         self.node = node
         self.stream = stream
@@ -118,6 +119,7 @@ class NodeSession:
         self._explain = explain
         self._on_output = on_output
         self._on_report = on_report
+        self._on_partial = on_partial
         self._control: asyncio.Queue[messages.Message | None] = asyncio.Queue()
         self._stopping = False
         self._lock = threading.Lock()
@@ -305,6 +307,10 @@ class NodeSession:
             self._partial_line = b""
         for raw in lines:
             self._output_line(raw.decode(errors="replace").rstrip("\r"))
+        if self._on_partial is not None and b"\r" in self._partial_line:
+            # A line redrawn in place (a progress bar): its newline may be minutes away.
+            redrawn = self._partial_line.rsplit(b"\r", 1)[-1]
+            self._on_partial(self.node, redrawn.decode(errors="replace"))
 
     def _output_line(self, line: str) -> None:
         self.lines.append(line)

@@ -2,9 +2,9 @@
 
 A session owns one node's stream and everything that happens on it: the handshake (`open`,
 `hello`, `ready`) with the node's `Stage` as it goes, the calls it holds and their futures, the
-node's output (split into lines, kept, and handed to the console), its reports (`sky.report`,
-handed to the pool), its heartbeat deadline, and its death, which fails every call it held with
-a `WorkerError`.
+node's output (split into lines, kept, and handed to the console; a line being redrawn with
+``\r`` is handed over as it changes too), its reports (`sky.report`, handed to the pool), its
+heartbeat deadline, and its death, which fails every call it held with a `WorkerError`.
 
 Threads: bytes arrive on the pool's event loop, or on whichever thread reads a local pipe (see
 `AgentStream.wait_replies`); results resolve thread-safe futures there and reports go to

@@ -15,7 +15,8 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -203,3 +204,23 @@ def test_a_pool_in_one_cell_shows_in_one_display(notebook: tuple[Any, Recorder])
     lines = shown["data"]["text/plain"].splitlines()
     assert lines[:-1] == ["(node 0) line 0 of node 0", "(node 0) line 1 of node 0"], lines
     assert re.fullmatch(r"\[skyward\] one-\w+: stopped 1 process in [\d.]+ s", lines[-1])
+
+
+def test_a_view_keeps_the_last_lines_and_says_how_many_went() -> None:
+    from skyward.notebook import LINES, Notebook
+
+    sent: list[str] = []
+    board = Notebook()
+    with board.calling():
+        view = board._view
+        assert view is not None
+        view.handle = cast(Any, SimpleNamespace(update=lambda bundle, raw: sent.append(bundle)))
+        for i in range(LINES + 5):
+            board.line(i % 2, f"line {i}")
+        board.partial(0, "50%")
+        board.partial(0, "100%")
+        board.status("[skyward] pool-x: ready")
+    lines = sent[-1]["text/plain"].splitlines()
+    assert lines[0] == "[skyward] ... 6 earlier lines: pool.logs()"
+    assert lines[1] == "(node 0) line 6" and lines[-2] == "(node 0) 100%", lines[-3:]
+    assert lines[-1] == "[skyward] pool-x: ready" and len(lines) == LINES + 2

@@ -102,6 +102,17 @@ def test_launcher_scripts_run_unchanged_inside_a_jax_pool(tmp_path: Path) -> Non
             assert f"process {node}/2 argv=[] psum=[2.]" in lines
 
 
+def printed(pool: sky.ComputePool, node: int, line: str, timeout: float = 10.0) -> bool:
+    """Whether `node` printed `line`: output travels apart from results, so what a call printed
+    just before it returned may reach `pool.logs()` a moment after its result."""
+    deadline = time.monotonic() + timeout
+    while line not in pool.logs(node):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 @pytest.mark.slow
 def test_conflicting_initialize_says_what_conflicts_and_what_to_do() -> None:
     with (
@@ -123,10 +134,10 @@ def test_launcher_scripts_run_unchanged_when_the_plugin_leaves_initialize_to_the
     plugin = sky.plugins.jax(initialize=False)
     with sky.ComputePool(nodes=2, plugins=[plugin], stream_output=False) as pool:
         run_as_main(str(kubeflow)) @ pool  # initializes, then shuts down: a new runtime next
-        assert pool.logs(1)[-1] == "process 1/2 argv=[] psum=[2.]"
+        assert printed(pool, 1, "process 1/2 argv=[] psum=[2.]")
     with sky.ComputePool(nodes=2, plugins=[plugin], stream_output=False) as pool:
         run_as_main(str(docs)) @ pool
-        assert "[2.]" in pool.logs(0) and "[2.]" in pool.logs(1)
+        assert printed(pool, 0, "[2.]") and printed(pool, 1, "[2.]")
 
 
 # -- skyward run ---------------------------------------------------------------------------------

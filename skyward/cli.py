@@ -175,11 +175,10 @@ def _status(args: argparse.Namespace) -> int:
         seen.add(key)
         if profile.provider == "aws":
             found += runner.print_aws_pools(profile)
+        elif profile.provider == "ssh":
+            found += runner.print_ssh_pools(profile)
         else:
-            print(
-                f"{profile.provider:<6} profile {profile.name!r}: not checked (SSH hosts are not "
-                "queried; a pool's agents end with its client)"
-            )
+            print(f"{profile.provider:<6} profile {profile.name!r}: not checked")
     if not found:
         print("no live pools")
     return 0

@@ -195,6 +195,50 @@ def print_aws_pools(profile: Profile) -> int:
     return count
 
 
+# This login's agents on a host: pid, seconds since start, command line.
+_AGENTS = 'ps -o pid=,etimes=,args= -u "$(id -u)" | grep "[s]kyward.worker$" || true'
+
+
+def print_ssh_pools(profile: Profile) -> int:
+    """`skyward status` for one SSH profile: this login's agents on each host (a pool's agents
+    live as long as its client, or `heartbeat_timeout` past a client cut off from them)."""
+    import asyncio
+
+    from skyward.errors import SkywardError
+    from skyward.providers.ssh import SSH
+
+    provider = profile.build_provider()
+    assert isinstance(provider, SSH)
+
+    async def ask(index: int) -> tuple[str, str]:
+        endpoint = provider.endpoints[index]
+        try:
+            host = await provider.connect_options.connect(endpoint)
+        except SkywardError as exc:
+            return str(endpoint), f"unreachable: {str(exc).splitlines()[0]}"
+        try:
+            done = await asyncio.wait_for(host.run(_AGENTS), 30)
+            return str(endpoint), done.stdout.decode(errors="replace")
+        finally:
+            await host.close()
+
+    async def ask_all() -> list[tuple[str, str]]:
+        return list(await asyncio.gather(*(ask(i) for i in range(len(provider.endpoints)))))
+
+    count = 0
+    for host, answer in asyncio.run(ask_all()):
+        if answer.startswith("unreachable"):
+            print(f"ssh    {host}: {answer}")
+            continue
+        agents = [line.split(None, 2) for line in answer.splitlines() if line.strip()]
+        if agents:
+            count += 1
+            pids = ", ".join(pid for pid, _, _ in agents)
+            oldest = max(int(age) for _, age, _ in agents)
+            print(f"ssh    {host}: {len(agents)} agent(s) [{pids}], up {describe_age(oldest)}")
+    return count
+
+
 def out(line: str) -> None:
     """One line on stderr."""
     print(line, file=sys.stderr)

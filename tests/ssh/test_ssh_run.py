@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+import skyward as sky
 from skyward import runner
 from skyward.profiles import Profile
-from tests.ssh.conftest import Hosts
+from tests.ssh.conftest import Hosts, Server
 
 pytestmark = [pytest.mark.ssh]
 
@@ -65,3 +66,34 @@ def test_skyward_run_on_ssh_hosts_with_a_workdir(
     # rank 1 exits with 5; rank 0 with 0
     outcome = runner.run(profile, str(work / "train.py"), ["5"])
     assert outcome == runner.Outcome(5, "rank 1 exited with status 5")
+
+
+def test_status_lists_this_logins_agents_on_each_ssh_host(
+    local_sshd: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = Profile(
+        provider="ssh",
+        options={
+            "hosts": [local_sshd.host()],
+            "key": str(local_sshd.key.private_path),
+            "known_hosts": str(local_sshd.known_hosts),
+            "python": sys.executable,
+        },
+    )
+    with sky.ComputePool(provider=profile.build_provider(), stream_output=False) as pool:
+        pid = agent_pid() >> pool
+        assert runner.print_ssh_pools(profile) == 1
+        line = capsys.readouterr().out.strip()
+        assert line.startswith(f"ssh    {local_sshd.host()}: 1 agent(s) [{pid}], up "), line
+    assert runner.print_ssh_pools(profile) == 0
+    assert capsys.readouterr().out == ""
+    down = Profile(provider="ssh", options={**profile.options, "hosts": ["root@127.0.0.1:1"]})
+    assert runner.print_ssh_pools(down) == 0
+    assert "root@127.0.0.1:1: unreachable" in capsys.readouterr().out
+
+
+@sky.compute
+def agent_pid() -> int:
+    import os
+
+    return os.getpid()

@@ -38,6 +38,7 @@ _EXPORTS = {
     "Local": "skyward.providers.local",
     "SSH": "skyward.providers.ssh",
     "AWS": "skyward.providers.aws",
+    "GCP": "skyward.providers.gcp",
     "ClusterSpec": "skyward.cluster",
     "SkywardError": "skyward.errors",
     "ConfigError": "skyward.errors",
@@ -54,7 +55,7 @@ _EXPORTS = {
 }
 
 # Providers whose dependencies are optional extras.
-_EXTRAS = {"SSH": "ssh", "AWS": "aws"}
+_EXTRAS = {"SSH": "ssh", "AWS": "aws", "GCP": "gcp"}
 
 if TYPE_CHECKING:
     from skyward import plugins
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
     from skyward.plugins.base import Plugin
     from skyward.pool import ComputePool
     from skyward.providers.aws import AWS
+    from skyward.providers.gcp import GCP
     from skyward.providers.local import Local
     from skyward.providers.ssh import SSH
     from skyward.reports import Report, report
@@ -86,6 +88,7 @@ if TYPE_CHECKING:
 # Literal, so type checkers see the re-exports (`mypy --strict` on a user's script).
 __all__ = [
     "AWS",
+    "GCP",
     "SSH",
     "BootstrapError",
     "ClusterSpec",

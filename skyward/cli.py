@@ -130,6 +130,53 @@ def _aws_command(args: argparse.Namespace) -> int:
         return 1
 
 
+def _gcp(args: argparse.Namespace) -> Any:
+    from skyward.providers.gcp import GCP
+
+    gcp = GCP(project=args.project, zone=args.zone)
+    gcp.access()  # no project or no credentials: one clear line, not a traceback
+    return gcp
+
+
+def _gcp_command(args: argparse.Namespace) -> int:
+    """`skyward ls --cloud gcp` / `skyward down --cloud gcp`: the project's skyward resources."""
+    from skyward.errors import SkywardError
+
+    try:
+        from google.api_core.exceptions import GoogleAPIError
+
+        from skyward.providers.gcp import resources
+    except ModuleNotFoundError as exc:
+        print(f"skyward {args.command}: {exc.name} is missing: pip install 'skyward[gcp]'")
+        return 1
+    try:
+        gcp = _gcp(args)
+        if args.command == "ls":
+            pools = resources.find(gcp.clients(), gcp.access().project)
+            if not pools:
+                print("no skyward resources in this project")
+            for pool in sorted(pools.values(), key=lambda p: p.pool_id):
+                when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
+                print(f"{pool.pool_id}  created {when} by {pool.created_by or '?'}")
+                for line in pool.describe():
+                    print(f"    {line}")
+            return 0
+        if not args.all and not args.pool:
+            print("skyward down: name a POOL (see `skyward ls`) or pass --all", file=sys.stderr)
+            return 2
+        removed = gcp.cleanup(pool=None if args.all else args.pool)
+        for line in removed:
+            print(f"removed {line}")
+        if not removed:
+            print("nothing to remove")
+        return 0
+    except (SkywardError, GoogleAPIError, OSError) as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"skyward {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
 def _run(args: argparse.Namespace) -> int:
     from skyward import profiles, runner
 
@@ -234,10 +281,13 @@ def _parser() -> argparse.ArgumentParser:
         "cache", parents=[common], help="node environments built on this machine"
     )
     cache.add_argument("action", choices=["list", "clear"])
-    for name, text in (("ls", "list skyward's EC2 resources"), ("down", "remove them")):
+    for name, text in (("ls", "list skyward's cloud resources"), ("down", "remove them")):
         sub = commands.add_parser(name, parents=[common], help=text)
+        sub.add_argument("--cloud", choices=["aws", "gcp"], default="aws", help="default: aws")
         sub.add_argument("--region", help="AWS region (default: the standard resolution)")
         sub.add_argument("--profile", help="AWS profile")
+        sub.add_argument("--project", help="GCP project (default: the standard resolution)")
+        sub.add_argument("--zone", help="GCP zone (default: the standard resolution)")
         if name == "down":
             sub.add_argument("pool", nargs="?", help="the pool id (see `skyward ls`)")
             sub.add_argument("--all", action="store_true", help="every skyward pool")
@@ -248,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = _parser().parse_args(argv)
     if args.command in ("ls", "down"):
-        return _aws_command(args)
+        return _gcp_command(args) if args.cloud == "gcp" else _aws_command(args)
     try:
         if args.command == "run":
             return _run(args)

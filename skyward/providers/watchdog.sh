@@ -1,9 +1,10 @@
 #!/bin/bash
 # skyward watchdog: power this instance off when no SSH client has been connected for IDLE
-# seconds. The instance was launched with InstanceInitiatedShutdownBehavior=terminate, so powering
-# off terminates it: a client that died (laptop closed, Ctrl-C twice, crash) costs minutes of
-# instance time, not days. The clock starts at boot, so an instance whose client never connects
-# goes too. Usage: skyward-watchdog IDLE_SECONDS [CHECK_INTERVAL_SECONDS]
+# seconds. Powering off ends the machine (EC2: InstanceInitiatedShutdownBehavior=terminate; GCE:
+# the VM stops, and its pool's teardown or `skyward down` deletes it): a client that died (laptop
+# closed, Ctrl-C twice, crash) costs minutes of instance time, not days. The clock starts at boot,
+# so an instance whose client never connects goes too.
+# Usage: skyward-watchdog IDLE_SECONDS [CHECK_INTERVAL_SECONDS]
 set -u
 idle=${1:?usage: skyward-watchdog IDLE_SECONDS [CHECK_INTERVAL_SECONDS]}
 interval=${2:-10}

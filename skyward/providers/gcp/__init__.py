@@ -1,0 +1,5 @@
+"""The GCP provider: Compute Engine pools that never leave a VM behind (see `provider`)."""
+
+from skyward.providers.gcp.provider import GCP, GCPCluster
+
+__all__ = ["GCP", "GCPCluster"]

@@ -1,0 +1,76 @@
+"""The Compute API calls' common parts: retries, timeouts, long-running operations, errors.
+
+Every call passes its own retry and timeout: the library's defaults retry reads for ten minutes,
+which would hide a broken endpoint from a teardown that has its own deadline. Mutations carry a
+``request_id``, so retrying one can never make a second resource.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from google.api_core import exceptions as gexc
+from google.api_core.retry import Retry, if_exception_type
+from google.cloud import compute_v1
+
+CALL_TIMEOUT = 30.0  # seconds for one HTTP call
+
+_TRANSIENT = if_exception_type(
+    gexc.InternalServerError,
+    gexc.BadGateway,
+    gexc.ServiceUnavailable,
+    gexc.GatewayTimeout,
+    gexc.TooManyRequests,
+    ConnectionError,
+)
+
+ApiError = (gexc.GoogleAPIError, OSError)
+"""What a failed call raises: the API's answer, or the transport's."""
+
+
+def retry(deadline: float = 30.0) -> Retry:
+    """Retry transient failures (5xx, 429, dropped connections) with backoff for `deadline` s."""
+    return Retry(predicate=_TRANSIENT, initial=0.2, maximum=5.0, multiplier=2.0, timeout=deadline)
+
+
+def request_id() -> str:
+    return str(uuid.uuid4())
+
+
+def is_done(operation: Any) -> bool:
+    return bool(operation.status == compute_v1.Operation.Status.DONE)
+
+
+def operation_error(operation: Any) -> tuple[str, str] | None:
+    """The first error of a finished operation: (code, message), or None if it succeeded."""
+    errors = list(operation.error.errors)
+    if not errors:
+        return None
+    return str(errors[0].code), "; ".join(str(e.message) for e in errors)
+
+
+def wait(clients: Any, project: str, operation: Any, deadline: float) -> Any:
+    """Wait for a zonal or global `operation` until DONE (`wait` blocks server-side, up to two
+    minutes a call) or until `deadline` (monotonic); the finished operation."""
+    while not is_done(operation):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"operation {operation.name} still {operation.status.name}")
+        timeout = min(CALL_TIMEOUT * 5, max(1.0, left))
+        if operation.zone:
+            zone = str(operation.zone).rsplit("/", 1)[-1]
+            operation = clients.zone_operations.wait(
+                project=project, zone=zone, operation=operation.name, retry=retry(), timeout=timeout
+            )
+        else:
+            operation = clients.global_operations.wait(
+                project=project, operation=operation.name, retry=retry(), timeout=timeout
+            )
+    return operation
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a failed call (the library's message names the HTTP method and URL)."""
+    return " ".join(str(exc).split())

@@ -1,0 +1,356 @@
+"""A pool's Compute Engine VMs as plain functions: set up, run, wait, replace, explain.
+
+Each function is one step of a launch, blocking (the provider runs them in a thread), and each
+records what it makes in the pool's `teardown.Made` before or as GCE makes it:
+
+- `set_up` creates the pool's two firewall rules (SSH from the client's CIDR to the pool's
+  network tag; everything between VMs with that tag) and returns the bulkInsert request body;
+- `run` starts N VMs with ONE ``instances.bulkInsert`` (``minCount = count``: GCE starts all N
+  or none) and waits for its operation;
+- `wait_running` waits until all of them run (one zonal list a poll), failing if one stops;
+- `replace` deletes a lost VM and starts one more with the pool's request;
+- `loss_of` / `describe_loss` say why a VM went away (a preemption is a zone operation of type
+  ``compute.instances.preempted`` on the instance).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from google.api_core import exceptions as gexc
+from google.cloud import compute_v1
+
+from skyward.cluster import ClusterSpec
+from skyward.errors import ConfigError, ProvisionError
+from skyward.providers.base import NodeLoss
+from skyward.providers.gcp import api, resources, teardown
+from skyward.providers.gcp.machine_types import Choice
+from skyward.providers.gcp.settings import Access, Clients
+
+CHECK_IP_URL = "https://checkip.amazonaws.com"
+PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+_UP = ("PROVISIONING", "STAGING", "RUNNING")
+_GONE = ("STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED", "TERMINATED")
+_CAPACITY_CODES = (
+    "ZONE_RESOURCE_POOL_EXHAUSTED",
+    "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+    "QUOTA_EXCEEDED",
+    "RESOURCE_EXHAUSTED",
+    "RESOURCE_POOL_EXHAUSTED",
+)
+PREEMPTED = "compute.instances.preempted"
+
+CheckCancel = Callable[[], None]
+logger = logging.getLogger("skyward.gcp")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how a pool's VMs run: the `sky.GCP` settings the API calls need."""
+
+    image: str | None = None
+    spot: bool = False
+    network: str | None = None
+    subnetwork: str | None = None
+    use_private_ips: bool = False
+    ssh_cidr: str | None = None
+    idle_timeout: float = 300.0
+    service_account: str | None = None
+    disk_size_gb: int = 100
+    user: str = "skyward"
+
+
+def network_url(access: Access, network: str | None) -> str:
+    name = network or "default"
+    return name if "/" in name else f"projects/{access.project}/global/networks/{name}"
+
+
+def subnetwork_url(access: Access, subnetwork: str | None) -> str | None:
+    if not subnetwork or "/" in subnetwork:
+        return subnetwork
+    return f"projects/{access.project}/regions/{access.region}/subnetworks/{subnetwork}"
+
+
+def set_up(
+    clients: Clients,
+    access: Access,
+    placement: Placement,
+    spec: ClusterSpec,
+    choice: Choice,
+    metadata: dict[str, str],
+    made: teardown.Made,
+    deadline: float,
+    check_cancel: CheckCancel,
+) -> compute_v1.BulkInsertInstanceResource:
+    """Create the pool's firewall rules; return the bulkInsert body of its VMs (count unset)."""
+    cidrs = [placement.ssh_cidr] if placement.ssh_cidr else _client_cidrs(placement)
+    tag = resources.network_tag(spec.pool_id)
+    network = network_url(access, placement.network)
+    ssh_rule, internal_rule = resources.firewall_names(spec.pool_id)
+    about = f"skyward pool {spec.pool_id}"
+    rules = [
+        compute_v1.Firewall(
+            name=ssh_rule,
+            description=f"{about}: SSH from the client",
+            network=network,
+            direction="INGRESS",
+            source_ranges=cidrs,
+            target_tags=[tag],
+            allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])],
+        ),
+        # One rule has one allow-list for all its sources: traffic inside the pool needs its own.
+        compute_v1.Firewall(
+            name=internal_rule,
+            description=f"{about}: everything between the pool's VMs",
+            network=network,
+            direction="INGRESS",
+            source_tags=[tag],
+            target_tags=[tag],
+            allowed=[compute_v1.Allowed(I_p_protocol="all")],
+        ),
+    ]
+    operations = []
+    for rule in rules:
+        check_cancel()
+        made.add(teardown.FIREWALL, rule.name)
+        operations.append(
+            clients.firewalls.insert_unary(
+                request=compute_v1.InsertFirewallRequest(
+                    project=access.project, firewall_resource=rule, request_id=api.request_id()
+                ),
+                retry=api.retry(),
+                timeout=api.CALL_TIMEOUT,
+            )
+        )
+    for operation in operations:
+        failed = api.operation_error(api.wait(clients, access.project, operation, deadline))
+        if failed is not None:
+            raise ProvisionError(
+                f"creating the firewall rules of {about}: {failed[0]}: {failed[1]}"
+            )
+    check_cancel()
+    labels = resources.pool_labels(spec.pool_id)
+    interface = compute_v1.NetworkInterface(network=network)
+    subnetwork = subnetwork_url(access, placement.subnetwork)
+    if subnetwork:
+        interface.subnetwork = subnetwork
+    if not placement.use_private_ips:
+        interface.access_configs = [
+            compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")
+        ]
+    scheduling = compute_v1.Scheduling(
+        automatic_restart=False,
+        # GPU VMs cannot live-migrate; spot VMs must not.
+        on_host_maintenance="TERMINATE" if choice.is_gpu or placement.spot else "MIGRATE",
+        provisioning_model="SPOT" if placement.spot else "STANDARD",
+    )
+    if placement.spot:
+        # STOP, not DELETE: a preempted VM stays (TERMINATED) so `explain` can say what happened.
+        scheduling.instance_termination_action = "STOP"
+    properties = compute_v1.InstanceProperties(
+        machine_type=choice.machine_type,
+        labels=labels,
+        tags=compute_v1.Tags(items=[tag]),
+        metadata=compute_v1.Metadata(
+            items=[compute_v1.Items(key=k, value=v) for k, v in metadata.items()]
+        ),
+        disks=[
+            compute_v1.AttachedDisk(
+                boot=True,
+                auto_delete=True,
+                type_="PERSISTENT",
+                initialize_params=compute_v1.AttachedDiskInitializeParams(
+                    source_image=placement.image or choice.image,
+                    disk_size_gb=placement.disk_size_gb,
+                    labels=labels,
+                ),
+            )
+        ],
+        network_interfaces=[interface],
+        scheduling=scheduling,
+    )
+    if placement.service_account:
+        # The VMs' own credentials (e.g. for gs:// data): an account the user owns.
+        properties.service_accounts = [
+            compute_v1.ServiceAccount(
+                email=placement.service_account,
+                scopes=["https://www.googleapis.com/auth/cloud-platform"],
+            )
+        ]
+    return compute_v1.BulkInsertInstanceResource(
+        name_pattern=resources.name_pattern(spec.pool_id), instance_properties=properties
+    )
+
+
+def run(
+    clients: Clients,
+    access: Access,
+    body: compute_v1.BulkInsertInstanceResource,
+    count: int,
+    deadline: float,
+) -> None:
+    """Start `count` VMs with `body` in one call, all or none; raise `ProvisionError` when GCE
+    could not (its operation's error, e.g. ZONE_RESOURCE_POOL_EXHAUSTED)."""
+    request = compute_v1.BulkInsertInstanceResource(body)
+    request.count = count
+    request.min_count = count  # all-or-nothing: fewer than count and GCE deletes what it made
+    logger.info("starting %d x %s in %s", count, body.instance_properties.machine_type, access.zone)
+    operation = clients.instances.bulk_insert_unary(
+        request=compute_v1.BulkInsertInstanceRequest(
+            project=access.project,
+            zone=access.zone,
+            bulk_insert_instance_resource_resource=request,
+            request_id=api.request_id(),
+        ),
+        retry=api.retry(),
+        timeout=api.CALL_TIMEOUT,
+    )
+    failed = api.operation_error(api.wait(clients, access.project, operation, deadline))
+    if failed is not None:
+        raise ProvisionError(_launch_words(failed, count, body, access))
+
+
+def wait_running(
+    clients: Clients,
+    access: Access,
+    pool_id: str,
+    count: int,
+    exclude: set[str],
+    *,
+    deadline: float,
+    poll: float,
+    check_cancel: CheckCancel,
+) -> list[Any]:
+    """Wait until `count` VMs of the pool (other than `exclude`) run; in name order (bulkInsert
+    numbers them in order). One that stops fails them all."""
+    while True:
+        listed = clients.instances.list(
+            request={
+                "project": access.project,
+                "zone": access.zone,
+                "filter": resources.instance_filter(pool_id),
+            },
+            retry=api.retry(),
+            timeout=api.CALL_TIMEOUT,
+        )
+        ours = sorted((i for i in listed if i.name not in exclude), key=lambda i: str(i.name))
+        gone = [i for i in ours if i.status in _GONE]
+        if gone:
+            reasons = "; ".join(f"{i.name}: {i.status}" for i in gone)
+            raise ProvisionError(
+                f"GCE started {count} VM(s) but {len(gone)} stopped at once ({reasons}); a pool "
+                "needs all of them, so all were deleted. Try again, another zone, fewer nodes, "
+                "or spot=False"
+            )
+        running = [i for i in ours if i.status == "RUNNING"]
+        if len(running) >= count:
+            return running[:count]
+        if time.monotonic() > deadline:
+            raise ProvisionError(
+                f"only {len(running)} of {count} VM(s) were running before the boot_timeout; "
+                "all were deleted"
+            )
+        check_cancel()
+        time.sleep(poll)
+
+
+def delete(clients: Clients, project: str, zone: str, name: str) -> None:
+    """Ask GCE to delete one VM (not waited for); "not found" is done."""
+    with contextlib.suppress(gexc.NotFound):
+        clients.instances.delete_unary(
+            request=compute_v1.DeleteInstanceRequest(
+                project=project, zone=zone, instance=name, request_id=api.request_id()
+            ),
+            retry=None,  # the teardown's loop retries, with its own deadline
+            timeout=api.CALL_TIMEOUT,
+        )
+
+
+def loss_of(clients: Clients, access: Access, zone: str, name: str) -> NodeLoss | None:
+    """Why VM `name` went away (a preemption named as such), or None while it runs."""
+    try:
+        instance = clients.instances.get(
+            project=access.project, zone=zone, instance=name, retry=api.retry(5), timeout=10
+        )
+    except gexc.NotFound:
+        return NodeLoss(f"VM {name} no longer exists")
+    except api.ApiError:
+        return None
+    if instance.status in _UP:
+        return None
+    preempted: bool | None = None
+    try:
+        operations = clients.zone_operations.list(
+            request={
+                "project": access.project,
+                "zone": zone,
+                "filter": f'(operationType = "{PREEMPTED}") (targetLink = "{instance.self_link}")',
+            },
+            retry=api.retry(5),
+            timeout=10,
+        )
+        preempted = any(True for _ in operations)
+    except api.ApiError:
+        preempted = None  # unknown: judge by the VM alone
+    return describe_loss(instance, preempted)
+
+
+def describe_loss(instance: Any, preempted: bool | None) -> NodeLoss | None:
+    """Why a VM is gone, in words. `preempted`: whether GCE logged a preemption operation for
+    it (None: not known; then a stopped spot VM counts as preempted: skyward never stops one)."""
+    status = str(instance.status)
+    if status in _UP:
+        return None
+    spot = str(instance.scheduling.provisioning_model) == "SPOT" or bool(
+        instance.scheduling.preemptible
+    )
+    stopped = f" at {instance.last_stop_timestamp}" if instance.last_stop_timestamp else ""
+    if preempted or (preempted is None and spot and status in ("TERMINATED", "STOPPING")):
+        return NodeLoss(
+            f"VM {instance.name} was preempted: GCE reclaimed the spot VM{stopped} "
+            f"(status {status})",
+            preempted=True,
+        )
+    return NodeLoss(f"VM {instance.name} is {status}{stopped}")
+
+
+def check_cidr(cidr: str) -> str:
+    """`cidr` normalised; `ConfigError` when it is not one."""
+    try:
+        return str(ipaddress.ip_network(cidr, strict=False))
+    except ValueError:
+        raise ConfigError(f"ssh_cidr {cidr!r} is not a CIDR such as '203.0.113.7/32'") from None
+
+
+def _client_cidrs(placement: Placement) -> list[str]:
+    if placement.use_private_ips:
+        return list(PRIVATE_RANGES)  # the client is inside the VPC or on a VPN
+    try:
+        with urllib.request.urlopen(CHECK_IP_URL, timeout=10) as answer:
+            address = answer.read().decode().strip()
+        return [check_cidr(f"{address}/32")]
+    except (OSError, ValueError, ConfigError) as exc:
+        raise ConfigError(
+            f"this client's public address could not be found ({CHECK_IP_URL}: {exc}); "
+            "pass sky.GCP(ssh_cidr='x.x.x.x/32') to say who may reach port 22"
+        ) from None
+
+
+def _launch_words(
+    failed: tuple[str, str], count: int, body: compute_v1.BulkInsertInstanceResource, access: Access
+) -> str:
+    code, message = failed
+    what = f"{count} x {body.instance_properties.machine_type} in {access.zone}"
+    if code in _CAPACITY_CODES:
+        return (
+            f"GCE could not start {what} ({code}: {message}). Nothing was left running. Try "
+            "another zone, fewer nodes, spot=False, or ask for more quota"
+        )
+    return f"GCE could not start {what} ({code}: {message}); nothing was left running"

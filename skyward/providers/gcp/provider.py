@@ -1,0 +1,425 @@
+"""`sky.GCP`: a pool's nodes as Compute Engine VMs, reached over verified SSH.
+
+launch, for the whole pool at once (the API calls do not grow with N); the GCE steps are the
+plain functions of `instances`, the SSH steps those of `skyward.providers.remote`:
+
+1. resolve project, zone and credentials and pick the machine type (offline, in `validate`);
+2. create the pool's firewall rules and a fresh login key; the VMs' metadata carries the key
+   (``ssh-keys``) and a startup script that installs a host key made on the client and starts
+   the idle watchdog;
+3. one ``instances.bulkInsert`` for all N (``minCount = N``); wait until all N run;
+4. connect to every VM, trusting only that host key, retrying while they boot; `prepare` and
+   the agents are the remote bootstrap's, as for `sky.SSH`.
+
+What one pool made lives in its `GCPCluster` (and in the labels and names, the durable record).
+Teardown (end of the pool, or any failure or cancellation during launch) is
+`teardown.remove_pool`, which ``skyward down`` uses too; it runs in a non-daemon thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skyward.cluster import Accelerator, ClusterSpec
+from skyward.errors import ConfigError, ProvisionError
+from skyward.image import Image
+from skyward.providers.base import Cluster, Log, Node, NodeLoss, Provider
+from skyward.providers.bootscript import HostKey, write_login_key
+from skyward.providers.gcp import api, instances, machine_types, resources, startup, teardown
+from skyward.providers.gcp.instances import logger
+from skyward.providers.gcp.settings import Access, Clients, endpoint_of, resolve
+from skyward.providers.remote import (
+    Bootstrap,
+    BootWait,
+    ConnectOptions,
+    RemoteNode,
+    close_hosts,
+    connect_all,
+    prepare_nodes,
+    remote_nodes,
+)
+from skyward.providers.remote_data import RemoteData
+from skyward.providers.threads import in_thread
+from skyward.transport.ssh import Endpoint, load_known_hosts
+
+
+@dataclass
+class GCPCluster(Cluster):
+    """What one pool has made so far (the labels are the durable record)."""
+
+    key_dir: Path  # the pool's login key, removed with the pool
+    host_key: HostKey  # the host key every VM of the pool presents
+    cancel: threading.Event = field(default_factory=threading.Event)
+    provisioning: Future[list[Any]] | None = None
+    body: Any = None  # the bulkInsert request: replace() asks for the same
+    made: teardown.Made = field(default_factory=teardown.Made)
+    node_instances: dict[int, str] = field(default_factory=dict)  # node index -> VM name
+    removed: bool = False
+
+    @property
+    def pool_id(self) -> str:
+        return self.spec.pool_id
+
+    @property
+    def key_path(self) -> Path:
+        return self.key_dir / "id_ed25519"
+
+    def check_cancel(self) -> None:
+        if self.cancel.is_set():
+            raise ProvisionError(f"the launch of pool {self.pool_id} was cancelled")
+
+
+class GCP(RemoteData, Provider):
+    """Nodes as Compute Engine VMs (GPU or CPU), firewall rules per pool, nothing left behind.
+
+    Args:
+        project, zone: default: the standard sources (``CLOUDSDK_CORE_PROJECT``,
+            ``GOOGLE_CLOUD_PROJECT``, the credentials' project, gcloud's config;
+            ``CLOUDSDK_COMPUTE_ZONE``, gcloud's ``compute/zone``).
+        spot: Spot VMs (cheaper, may be preempted).
+        network, subnetwork: where the VMs go (default: the ``default`` network); a name or a
+            resource path. A subnetwork must be in `network` and in the zone's region.
+        use_private_ips: connect to the VMs' internal addresses (client in the VPC or on a
+            VPN); then no external address is asked for.
+        ssh_cidr: who may reach port 22; default: this client's public address (/32), or the
+            private ranges with `use_private_ips`.
+        idle_timeout: seconds without any SSH client after which a VM powers itself off.
+        service_account: the VMs' own service account (e.g. for data in Cloud Storage).
+        machine_type: default: from the pool's accelerator (see `machine_types`).
+        image: boot image (default: a Deep Learning VM image for GPUs, Ubuntu 24.04 for CPU).
+        disk_size_gb: boot disk size.
+        user: login user the guest agent creates from the pool's key.
+        python, connect_timeout, keepalive, build_env: as for `sky.SSH`.
+        boot_timeout: seconds for all VMs to run and accept the verified SSH login.
+        poll_interval: seconds between state polls (boot, teardown).
+        teardown_timeout: seconds the teardown keeps trying before it names what remains.
+        credentials: google-auth credentials (default: Application Default Credentials).
+        api_endpoint: the Compute API's ``scheme://host[:port]`` (default: Google's, or
+            ``CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE``).
+    """
+
+    name = "gcp"
+
+    def __init__(
+        self,
+        project: str | None = None,
+        zone: str | None = None,
+        spot: bool = False,
+        network: str | None = None,
+        subnetwork: str | None = None,
+        use_private_ips: bool = False,
+        ssh_cidr: str | None = None,
+        idle_timeout: float = 300.0,
+        service_account: str | None = None,
+        *,
+        machine_type: str | None = None,
+        image: str | None = None,
+        disk_size_gb: int = 100,
+        user: str = "skyward",
+        python: str | None = None,
+        boot_timeout: float = 900.0,
+        connect_timeout: float = 10.0,
+        keepalive: float = 15.0,
+        build_env: Mapping[str, str] | None = None,
+        poll_interval: float = 3.0,
+        teardown_timeout: float = 600.0,
+        credentials: Any | None = None,
+        api_endpoint: str | None = None,
+    ) -> None:
+        if teardown_timeout <= 0:
+            raise ConfigError(f"teardown_timeout must be > 0 seconds, got {teardown_timeout!r}")
+        if idle_timeout <= 0:
+            raise ConfigError(f"idle_timeout must be > 0 seconds, got {idle_timeout!r}")
+        if ssh_cidr is not None:
+            ssh_cidr = instances.check_cidr(ssh_cidr)
+        self.project = project
+        self.zone = zone
+        self.machine_type = machine_type
+        self.placement = instances.Placement(
+            image,
+            spot,
+            network,
+            subnetwork,
+            use_private_ips,
+            ssh_cidr,
+            idle_timeout,
+            service_account,
+            disk_size_gb,
+            user,
+        )
+        self.boot_timeout = boot_timeout
+        self.connect_timeout = connect_timeout
+        self.keepalive = keepalive
+        self.bootstrap = Bootstrap(python, build_env=dict(build_env or {}))
+        self.poll_interval = poll_interval
+        self.teardown_timeout = teardown_timeout
+        self._credentials = credentials
+        self._endpoint = api_endpoint
+        self._access: Access | None = None
+        self._clients: Clients | None = None
+        self._lock = threading.Lock()
+
+    # -- project, zone, clients ----------------------------------------------------------
+
+    def access(self) -> Access:
+        """Project, zone and credentials (resolved once; `ConfigError` when one is missing)."""
+        with self._lock:
+            if self._access is None:
+                self._access = resolve(self.project, self.zone, self._credentials)
+            return self._access
+
+    def clients(self) -> Clients:
+        access = self.access()
+        with self._lock:
+            if self._clients is None:
+                self._clients = Clients(access.credentials, endpoint_of(self._endpoint))
+            return self._clients
+
+    # -- the provider protocol -------------------------------------------------------------
+
+    def implied_accelerator(self) -> Accelerator | None:
+        """The accelerator `machine_type=` carries, so plugins (JAX's wheel) can see it."""
+        return machine_types.accelerator_of(self.machine_type) if self.machine_type else None
+
+    def validate(self, spec: ClusterSpec) -> None:
+        """Offline checks: the accelerator maps to a machine type; project, zone, credentials."""
+        machine_types.choose(spec.accelerator, self.machine_type)
+        self.access()
+
+    async def launch(self, spec: ClusterSpec, log: Log) -> Cluster:
+        choice = machine_types.choose(spec.accelerator, self.machine_type)
+        cluster = GCPCluster(
+            spec,
+            [],
+            key_dir=Path(tempfile.mkdtemp(prefix=f"skyward-gcp-{spec.pool_id}-")),
+            host_key=HostKey.generate(f"skyward-{spec.pool_id}"),
+        )
+        try:
+            cluster.provisioning = in_thread(
+                lambda: self._provision(cluster, choice), f"skyward-gcp-launch-{spec.pool_id}"
+            )
+            found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
+            cluster.nodes = await self._connect(cluster, found, range(len(found)))
+            return cluster
+        except BaseException as exc:
+            cluster.cancel.set()
+            logger.info("launch of %s failed (%r): removing what it created", spec.pool_id, exc)
+            try:
+                await self._teardown(cluster)
+            except ProvisionError as cleanup:
+                exc.add_note(str(cleanup))  # the launch's own failure stays the error
+            raise
+
+    async def replace(self, cluster: Cluster, index: int) -> Node:
+        """A new VM, launched as the pool's were, in place of a lost one."""
+        pool = _gcp(cluster)
+        await remote_nodes(pool)[index].host.close()
+        lost = pool.node_instances[index]
+
+        def provision() -> list[Any]:
+            access, clients = self.access(), self.clients()
+            deadline = self._deadline()
+            try:
+                instances.delete(clients, access.project, access.zone, lost)
+            except api.ApiError as exc:  # the teardown deletes it in the end
+                logger.info("deleting lost VM %s: %s", lost, api.describe(exc))
+            known = set(pool.made.instances)
+            instances.run(clients, access, pool.body, 1, deadline)
+            return self._wait_running(pool, 1, known, deadline)
+
+        launched = in_thread(provision, f"skyward-gcp-replace-{pool.pool_id}")
+        try:
+            found = await asyncio.shield(asyncio.wrap_future(launched))
+        except api.ApiError as exc:
+            raise ProvisionError(
+                f"launching a replacement for node {index}: {api.describe(exc)}"
+            ) from None
+        (node,) = await self._connect(pool, found, [index])
+        pool.nodes[index] = node
+        return node
+
+    async def prepare(self, cluster: Cluster, image: Image, log: Log) -> None:
+        await prepare_nodes(cluster, image, self.bootstrap, log)
+
+    async def terminate(self, cluster: Cluster) -> None:
+        await self._teardown(_gcp(cluster))
+
+    async def explain(self, cluster: Cluster, node: Node) -> NodeLoss | None:
+        """Why `node`'s VM went away (e.g. preempted), or None if it still runs."""
+        pool = _gcp(cluster)
+        name = pool.node_instances.get(node.index)
+        if name is None:
+            return None
+        access = self.access()
+        zone = pool.made.instances.get(name) or access.zone
+        return await asyncio.to_thread(instances.loss_of, self.clients(), access, zone, name)
+
+    # -- orphan sweep ----------------------------------------------------------------------
+
+    def cleanup(self, pool: str | None = None) -> list[str]:
+        """Remove skyward's resources in the project: one pool's, or every pool's. Returns what
+        was removed; raises `ProvisionError` listing what could not be."""
+        clients, project = self.clients(), self.access().project
+        if pool is not None:
+            pools = [pool]
+        else:
+            try:
+                pools = sorted(resources.find(clients, project))
+            except api.ApiError as exc:
+                raise ProvisionError(f"listing skyward's resources failed: {exc}") from None
+        removed: list[str] = []
+        problems: list[str] = []
+        for pool_id in pools:
+            try:
+                removed += [f"{pool_id}: {line}" for line in self._remove_pool(pool_id)]
+            except ProvisionError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise ProvisionError("\n".join(problems))
+        return removed
+
+    # -- launch: the GCE half runs in a thread ---------------------------------------------
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.boot_timeout
+
+    def _provision(self, pool: GCPCluster, choice: machine_types.Choice) -> list[Any]:
+        access, clients = self.access(), self.clients()
+        deadline = self._deadline()
+        try:
+            login = write_login_key(pool.key_path)
+            metadata = startup.metadata(
+                pool.pool_id,
+                pool.host_key,
+                self.placement.idle_timeout,
+                self.placement.user,
+                login,
+            )
+            pool.body = instances.set_up(
+                clients,
+                access,
+                self.placement,
+                pool.spec,
+                choice,
+                metadata,
+                pool.made,
+                deadline,
+                pool.check_cancel,
+            )
+            pool.check_cancel()
+            instances.run(clients, access, pool.body, pool.spec.nodes, deadline)
+            return self._wait_running(pool, pool.spec.nodes, set(), deadline)
+        except (*api.ApiError, TimeoutError) as exc:
+            raise ProvisionError(
+                f"launching pool {pool.pool_id} failed: {api.describe(exc)}; nothing was left "
+                "running"
+            ) from None
+
+    def _wait_running(
+        self, pool: GCPCluster, count: int, exclude: set[str], deadline: float
+    ) -> list[Any]:
+        access = self.access()
+        found = instances.wait_running(
+            self.clients(),
+            access,
+            pool.pool_id,
+            count,
+            exclude,
+            deadline=deadline,
+            poll=self.poll_interval,
+            check_cancel=pool.check_cancel,
+        )
+        for instance in found:
+            pool.made.add(teardown.INSTANCE, str(instance.name), access.zone)
+        return found
+
+    # -- the SSH half ----------------------------------------------------------------------
+
+    async def _connect(
+        self, pool: GCPCluster, found: list[Any], indexes: Sequence[int]
+    ) -> list[Node]:
+        """Connect to the VMs `found` (as nodes `indexes`), trusting only the pool's host key."""
+        addresses = []
+        for instance in found:
+            interface = instance.network_interfaces[0]
+            if self.placement.use_private_ips:
+                address = str(interface.network_i_p)
+            else:
+                nat = [c.nat_i_p for c in interface.access_configs if c.nat_i_p]
+                address = str(nat[0]) if nat else ""
+            if not address:
+                raise ProvisionError(
+                    f"VM {instance.name} has no external address: use_private_ips=True from "
+                    "inside the VPC, or a network that allows external addresses"
+                )
+            addresses.append(address)
+        options = ConnectOptions(
+            known_hosts=load_known_hosts([pool.host_key.known_hosts_line(a) for a in addresses]),
+            key=str(pool.key_path),
+            config=[],  # no ~/.ssh/config rule (User, HostName...) may redirect this login
+            timeout=self.connect_timeout,
+            keepalive=self.keepalive,
+        )
+        wait = BootWait(
+            asyncio.get_running_loop().time() + self.boot_timeout,
+            self.poll_interval,
+            f"boot_timeout={self.boot_timeout:g} s",
+        )
+        hosts = await connect_all(
+            [Endpoint(a, 22, self.placement.user) for a in addresses],
+            options,
+            wait,
+            [f"VM {i.name} ({a})" for i, a in zip(found, addresses, strict=True)],
+        )
+        nodes: list[Node] = []
+        for index, host, instance in zip(indexes, hosts, found, strict=True):
+            pool.node_instances[index] = str(instance.name)
+            private = str(instance.network_interfaces[0].network_i_p) or None
+            nodes.append(RemoteNode(index, host, private))
+        return nodes
+
+    # -- teardown --------------------------------------------------------------------------
+
+    async def _teardown(self, pool: GCPCluster) -> None:
+        if pool.removed:
+            return
+        await close_hosts(pool)
+        done = in_thread(lambda: self._remove(pool), f"skyward-gcp-teardown-{pool.pool_id}")
+        # Shielded: if the pool's loop is cancelled, the thread still finishes the job.
+        await asyncio.shield(asyncio.wrap_future(done))
+
+    def _remove(self, pool: GCPCluster) -> None:
+        if pool.provisioning is not None:
+            # Let an in-flight bulkInsert return first, so its VMs are found too.
+            with contextlib.suppress(BaseException):
+                pool.provisioning.exception()
+        self._remove_pool(pool.pool_id, pool.made)
+        pool.removed = True
+        shutil.rmtree(pool.key_dir, ignore_errors=True)
+
+    def _remove_pool(self, pool_id: str, made: teardown.Made | None = None) -> list[str]:
+        return teardown.remove_pool(
+            self.clients(),
+            self.access().project,
+            pool_id,
+            made,
+            timeout=self.teardown_timeout,
+            poll=self.poll_interval,
+            log=logger.info,
+        )
+
+
+def _gcp(cluster: Cluster) -> GCPCluster:
+    if not isinstance(cluster, GCPCluster):
+        raise TypeError(f"{cluster!r} is not a pool of the GCP provider")
+    return cluster

@@ -1,0 +1,140 @@
+"""Where a `sky.GCP` pool goes and as whom: project, zone, credentials, API endpoint, clients.
+
+Resolution follows gcloud and the client libraries, first match wins:
+
+- project: ``project=``; ``CLOUDSDK_CORE_PROJECT``; ``GOOGLE_CLOUD_PROJECT``; the project of
+  Application Default Credentials (``google.auth.default()``, which also reads gcloud's config);
+- zone: ``zone=``; ``CLOUDSDK_COMPUTE_ZONE``; ``[compute] zone`` of gcloud's active configuration;
+- credentials: Application Default Credentials;
+- endpoint: ``api_endpoint=``; ``CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE`` (gcloud's override);
+  else the library's default (compute.googleapis.com).
+
+The client libraries are imported here, lazily: ``import skyward`` never needs them.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from skyward.errors import ConfigError
+
+SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+
+
+def gcloud_property(section: str, name: str) -> str | None:
+    """A property of gcloud's active configuration (``~/.config/gcloud``), if set."""
+    root = Path(os.environ.get("CLOUDSDK_CONFIG") or Path.home() / ".config" / "gcloud")
+    active = os.environ.get("CLOUDSDK_ACTIVE_CONFIG_NAME")
+    if not active:
+        try:
+            active = (root / "active_config").read_text().strip() or "default"
+        except OSError:
+            active = "default"
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(root / "configurations" / f"config_{active}")
+    except configparser.Error:
+        return None
+    return parser.get(section, name, fallback=None) or None
+
+
+def endpoint_of(explicit: str | None) -> str | None:
+    """``scheme://host[:port]`` of the Compute API, or None for the default."""
+    value = explicit or os.environ.get("CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE")
+    if not value:
+        return None
+    parts = urlsplit(value if "://" in value else f"https://{value}")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+@dataclass
+class Access:
+    """The resolved project, zone and credentials of one `sky.GCP`."""
+
+    project: str
+    zone: str
+    credentials: Any
+
+    @property
+    def region(self) -> str:
+        return self.zone.rsplit("-", 1)[0]
+
+
+def resolve(project: str | None, zone: str | None, credentials: Any | None) -> Access:
+    """Project, zone and credentials from the standard sources; `ConfigError` naming the
+    missing one and how to give it."""
+    adc_project: str | None = None
+    if credentials is None:
+        import google.auth
+        from google.auth.exceptions import DefaultCredentialsError
+
+        try:
+            credentials, adc_project = google.auth.default(scopes=list(SCOPES))
+        except DefaultCredentialsError as exc:
+            raise ConfigError(
+                "no Google Cloud credentials found: run `gcloud auth application-default "
+                f"login`, or set GOOGLE_APPLICATION_CREDENTIALS ({exc})"
+            ) from None
+    project = (
+        project
+        or os.environ.get("CLOUDSDK_CORE_PROJECT")
+        or os.environ.get("GOOGLE_CLOUD_PROJECT")
+        or adc_project
+        or gcloud_property("core", "project")
+    )
+    if not project:
+        raise ConfigError(
+            "no Google Cloud project: pass sky.GCP(project=...), set CLOUDSDK_CORE_PROJECT or "
+            "GOOGLE_CLOUD_PROJECT, or `gcloud config set project PROJECT`"
+        )
+    zone = zone or os.environ.get("CLOUDSDK_COMPUTE_ZONE") or gcloud_property("compute", "zone")
+    if not zone:
+        raise ConfigError(
+            "no Compute Engine zone: pass sky.GCP(zone='us-central1-a'), set "
+            "CLOUDSDK_COMPUTE_ZONE, or `gcloud config set compute/zone ZONE`"
+        )
+    return Access(str(project), str(zone), credentials)
+
+
+class Clients:
+    """The Compute API clients of one provider, made on first use (thread-safe)."""
+
+    def __init__(self, credentials: Any, endpoint: str | None) -> None:
+        self._credentials = credentials
+        self._endpoint = endpoint
+        self._made: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def _client(self, name: str) -> Any:
+        with self._lock:
+            if name not in self._made:
+                from google.api_core.client_options import ClientOptions
+                from google.cloud import compute_v1
+
+                options = ClientOptions(api_endpoint=self._endpoint) if self._endpoint else None
+                self._made[name] = getattr(compute_v1, name)(
+                    credentials=self._credentials, client_options=options, transport="rest"
+                )
+            return self._made[name]
+
+    @property
+    def instances(self) -> Any:
+        return self._client("InstancesClient")
+
+    @property
+    def firewalls(self) -> Any:
+        return self._client("FirewallsClient")
+
+    @property
+    def zone_operations(self) -> Any:
+        return self._client("ZoneOperationsClient")
+
+    @property
+    def global_operations(self) -> Any:
+        return self._client("GlobalOperationsClient")

@@ -1,0 +1,202 @@
+"""Removing a pool from Compute Engine: a reconciliation loop that ends with nothing left, or
+says what is.
+
+Each round lists the pool's VMs (one aggregated list over every zone, by label) and skyward's
+firewall rules (by name), asks GCE to delete every one still there, and repeats until a
+successful listing of both shows nothing of the pool. Deletions are not waited for one by one:
+the next listing shows what is gone, so a round costs the same for 1 VM or 16 (plus one delete
+call per VM, once: the Compute API has no multi-VM delete outside instance groups). A delete
+still pending is asked again only after `REDELETE` seconds. Every step is idempotent ("not
+found" is success) and one failing call never stops the others. What the client knows it made
+(`Made`) is deleted even when a listing fails. Rounds repeat `poll` apart while GCE is only
+slow, with jittered exponential backoff (up to 30 s) while calls fail, until `timeout`: then one
+`ProvisionError` names what remains and ``skyward down <pool>``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from google.api_core import exceptions as gexc
+from google.cloud import compute_v1
+
+from skyward.errors import ProvisionError
+from skyward.providers.gcp import api, resources
+
+INSTANCE = "instance"
+FIREWALL = "firewall rule"
+KINDS = (INSTANCE, FIREWALL)
+REDELETE = 60.0
+_MAX_BACKOFF = 30.0
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class Made:
+    """What a launch made, or was about to make, by kind (instances: name -> zone)."""
+
+    instances: dict[str, str] = field(default_factory=dict)
+    firewalls: set[str] = field(default_factory=set)
+
+    def add(self, kind: str, name: str, zone: str = "") -> None:
+        if kind == INSTANCE:
+            self.instances[name] = zone
+        else:
+            self.firewalls.add(name)
+
+
+@dataclass
+class _State:
+    instances: dict[str, str]  # what may still exist: name -> zone
+    firewalls: set[str]
+    asked: dict[str, float] = field(default_factory=dict)  # "kind name" -> when deleted
+    seen: set[str] = field(default_factory=set)
+
+
+def remove_pool(
+    clients: Any,
+    project: str,
+    pool_id: str,
+    made: Made | None = None,
+    *,
+    timeout: float = 600.0,
+    poll: float = 3.0,
+    log: Log = lambda line: None,
+) -> list[str]:
+    """Remove everything of `pool_id` (and everything in `made`); what was found, by kind.
+
+    Returns once a successful listing shows nothing of the pool; raises `ProvisionError` naming
+    what remains, and ``skyward down <pool_id>``, when `timeout` seconds were not enough.
+    """
+    made = made or Made()
+    state = _State(dict(made.instances), set(made.firewalls))
+    deadline = time.monotonic() + timeout
+    failing_rounds = 0
+    while True:
+        problems: list[str] = []
+        clear = _round(clients, project, pool_id, state, problems, log)
+        if clear:
+            return sorted(state.seen)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ProvisionError(_remains(pool_id, state, problems, timeout))
+        failing_rounds = failing_rounds + 1 if problems else 0
+        for problem in problems:
+            log(f"teardown of {pool_id}: {problem}; trying again")
+        time.sleep(min(left, _delay(poll, failing_rounds)))
+
+
+def _round(
+    clients: Any, project: str, pool_id: str, state: _State, problems: list[str], log: Log
+) -> bool:
+    """List, then delete what may still exist; True when both listings succeeded empty."""
+    listed_ok = True
+    try:
+        found = resources.list_instances(clients, project, pool_id)
+        state.instances = resources.names(found)
+    except api.ApiError as exc:
+        problems.append(f"listing the pool's VMs failed: {api.describe(exc)}")
+        listed_ok = False
+    try:
+        rules = resources.list_firewalls(clients, project, pool_id)
+        state.firewalls = {str(rule.name) for rule in rules}
+    except api.ApiError as exc:
+        problems.append(f"listing firewall rules failed: {api.describe(exc)}")
+        listed_ok = False
+    state.seen |= {f"{INSTANCE} {name}" for name in state.instances}
+    state.seen |= {f"{FIREWALL} {name}" for name in state.firewalls}
+    if listed_ok and not state.instances and not state.firewalls:
+        return True
+    now = time.monotonic()
+    for name, zone in sorted(state.instances.items()):
+        if _due(state, f"{INSTANCE} {name}", now):
+            _delete(
+                problems,
+                f"deleting VM {name}",
+                partial(
+                    clients.instances.delete_unary,
+                    request=compute_v1.DeleteInstanceRequest(
+                        project=project, zone=zone, instance=name, request_id=api.request_id()
+                    ),
+                    retry=None,
+                    timeout=api.CALL_TIMEOUT,
+                ),
+                state,
+                f"{INSTANCE} {name}",
+                now,
+            )
+    for name in sorted(state.firewalls):
+        if _due(state, f"{FIREWALL} {name}", now):
+            _delete(
+                problems,
+                f"deleting firewall rule {name}",
+                partial(
+                    clients.firewalls.delete_unary,
+                    request=compute_v1.DeleteFirewallRequest(
+                        project=project, firewall=name, request_id=api.request_id()
+                    ),
+                    retry=None,
+                    timeout=api.CALL_TIMEOUT,
+                ),
+                state,
+                f"{FIREWALL} {name}",
+                now,
+            )
+    asked = [k for k in state.asked if state.asked[k] == now]
+    if asked:
+        log(f"teardown of {pool_id}: deleting {', '.join(sorted(asked))}")
+    return False
+
+
+def _due(state: _State, key: str, now: float) -> bool:
+    """Not asked yet, or asked long enough ago that the deletion must have been lost."""
+    return key not in state.asked or now - state.asked[key] > REDELETE
+
+
+def _delete(
+    problems: list[str],
+    what: str,
+    call: Callable[[], object],
+    state: _State,
+    key: str,
+    now: float,
+) -> None:
+    try:
+        call()
+    except gexc.NotFound:
+        pass  # already gone: the next listing confirms it
+    except api.ApiError as exc:
+        problems.append(f"{what} failed: {api.describe(exc)}")
+        return
+    state.asked[key] = now
+
+
+def _delay(poll: float, failing_rounds: int) -> float:
+    """`poll` while GCE is only slow; after failures, exponential backoff with full jitter."""
+    if not failing_rounds:
+        return poll
+    return random.uniform(poll, max(poll, min(_MAX_BACKOFF, poll * 2**failing_rounds)))
+
+
+def _remains(pool_id: str, state: _State, problems: list[str], timeout: float) -> str:
+    lines = [f"  {INSTANCE} {name} ({zone})" for name, zone in sorted(state.instances.items())]
+    lines += [f"  {FIREWALL} {name}" for name in sorted(state.firewalls)]
+    if not lines:
+        lines = ["  (nothing known, but GCE could not confirm the pool is gone)"]
+    why = [f"  {p}" for p in problems] or ["  (GCE was still deleting them)"]
+    return "\n".join(
+        [
+            f"pool {pool_id} was not fully removed within teardown_timeout={timeout:g} s; "
+            "still there (or not confirmed gone):",
+            *lines,
+            "the last round's failures:",
+            *why,
+            f"Remove the rest with: skyward down {pool_id} --cloud gcp",
+        ]
+    )

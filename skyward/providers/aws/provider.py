@@ -26,7 +26,7 @@ import contextlib
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -56,6 +56,7 @@ from skyward.providers.remote import (
     remote_nodes,
 )
 from skyward.providers.remote_data import RemoteData
+from skyward.providers.threads import in_thread
 from skyward.transport.ssh import Endpoint, load_known_hosts
 
 T = TypeVar("T")
@@ -241,7 +242,7 @@ class AWS(RemoteData, Provider):
             host_key=userdata.HostKey.generate(f"skyward-{spec.pool_id}"),
         )
         try:
-            cluster.provisioning = _in_thread(
+            cluster.provisioning = in_thread(
                 lambda: self._provision(cluster, choice, progress),
                 f"skyward-aws-launch-{spec.pool_id}",
             )
@@ -271,7 +272,7 @@ class AWS(RemoteData, Provider):
             pool.made.add(teardown.INSTANCE, *fresh)
             return self._wait_running(ec2, pool, fresh)
 
-        launched = _in_thread(provision, f"skyward-aws-replace-{pool.pool_id}")
+        launched = in_thread(provision, f"skyward-aws-replace-{pool.pool_id}")
         try:
             found = await asyncio.shield(asyncio.wrap_future(launched))
         except ClientError as exc:
@@ -430,7 +431,7 @@ class AWS(RemoteData, Provider):
         if pool.removed:
             return
         await close_hosts(pool)
-        done = _in_thread(lambda: self._remove(pool), f"skyward-aws-teardown-{pool.pool_id}")
+        done = in_thread(lambda: self._remove(pool), f"skyward-aws-teardown-{pool.pool_id}")
         # Shielded: if the pool's loop is cancelled, the thread still finishes the job.
         await asyncio.shield(asyncio.wrap_future(done))
 
@@ -472,20 +473,3 @@ def _note_operation(model: Any, **_: Any) -> None:
 def last_operation() -> str:
     """The API call this thread made last (``RunInstances``), for an error to name."""
     return str(getattr(_operations, "name", "?"))
-
-
-def _in_thread(fn: Callable[[], T], name: str) -> Future[T]:
-    """Run `fn` in a new non-daemon thread: the interpreter waits for it before exiting."""
-    future: Future[T] = Future()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    # daemon=False explicitly: threads inherit daemon status from the (daemon) loop thread.
-    threading.Thread(target=run, name=name, daemon=False).start()
-    return future

@@ -33,7 +33,8 @@ from typing import Any
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
-from skyward.providers.base import Cluster, Log, Node, NodeLoss, Provider
+from skyward.progress import Phase, Progress
+from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
 from skyward.providers.bootscript import HostKey, write_login_key
 from skyward.providers.gcp import api, instances, machine_types, resources, startup, teardown
 from skyward.providers.gcp.instances import logger
@@ -196,7 +197,7 @@ class GCP(RemoteData, Provider):
         machine_types.choose(spec.accelerator, self.machine_type)
         self.access()
 
-    async def launch(self, spec: ClusterSpec, log: Log) -> Cluster:
+    async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         choice = machine_types.choose(spec.accelerator, self.machine_type)
         cluster = GCPCluster(
             spec,
@@ -208,8 +209,9 @@ class GCP(RemoteData, Provider):
             cluster.provisioning = in_thread(
                 lambda: self._provision(cluster, choice), f"skyward-gcp-launch-{spec.pool_id}"
             )
+            progress.phase(None, Phase.BOOTING, f"{spec.nodes} x {choice.machine_type}")
             found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
-            cluster.nodes = await self._connect(cluster, found, range(len(found)))
+            cluster.nodes = await self._connect(cluster, found, range(len(found)), progress)
             return cluster
         except BaseException as exc:
             cluster.cancel.set()
@@ -248,11 +250,14 @@ class GCP(RemoteData, Provider):
         pool.nodes[index] = node
         return node
 
-    async def prepare(self, cluster: Cluster, image: Image, log: Log) -> None:
-        await prepare_nodes(cluster, image, self.bootstrap, log)
+    async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
+        await prepare_nodes(cluster, image, self.bootstrap, progress)
 
     async def terminate(self, cluster: Cluster) -> None:
         await self._teardown(_gcp(cluster))
+
+    def teardown_summary(self, nodes: int) -> str:
+        return f"removed {count(nodes, 'VM')}"
 
     async def explain(self, cluster: Cluster, node: Node) -> NodeLoss | None:
         """Why `node`'s VM went away (e.g. preempted), or None if it still runs."""
@@ -346,7 +351,11 @@ class GCP(RemoteData, Provider):
     # -- the SSH half ----------------------------------------------------------------------
 
     async def _connect(
-        self, pool: GCPCluster, found: list[Any], indexes: Sequence[int]
+        self,
+        pool: GCPCluster,
+        found: list[Any],
+        indexes: Sequence[int],
+        progress: Progress | None = None,
     ) -> list[Node]:
         """Connect to the VMs `found` (as nodes `indexes`), trusting only the pool's host key."""
         addresses = []
@@ -363,6 +372,9 @@ class GCP(RemoteData, Provider):
                     "inside the VPC, or a network that allows external addresses"
                 )
             addresses.append(address)
+        if progress is not None:
+            for index, instance, address in zip(indexes, found, addresses, strict=True):
+                progress.phase(index, Phase.CONNECTING, f"{instance.name} {address}")
         options = ConnectOptions(
             known_hosts=load_known_hosts([pool.host_key.known_hosts_line(a) for a in addresses]),
             key=str(pool.key_path),

@@ -194,6 +194,8 @@ def _run(args: argparse.Namespace) -> int:
             "region": args.region,
             "instance_type": args.instance_type,
             "spot": True if args.spot else None,
+            "project": args.project,
+            "zone": args.zone,
         },
     }
     if args.nodes is not None and args.nodes < 1:
@@ -209,6 +211,9 @@ def _run(args: argparse.Namespace) -> int:
     return outcome.status
 
 
+PROVIDER_NAMES = ("local", "ssh", "aws", "gcp")  # skyward.profiles.PROVIDERS, without importing it
+
+
 def _status(args: argparse.Namespace) -> int:
     from skyward import profiles, runner
 
@@ -222,6 +227,8 @@ def _status(args: argparse.Namespace) -> int:
         seen.add(key)
         if profile.provider == "aws":
             found += runner.print_aws_pools(profile)
+        elif profile.provider == "gcp":
+            found += runner.print_gcp_pools(profile)
         elif profile.provider == "ssh":
             found += runner.print_ssh_pools(profile)
         else:
@@ -257,7 +264,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_RUN_EPILOG,
     )
     run.add_argument("--profile", help="the profile to start from (default: 'default', if any)")
-    run.add_argument("--provider", choices=["local", "ssh", "aws"], help="default: local")
+    run.add_argument("--provider", choices=list(PROVIDER_NAMES), help="default: local")
     run.add_argument("--nodes", type=int, help="how many nodes (default: the provider's)")
     run.add_argument("--accelerator", help="what each node must have, e.g. A100 or A100:8")
     run.add_argument(
@@ -270,7 +277,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--key", help="ssh: the private key file")
     run.add_argument("--region", help="aws: the region")
     run.add_argument("--instance-type", help="aws: the instance type")
-    run.add_argument("--spot", action="store_true", help="aws: spot instances")
+    run.add_argument("--spot", action="store_true", help="aws, gcp: spot instances or VMs")
+    run.add_argument("--project", help="gcp: the project")
+    run.add_argument("--zone", help="gcp: the zone")
     run.add_argument("script", help="the script, as you would give it to python")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     status = commands.add_parser(

@@ -32,6 +32,7 @@ PROVIDERS = {
     "local": ("skyward.providers.local", "Local"),
     "ssh": ("skyward.providers.ssh", "SSH"),
     "aws": ("skyward.providers.aws", "AWS"),
+    "gcp": ("skyward.providers.gcp", "GCP"),
 }
 POOL_KEYS = ("provider", "nodes", "accelerator", "plugins", "env", "workdir")
 PLUGINS = ("jax",)
@@ -91,7 +92,7 @@ def provider_class(name: str) -> type[Provider]:
     try:
         cls: type[Provider] = getattr(importlib.import_module(module), attr)
     except ImportError as exc:
-        extra = "aws" if name == "aws" else "ssh"
+        extra = name if name in ("aws", "gcp") else "ssh"
         raise ConfigError(
             f"provider {name!r} needs an extra: pip install 'skyward[{extra}]' ({exc})"
         ) from None

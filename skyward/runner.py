@@ -195,6 +195,26 @@ def print_aws_pools(profile: Profile) -> int:
     return count
 
 
+def print_gcp_pools(profile: Profile) -> int:
+    """`skyward status` for one GCP profile: the pools this user@host made in its project."""
+    from skyward.providers.gcp import resources
+
+    provider = profile.build_provider()
+    project = provider.access().project  # type: ignore[attr-defined]
+    me = resources.pool_labels("-")[resources.CREATED_BY_LABEL]
+    count = 0
+    found = resources.find(provider.clients(), project)  # type: ignore[attr-defined]
+    for pool in sorted(found.values(), key=lambda p: p.pool_id):
+        if pool.created_by != me:
+            continue
+        count += 1
+        when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
+        print(f"gcp    {project}  {pool.pool_id}  created {when}")
+        for line in pool.describe():
+            print(f"           {line}")
+    return count
+
+
 # This login's agents on a host: pid, seconds since start, command line.
 _AGENTS = 'ps -o pid=,etimes=,args= -u "$(id -u)" | grep "[s]kyward.worker$" || true'
 

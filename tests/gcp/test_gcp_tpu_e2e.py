@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -159,4 +160,30 @@ def test_a_spot_v5e_slice_through_a_queued_resource_runs(
     ) as pool:
         assert sim.fake is not None and len(sim.fake.queued) == 1
         assert len(pool.nodes) == 4
+    nothing_left(sim)
+
+
+@sky.compute
+def wait_then_node() -> int:
+    import time
+
+    time.sleep(30)
+    return sky.instance_info().node
+
+
+def test_a_preempted_spot_slice_is_named_as_preempted(tpu_hosts: Callable[..., GceHosts]) -> None:
+    sim = tpu_hosts()
+    fake = sim.fake
+    assert fake is not None
+    with sky.ComputePool(provider=tpu_for(sim, "v4-16", spot=True), stream_output=False) as pool:
+        (name,) = [n.rsplit("/", 1)[-1] for n in fake.tpu_nodes]
+        timer = threading.Timer(1.0, fake.preempt_tpu, [name])
+        timer.start()
+        with pytest.raises(sky.WorkerError) as caught:
+            wait_then_node() @ pool
+        timer.join()
+        assert caught.value.preempted, str(caught.value)
+        assert f"TPU {name}" in str(caught.value) and "preempted" in str(caught.value)
+        with pytest.raises(sky.ConfigError, match="cannot be replaced one by one"):
+            pool.replace(caught.value.node)
     nothing_left(sim)

@@ -89,6 +89,17 @@ class TpuApi:
             ]
             return found
 
+    def preempt_tpu(self, node_id: str) -> None:
+        """GCP reclaims a spot slice: PREEMPTED, every host's machine gone (`on_gone`)."""
+        with self._lock:
+            node = next(n for k, n in self.tpu_nodes.items() if k.endswith(f"/nodes/{node_id}"))
+            node["state"] = "PREEMPTED"
+        for host in _hosts(node):
+            self._hook(self.on_gone, host)
+
+    _hook: Callable[[Any, dict[str, Any]], None]
+    on_gone: Any
+
     def tpu_addresses_in_use(self) -> set[str]:
         return {e["ipAddress"] for n in self.tpu_nodes.values() for e in n["networkEndpoints"]}
 

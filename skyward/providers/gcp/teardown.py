@@ -30,8 +30,8 @@ from skyward.providers.gcp import api, resources, tpus
 
 INSTANCE = "instance"
 FIREWALL = "firewall rule"
-TPU = "tpu"
-QUEUED = "queued"
+TPU = tpus.TPU
+QUEUED = tpus.QUEUED
 KINDS = (INSTANCE, FIREWALL, TPU, QUEUED)
 REDELETE = 60.0
 _MAX_BACKOFF = 30.0

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 CheckCancel = Callable[[], None]
 logger = logging.getLogger("skyward.gcp")
 
+TPU = "tpu"  # the kinds of `teardown.Made` this module records
+QUEUED = "queued"
 _CAPACITY_CODES = (8,)  # google.rpc.Code.RESOURCE_EXHAUSTED: no capacity or quota
 _LOST = ("PREEMPTED", "TERMINATED", "STOPPED", "STOPPING", "DELETING", "HIDDEN")
 
@@ -100,7 +102,7 @@ def create(
     node: tpu_v2.Node,
     tpu: TpuType,
     spot: bool,
-    record: Any,
+    record: Callable[[str, str], None],
 ) -> str | None:
     """Ask for the slice; `record(kind, name)` is called first. Returns the create operation's
     name (None for a queued resource, whose own state says how it goes)."""
@@ -108,8 +110,8 @@ def create(
     where = parent(access.project, access.zone)
     logger.info("creating TPU %s (%d hosts) in %s", tpu.accelerator_type, tpu.hosts, access.zone)
     if uses_queue(tpu, spot):
-        record("queued", name)
-        record("tpu", name)
+        record(QUEUED, name)
+        record(TPU, name)
         clients.tpu.create_queued_resource(
             request=tpu_v2.CreateQueuedResourceRequest(
                 parent=where,
@@ -132,7 +134,7 @@ def create(
         return None
     if spot:
         node.scheduling_config = tpu_v2.SchedulingConfig(spot=True)
-    record("tpu", name)
+    record(TPU, name)
     operation = clients.tpu.create_node(
         request=tpu_v2.CreateNodeRequest(parent=where, node_id=name, node=node),
         retry=api.retry(),

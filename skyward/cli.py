@@ -145,14 +145,14 @@ def _gcp_command(args: argparse.Namespace) -> int:
     try:
         from google.api_core.exceptions import GoogleAPIError
 
-        from skyward.providers.gcp import resources
+        from skyward.providers.gcp import tpus  # noqa: F401  # both clients are installed
     except ModuleNotFoundError as exc:
         print(f"skyward {args.command}: {exc.name} is missing: pip install 'skyward[gcp]'")
         return 1
     try:
         gcp = _gcp(args)
         if args.command == "ls":
-            pools = resources.find(gcp.clients(), gcp.access().project)
+            pools = gcp.find()
             if not pools:
                 print("no skyward resources in this project")
             for pool in sorted(pools.values(), key=lambda p: p.pool_id):

@@ -11,6 +11,8 @@ _ACCELERATOR = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9._-]*)(?::(?P<count>[1-9
 
 # Accelerator families the JAX plugin maps to wheels; providers may know more names.
 TPU_PREFIX = "TPU"
+# The TPU API's own accelerator types (V4-32, V5LITEPOD-16, V6E-8) are TPUs too.
+_TPU_TYPE = re.compile(r"^V\d+[A-Z]*-\d+$")
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Accelerator:
 
     @property
     def is_tpu(self) -> bool:
-        return self.name.startswith(TPU_PREFIX)
+        return self.name.startswith(TPU_PREFIX) or bool(_TPU_TYPE.match(self.name))
 
     def __str__(self) -> str:
         return self.name if self.count == 1 else f"{self.name}:{self.count}"

@@ -110,9 +110,9 @@ class ComputePool:
             provider = Local()
         if not isinstance(provider, Provider):
             raise ConfigError(f"provider must be e.g. sky.Local() or sky.SSH([...]): {provider!r}")
-        if nodes is None:
-            nodes = provider.default_nodes()
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        if nodes is not None and (
+            isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1
+        ):
             raise ConfigError(f"nodes must be a whole number >= 1, got {nodes!r}")
         if image is not None and not isinstance(image, Image):
             raise ConfigError(f"image must be a sky.Image, got {type(image).__name__}")
@@ -127,10 +127,13 @@ class ComputePool:
         self.pool_id = f"{name}-{uuid.uuid4().hex[:8]}"
         # e.g. sky.AWS(instance_type="p4d.24xlarge"): plugins must see its GPUs
         implied = None if accelerator else provider.implied_accelerator()
+        chosen = Accelerator.parse(accelerator) if accelerator else implied
+        # A TPU slice has one node per host: the provider may fix the size.
+        nodes = provider.nodes_for(chosen, nodes)
         self.spec = ClusterSpec(
             nodes=nodes,
             pool_id=self.pool_id,
-            accelerator=Accelerator.parse(accelerator) if accelerator else implied,
+            accelerator=chosen,
             provider=provider.name,
             outputs=_outputs(output_dir),
         )

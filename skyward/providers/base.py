@@ -4,6 +4,8 @@ A provider is one class over a handful of async verbs (a folder of plain functio
 a cloud). Every capability the pool uses is a method here; the optional ones have defaults:
 
 - `default_nodes()`        the pool size when the user gives none (SSH: one per host);
+- `nodes_for(acc, asked)`  the pool size for an accelerator that fixes it (a TPU slice is one
+                           node per host), or `ConfigError` when the asked size disagrees;
 - `implied_accelerator()`  what an explicit instance type carries, so plugins see it (AWS);
 - `expected_cuda(spec)`    the highest CUDA the nodes' drivers support, if known before launch;
 - `validate(spec)`         checks the request before anything is created or paid for;
@@ -94,6 +96,12 @@ class Provider(ABC):
     def default_nodes(self) -> int:
         """How many nodes a pool has when the user does not say."""
         return 1
+
+    def nodes_for(self, accelerator: Accelerator | None, requested: int | None) -> int:
+        """The pool size: `requested` (the user's ``nodes=``), else `default_nodes()`. A provider
+        whose accelerator fixes the size (GCP: a TPU slice is one node per host) returns that,
+        and raises `ConfigError` when `requested` disagrees."""
+        return self.default_nodes() if requested is None else requested
 
     def implied_accelerator(self) -> Accelerator | None:
         """The accelerator the provider's own settings carry (an explicit instance type)."""

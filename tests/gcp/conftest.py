@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +29,7 @@ from tests.support.fakegcp import FakeGCP
 PROJECT = "skyward-test"
 ZONE = "us-central1-a"
 SUBNET = "10.213.20.0/24"  # the namespace hosts of `gce_hosts`
+TPU_SUBNET = "10.213.22.0/24"  # those of `tpu_hosts` (4: one v5litepod-16 slice)
 API_ADDRESSES = [f"10.213.20.{200 + i}" for i in range(20)]  # no host: unreachable
 
 
@@ -121,6 +124,17 @@ class GceHosts:
 def gce_hosts(tmp_path: Path) -> Iterator[Callable[..., GceHosts]]:
     """Three namespace "VMs" behind a fake Compute API; call with boot_at_most=...,
     install_host_key=..."""
+    yield from _simulated(tmp_path, 3, SUBNET)
+
+
+@pytest.fixture
+def tpu_hosts(tmp_path: Path) -> Iterator[Callable[..., GceHosts]]:
+    """Four namespace hosts behind the fake (TPU and Compute) API: the hosts of one simulated
+    v5litepod-16 slice, or of smaller ones; called as `gce_hosts`."""
+    yield from _simulated(tmp_path, 4, TPU_SUBNET)
+
+
+def _simulated(tmp_path: Path, count: int, subnet: str) -> Iterator[Callable[..., GceHosts]]:
     if not sshd.is_root():
         pytest.skip("needs root (network namespaces and sshd)")
     reason = sshd.netns_unavailable_reason()
@@ -129,7 +143,18 @@ def gce_hosts(tmp_path: Path) -> Iterator[Callable[..., GceHosts]]:
     sshd.ensure_openssh_server()
     made: list[GceHosts] = []
     with contextlib.ExitStack() as stack:
-        net = stack.enter_context(sshd.NetnsHosts(3, subnet=SUBNET))
+        net = sshd.NetnsHosts(count, subnet=subnet)
+        # The namespaces share this machine's hostname, which /etc/hosts maps to 127.0.0.1, and
+        # gloo (JAX's CPU collectives) binds to what it resolves to: each host gets its own
+        # address in /etc/netns/<name>/hosts (`ip netns exec` mounts it), as real hosts have.
+        for host in net.hosts:
+            folder = Path("/etc/netns") / host.netns
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(
+                f"127.0.0.1 localhost\n{host.address} {socket.gethostname()}\n"
+            )
+            stack.callback(shutil.rmtree, folder, True)
+        stack.enter_context(net)
 
         def make(boot_at_most: int | None = None, install_host_key: bool = True) -> GceHosts:
             sim = GceHosts(

@@ -5,7 +5,9 @@ them (https://cloud.google.com/compute/docs/reference/rest/v1):
 
 - instances: bulkInsert, get, list, aggregatedList, delete (zonal);
 - firewalls: insert, list, delete (global);
-- zoneOperations: get, wait, list; globalOperations: get, wait.
+- zoneOperations: get, wait, list; globalOperations: get, wait;
+- the Cloud TPU v2 API (``/v2/projects/P/locations/Z/``): nodes, operations, queued resources
+  (`tests.support.faketpu`, whose slices' hosts take addresses from the same list).
 
 Every request body is parsed with the client library's own type
 (``compute_v1.<Type>.from_json(body, ignore_unknown_fields=False)``) and so is every response
@@ -37,6 +39,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from google.cloud import compute_v1
 
+from tests.support.faketpu import TpuApi
+
 BASE = "https://www.googleapis.com/compute/v1"
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
@@ -62,7 +66,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
-class FakeGCP:
+class FakeGCP(TpuApi):
     """The server and its state; `url` is what ``client_options.api_endpoint`` takes."""
 
     def __init__(
@@ -94,6 +98,7 @@ class FakeGCP:
         self._requests: dict[str, dict[str, Any]] = {}  # requestId -> its operation
         self._ids = itertools.count(4_000_000_000_000_000_000)
         self._lock = threading.RLock()
+        self._tpu_init()
         self._stop = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -135,7 +140,7 @@ class FakeGCP:
                 if "skyward-pool" in i.get("labels", {})
             ]
             found += [f"firewall {name}" for name in self.firewalls if name.startswith("skyward-")]
-            return sorted(found)
+            return sorted(found + self.tpu_labelled())
 
     def preempt(self, name: str) -> dict[str, Any]:
         """GCE reclaims spot VM `name`: TERMINATED, with a compute.instances.preempted
@@ -174,6 +179,9 @@ class FakeGCP:
                         del self.instances[key]
                         self._timers.pop(instance["name"])
                         gone.append(instance)
+                tpu_booted, tpu_gone = self.tpu_tick(now)
+                booted += tpu_booted
+                gone += tpu_gone
             for instance in booted:
                 self._hook(self.on_running, instance)
             for instance in gone:
@@ -234,11 +242,19 @@ class FakeGCP:
         ("POST", r"global/operations/(?P<name>[^/]+)/wait", "globalOperations.wait"),
     ]
 
+    def _tpu_error(self, code: int, status: str, message: str) -> Exception:
+        return ApiError(code, status, message)
+
     def dispatch(self, method: str, path: str, query: dict[str, str], body: str) -> Any:
         prefix = f"/compute/v1/projects/{self.project}/"
+        tpu_prefix = f"/v2/projects/{self.project}/locations/"
         call = None
         args: dict[str, str] = {}
-        if path.startswith(prefix):
+        if path.startswith(tpu_prefix):
+            found = self.tpu_route(method, path[len(tpu_prefix) :])
+            if found is not None:
+                call, args = found
+        elif path.startswith(prefix):
             rest = path[len(prefix) :]
             for verb, pattern, name in self._ROUTES:
                 match = re.fullmatch(pattern, rest)
@@ -254,6 +270,8 @@ class FakeGCP:
             if left:
                 self.fail[call] = left - 1 if left > 0 else left
                 raise ApiError(500, "backendError", "Internal error. Please try again.")
+        if call.startswith("tpu."):
+            return self.tpu_call(call, args, query, body)
         reply = getattr(self, "_" + call.replace(".", "_"))(query=query, body=body, **args)
         return reply
 
@@ -408,6 +426,7 @@ class FakeGCP:
                 if z == zone and re.fullmatch(re.escape(stem) + r"\d+", i["name"])
             ]
             used = {i["networkInterfaces"][0]["networkIP"] for i in self.instances.values()}
+            used |= self.tpu_addresses_in_use()
             free = [a for a in self.addresses if a not in used]
             target = {"selfLink": f"{BASE}/projects/{self.project}/zones/{zone}/instances"}
             if not self.capacity or len(free) < count:

@@ -32,6 +32,7 @@ from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.base import NodeLoss
 from skyward.providers.gcp import api, resources, teardown
 from skyward.providers.gcp.machine_types import Choice
+from skyward.providers.gcp.resources import network_url, subnetwork_url
 from skyward.providers.gcp.settings import Access, Clients
 
 CHECK_IP_URL = "https://checkip.amazonaws.com"
@@ -67,17 +68,6 @@ class Placement:
     user: str = "skyward"
 
 
-def network_url(access: Access, network: str | None) -> str:
-    name = network or "default"
-    return name if "/" in name else f"projects/{access.project}/global/networks/{name}"
-
-
-def subnetwork_url(access: Access, subnetwork: str | None) -> str | None:
-    if not subnetwork or "/" in subnetwork:
-        return subnetwork
-    return f"projects/{access.project}/regions/{access.region}/subnetworks/{subnetwork}"
-
-
 def set_up(
     clients: Clients,
     access: Access,
@@ -90,52 +80,9 @@ def set_up(
     check_cancel: CheckCancel,
 ) -> compute_v1.BulkInsertInstanceResource:
     """Create the pool's firewall rules; return the bulkInsert body of its VMs (count unset)."""
-    cidrs = [placement.ssh_cidr] if placement.ssh_cidr else _client_cidrs(placement)
+    create_firewalls(clients, access, placement, spec.pool_id, made, deadline, check_cancel)
     tag = resources.network_tag(spec.pool_id)
     network = network_url(access, placement.network)
-    ssh_rule, internal_rule = resources.firewall_names(spec.pool_id)
-    about = f"skyward pool {spec.pool_id}"
-    rules = [
-        compute_v1.Firewall(
-            name=ssh_rule,
-            description=f"{about}: SSH from the client",
-            network=network,
-            direction="INGRESS",
-            source_ranges=cidrs,
-            target_tags=[tag],
-            allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])],
-        ),
-        # One rule has one allow-list for all its sources: traffic inside the pool needs its own.
-        compute_v1.Firewall(
-            name=internal_rule,
-            description=f"{about}: everything between the pool's VMs",
-            network=network,
-            direction="INGRESS",
-            source_tags=[tag],
-            target_tags=[tag],
-            allowed=[compute_v1.Allowed(I_p_protocol="all")],
-        ),
-    ]
-    operations = []
-    for rule in rules:
-        check_cancel()
-        made.add(teardown.FIREWALL, rule.name)
-        operations.append(
-            clients.firewalls.insert_unary(
-                request=compute_v1.InsertFirewallRequest(
-                    project=access.project, firewall_resource=rule, request_id=api.request_id()
-                ),
-                retry=api.retry(),
-                timeout=api.CALL_TIMEOUT,
-            )
-        )
-    for operation in operations:
-        failed = api.operation_error(api.wait(clients, access.project, operation, deadline))
-        if failed is not None:
-            raise ProvisionError(
-                f"creating the firewall rules of {about}: {failed[0]}: {failed[1]}"
-            )
-    check_cancel()
     labels = resources.pool_labels(spec.pool_id)
     interface = compute_v1.NetworkInterface(network=network)
     subnetwork = subnetwork_url(access, placement.subnetwork)
@@ -187,6 +134,65 @@ def set_up(
     return compute_v1.BulkInsertInstanceResource(
         name_pattern=resources.name_pattern(spec.pool_id), instance_properties=properties
     )
+
+
+def create_firewalls(
+    clients: Clients,
+    access: Access,
+    placement: Placement,
+    pool_id: str,
+    made: teardown.Made,
+    deadline: float,
+    check_cancel: CheckCancel,
+) -> None:
+    """The pool's two rules: SSH from the client's CIDR to the pool's network tag, and
+    everything between machines with that tag (VMs or TPU hosts)."""
+    cidrs = [placement.ssh_cidr] if placement.ssh_cidr else _client_cidrs(placement)
+    tag = resources.network_tag(pool_id)
+    network = network_url(access, placement.network)
+    ssh_rule, internal_rule = resources.firewall_names(pool_id)
+    about = f"skyward pool {pool_id}"
+    rules = [
+        compute_v1.Firewall(
+            name=ssh_rule,
+            description=f"{about}: SSH from the client",
+            network=network,
+            direction="INGRESS",
+            source_ranges=cidrs,
+            target_tags=[tag],
+            allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])],
+        ),
+        # One rule has one allow-list for all its sources: traffic inside the pool needs its own.
+        compute_v1.Firewall(
+            name=internal_rule,
+            description=f"{about}: everything between the pool's VMs",
+            network=network,
+            direction="INGRESS",
+            source_tags=[tag],
+            target_tags=[tag],
+            allowed=[compute_v1.Allowed(I_p_protocol="all")],
+        ),
+    ]
+    operations = []
+    for rule in rules:
+        check_cancel()
+        made.add(teardown.FIREWALL, rule.name)
+        operations.append(
+            clients.firewalls.insert_unary(
+                request=compute_v1.InsertFirewallRequest(
+                    project=access.project, firewall_resource=rule, request_id=api.request_id()
+                ),
+                retry=api.retry(),
+                timeout=api.CALL_TIMEOUT,
+            )
+        )
+    for operation in operations:
+        failed = api.operation_error(api.wait(clients, access.project, operation, deadline))
+        if failed is not None:
+            raise ProvisionError(
+                f"creating the firewall rules of {about}: {failed[0]}: {failed[1]}"
+            )
+    check_cancel()
 
 
 def run(

@@ -14,6 +14,10 @@ plain functions of `instances`, the SSH steps those of `skyward.providers.remote
 What one pool made lives in its `GCPCluster` (and in the labels and names, the durable record).
 Teardown (end of the pool, or any failure or cancellation during launch) is
 `teardown.remove_pool`, which ``skyward down`` uses too; it runs in a non-daemon thread.
+
+A TPU accelerator (``tpu-v5litepod-16``, ``v4-32``) makes the pool one TPU slice instead
+(`tpus`): one node per host of the slice, in the API's worker order, the same firewall rules,
+metadata and SSH steps; the slice is created, and removed, as a whole.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +41,16 @@ from skyward.image import Image
 from skyward.progress import Phase, Progress
 from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
 from skyward.providers.bootscript import HostKey, write_login_key
-from skyward.providers.gcp import api, instances, machine_types, resources, startup, teardown
+from skyward.providers.gcp import (
+    api,
+    instances,
+    machine_types,
+    resources,
+    startup,
+    teardown,
+    tpu_types,
+    tpus,
+)
 from skyward.providers.gcp.instances import logger
 from skyward.providers.gcp.settings import Access, Clients, endpoint_of, resolve
 from skyward.providers.remote import (
@@ -54,6 +68,15 @@ from skyward.providers.threads import in_thread
 from skyward.transport.ssh import Endpoint, load_known_hosts
 
 
+@dataclass(frozen=True)
+class _Host:
+    """One machine to connect to: a VM, or one host (worker) of a TPU slice."""
+
+    name: str
+    address: str  # how the client reaches it
+    private: str  # how the other nodes reach it
+
+
 @dataclass
 class GCPCluster(Cluster):
     """What one pool has made so far (the labels are the durable record)."""
@@ -66,6 +89,7 @@ class GCPCluster(Cluster):
     made: teardown.Made = field(default_factory=teardown.Made)
     node_instances: dict[int, str] = field(default_factory=dict)  # node index -> VM name
     removed: bool = False
+    tpu: tpu_types.TpuType | None = None  # the pool is this TPU slice
 
     @property
     def pool_id(self) -> str:
@@ -96,7 +120,9 @@ class GCP(RemoteData, Provider):
             private ranges with `use_private_ips`.
         idle_timeout: seconds without any SSH client after which a VM powers itself off.
         service_account: the VMs' own service account (e.g. for data in Cloud Storage).
-        machine_type: default: from the pool's accelerator (see `machine_types`).
+        machine_type: default: from the pool's accelerator (see `machine_types`); a TPU
+            accelerator type (``v4-16``) makes the provider's pools that TPU slice.
+        runtime_version: TPU VM software version (default: per generation, `tpu_types`).
         image: boot image (default: a Deep Learning VM image for GPUs, Ubuntu 24.04 for CPU).
         disk_size_gb: boot disk size.
         user: login user the guest agent creates from the pool's key.
@@ -124,6 +150,7 @@ class GCP(RemoteData, Provider):
         service_account: str | None = None,
         *,
         machine_type: str | None = None,
+        runtime_version: str | None = None,
         image: str | None = None,
         disk_size_gb: int = 100,
         user: str = "skyward",
@@ -146,6 +173,7 @@ class GCP(RemoteData, Provider):
         self.project = project
         self.zone = zone
         self.machine_type = machine_type
+        self.runtime_version = runtime_version
         self.placement = instances.Placement(
             image,
             spot,
@@ -183,33 +211,65 @@ class GCP(RemoteData, Provider):
         access = self.access()
         with self._lock:
             if self._clients is None:
-                self._clients = Clients(access.credentials, endpoint_of(self._endpoint))
+                self._clients = Clients(
+                    access.credentials,
+                    endpoint_of(self._endpoint),
+                    endpoint_of(self._endpoint, "TPU"),
+                )
             return self._clients
 
     # -- the provider protocol -------------------------------------------------------------
 
     def implied_accelerator(self) -> Accelerator | None:
         """The accelerator `machine_type=` carries, so plugins (JAX's wheel) can see it."""
+        if self.machine_type and tpu_types.is_tpu_name(self.machine_type):
+            return Accelerator.parse(tpu_types.parse(self.machine_type).accelerator_type)
         return machine_types.accelerator_of(self.machine_type) if self.machine_type else None
 
+    def nodes_for(self, accelerator: Accelerator | None, requested: int | None) -> int:
+        """A TPU slice is one node per host: its host count, or `ConfigError` when `requested`
+        says otherwise."""
+        if accelerator is None or not accelerator.is_tpu:
+            return super().nodes_for(accelerator, requested)
+        tpu = tpu_types.parse(accelerator)
+        if requested is not None and requested != tpu.hosts:
+            raise ConfigError(
+                f"a TPU {tpu.accelerator_type} slice has {tpu.hosts} host(s) and each host is "
+                f"one node, so nodes={requested} cannot be; leave nodes out or pass "
+                f"nodes={tpu.hosts}"
+            )
+        return tpu.hosts
+
     def validate(self, spec: ClusterSpec) -> None:
-        """Offline checks: the accelerator maps to a machine type; project, zone, credentials."""
-        machine_types.choose(spec.accelerator, self.machine_type)
+        """Offline checks: the accelerator maps to a machine type or a TPU slice of
+        `spec.nodes` hosts; project, zone, credentials."""
+        if spec.accelerator is not None and spec.accelerator.is_tpu:
+            self.nodes_for(spec.accelerator, spec.nodes)
+        else:
+            machine_types.choose(spec.accelerator, self.machine_type)
         self.access()
 
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
-        choice = machine_types.choose(spec.accelerator, self.machine_type)
+        tpu = None
+        if spec.accelerator is not None and spec.accelerator.is_tpu:
+            tpu = tpu_types.parse(spec.accelerator)
         cluster = GCPCluster(
             spec,
             [],
             key_dir=Path(tempfile.mkdtemp(prefix=f"skyward-gcp-{spec.pool_id}-")),
             host_key=HostKey.generate(f"skyward-{spec.pool_id}"),
+            tpu=tpu,
         )
         try:
-            cluster.provisioning = in_thread(
-                lambda: self._provision(cluster, choice), f"skyward-gcp-launch-{spec.pool_id}"
-            )
-            progress.phase(None, Phase.BOOTING, f"{spec.nodes} x {choice.machine_type}")
+            if tpu is None:
+                choice = machine_types.choose(spec.accelerator, self.machine_type)
+                work = partial(self._provision, cluster, choice)
+                what = f"{spec.nodes} x {choice.machine_type}"
+            else:
+                work = partial(self._provision_tpu, cluster, tpu)
+                what = f"TPU {tpu.accelerator_type} ({count(tpu.hosts, 'host')})"
+            cluster.provisioning = in_thread(work, f"skyward-gcp-launch-{spec.pool_id}")
+            progress.phase(None, Phase.BOOTING, what)
             found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
             cluster.nodes = await self._connect(cluster, found, range(len(found)), progress)
             return cluster
@@ -225,6 +285,11 @@ class GCP(RemoteData, Provider):
     async def replace(self, cluster: Cluster, index: int) -> Node:
         """A new VM, launched as the pool's were, in place of a lost one."""
         pool = _gcp(cluster)
+        if pool.tpu is not None:
+            raise ConfigError(
+                f"node {index} is a host of TPU slice {tpus.node_name(pool.pool_id)}: a slice's "
+                "hosts cannot be replaced one by one; start a new pool"
+            )
         await remote_nodes(pool)[index].host.close()
         lost = pool.node_instances[index]
 
@@ -266,6 +331,10 @@ class GCP(RemoteData, Provider):
         if name is None:
             return None
         access = self.access()
+        if pool.tpu is not None:
+            return await asyncio.to_thread(
+                tpus.loss_of, self.clients(), access, pool.pool_id, node.index
+            )
         zone = pool.made.instances.get(name) or access.zone
         return await asyncio.to_thread(instances.loss_of, self.clients(), access, zone, name)
 
@@ -274,12 +343,11 @@ class GCP(RemoteData, Provider):
     def cleanup(self, pool: str | None = None) -> list[str]:
         """Remove skyward's resources in the project: one pool's, or every pool's. Returns what
         was removed; raises `ProvisionError` listing what could not be."""
-        clients, project = self.clients(), self.access().project
         if pool is not None:
             pools = [pool]
         else:
             try:
-                pools = sorted(resources.find(clients, project))
+                pools = sorted(self.find())
             except api.ApiError as exc:
                 raise ProvisionError(f"listing skyward's resources failed: {exc}") from None
         removed: list[str] = []
@@ -292,6 +360,17 @@ class GCP(RemoteData, Provider):
         if problems:
             raise ProvisionError("\n".join(problems))
         return removed
+
+    def find(self, pool: str | None = None) -> dict[str, resources.PoolResources]:
+        """Everything of skyward in the project (VMs and firewall rules; TPU nodes and queued
+        resources in this provider's zone), by pool: what ``skyward ls`` prints."""
+        clients, access = self.clients(), self.access()
+        return resources.find(
+            clients,
+            access.project,
+            pool,
+            tpus.found(clients, access.project, access.zone, pool),
+        )
 
     # -- launch: the GCE half runs in a thread ---------------------------------------------
 
@@ -330,6 +409,57 @@ class GCP(RemoteData, Provider):
                 "running"
             ) from None
 
+    def _provision_tpu(self, pool: GCPCluster, tpu: tpu_types.TpuType) -> list[Any]:
+        """Firewall rules, then the slice (a node, or a queued resource for spot on v5e+), until
+        every host has an address and the slice is READY; its hosts in worker order."""
+        access, clients = self.access(), self.clients()
+        deadline = self._deadline()
+        try:
+            login = write_login_key(pool.key_path)
+            metadata = startup.metadata(
+                pool.pool_id,
+                pool.host_key,
+                self.placement.idle_timeout,
+                self.placement.user,
+                login,
+            )
+            instances.create_firewalls(
+                clients,
+                access,
+                self.placement,
+                pool.pool_id,
+                pool.made,
+                deadline,
+                pool.check_cancel,
+            )
+            body = tpus.node_body(
+                access, self.placement, pool.pool_id, tpu, metadata, self.runtime_version
+            )
+            operation = tpus.create(
+                clients, access, pool.pool_id, body, tpu, self.placement.spot, pool.made.add
+            )
+            node = tpus.wait_ready(
+                clients,
+                access,
+                pool.pool_id,
+                tpu,
+                operation,
+                deadline=deadline,
+                poll=self.poll_interval,
+                check_cancel=pool.check_cancel,
+            )
+        except (*api.ApiError, TimeoutError) as exc:
+            raise ProvisionError(
+                f"launching pool {pool.pool_id} failed: {api.describe(exc)}; nothing was left "
+                "running"
+            ) from None
+        name = tpus.node_name(pool.pool_id)
+        private = self.placement.use_private_ips
+        return [
+            _Host(f"{name} worker {i}", tpus.address(e, private), str(e.ip_address))
+            for i, e in enumerate(tpus.endpoints(node))
+        ]
+
     def _wait_running(
         self, pool: GCPCluster, count: int, exclude: set[str], deadline: float
     ) -> list[Any]:
@@ -357,24 +487,13 @@ class GCP(RemoteData, Provider):
         indexes: Sequence[int],
         progress: Progress | None = None,
     ) -> list[Node]:
-        """Connect to the VMs `found` (as nodes `indexes`), trusting only the pool's host key."""
-        addresses = []
-        for instance in found:
-            interface = instance.network_interfaces[0]
-            if self.placement.use_private_ips:
-                address = str(interface.network_i_p)
-            else:
-                nat = [c.nat_i_p for c in interface.access_configs if c.nat_i_p]
-                address = str(nat[0]) if nat else ""
-            if not address:
-                raise ProvisionError(
-                    f"VM {instance.name} has no external address: use_private_ips=True from "
-                    "inside the VPC, or a network that allows external addresses"
-                )
-            addresses.append(address)
+        """Connect to the VMs (or TPU hosts) `found` (as nodes `indexes`), trusting only the
+        pool's host key."""
+        targets = [h if isinstance(h, _Host) else self._vm_host(h) for h in found]
+        addresses = [t.address for t in targets]
         if progress is not None:
-            for index, instance, address in zip(indexes, found, addresses, strict=True):
-                progress.phase(index, Phase.CONNECTING, f"{instance.name} {address}")
+            for index, target in zip(indexes, targets, strict=True):
+                progress.phase(index, Phase.CONNECTING, f"{target.name} {target.address}")
         options = ConnectOptions(
             known_hosts=load_known_hosts([pool.host_key.known_hosts_line(a) for a in addresses]),
             key=str(pool.key_path),
@@ -391,14 +510,28 @@ class GCP(RemoteData, Provider):
             [Endpoint(a, 22, self.placement.user) for a in addresses],
             options,
             wait,
-            [f"VM {i.name} ({a})" for i, a in zip(found, addresses, strict=True)],
+            [f"{'TPU' if pool.tpu else 'VM'} {t.name} ({t.address})" for t in targets],
         )
         nodes: list[Node] = []
-        for index, host, instance in zip(indexes, hosts, found, strict=True):
-            pool.node_instances[index] = str(instance.name)
-            private = str(instance.network_interfaces[0].network_i_p) or None
-            nodes.append(RemoteNode(index, host, private))
+        for index, host, target in zip(indexes, hosts, targets, strict=True):
+            pool.node_instances[index] = target.name
+            nodes.append(RemoteNode(index, host, target.private or None))
         return nodes
+
+    def _vm_host(self, instance: Any) -> _Host:
+        """A VM's name and the address to reach it at (private or external)."""
+        interface = instance.network_interfaces[0]
+        if self.placement.use_private_ips:
+            address = str(interface.network_i_p)
+        else:
+            nat = [c.nat_i_p for c in interface.access_configs if c.nat_i_p]
+            address = str(nat[0]) if nat else ""
+        if not address:
+            raise ProvisionError(
+                f"VM {instance.name} has no external address: use_private_ips=True from "
+                "inside the VPC, or a network that allows external addresses"
+            )
+        return _Host(str(instance.name), address, str(interface.network_i_p))
 
     # -- teardown --------------------------------------------------------------------------
 
@@ -415,11 +548,15 @@ class GCP(RemoteData, Provider):
             # Let an in-flight bulkInsert return first, so its VMs are found too.
             with contextlib.suppress(BaseException):
                 pool.provisioning.exception()
-        self._remove_pool(pool.pool_id, pool.made)
+        self._remove_pool(pool.pool_id, pool.made, tpu=pool.tpu is not None)
         pool.removed = True
         shutil.rmtree(pool.key_dir, ignore_errors=True)
 
-    def _remove_pool(self, pool_id: str, made: teardown.Made | None = None) -> list[str]:
+    def _remove_pool(
+        self, pool_id: str, made: teardown.Made | None = None, tpu: bool = True
+    ) -> list[str]:
+        """Remove one pool; `tpu`: look for TPU nodes and queued resources too (a VM pool's
+        own teardown does not: its calls stay those of the Compute API)."""
         return teardown.remove_pool(
             self.clients(),
             self.access().project,
@@ -428,6 +565,7 @@ class GCP(RemoteData, Provider):
             timeout=self.teardown_timeout,
             poll=self.poll_interval,
             log=logger.info,
+            tpu_zone=self.access().zone if tpu else None,
         )
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import getpass
 import re
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from skyward.providers.gcp.api import CALL_TIMEOUT, retry
+from skyward.providers.gcp.settings import Access
 
 POOL_LABEL = "skyward-pool"
 CREATED_BY_LABEL = "skyward-created-by"
@@ -77,6 +78,17 @@ def pool_of_firewall(name: str) -> str | None:
     return None
 
 
+def network_url(access: Access, network: str | None) -> str:
+    name = network or "default"
+    return name if "/" in name else f"projects/{access.project}/global/networks/{name}"
+
+
+def subnetwork_url(access: Access, subnetwork: str | None) -> str | None:
+    if not subnetwork or "/" in subnetwork:
+        return subnetwork
+    return f"projects/{access.project}/regions/{access.region}/subnetworks/{subnetwork}"
+
+
 def instance_filter(pool_id: str | None) -> str:
     if pool_id is None:
         return f"labels.{POOL_LABEL}:*"
@@ -120,6 +132,8 @@ class PoolResources:
     pool_id: str
     instances: list[tuple[str, Any]] = field(default_factory=list)  # (zone, instance)
     firewalls: list[str] = field(default_factory=list)
+    tpus: list[str] = field(default_factory=list)  # "node ACCELERATOR STATE" lines
+    queued: list[str] = field(default_factory=list)  # queued resource ids
     created_at: datetime | None = None
     created_by: str | None = None
 
@@ -129,11 +143,19 @@ class PoolResources:
             f"instance {i.name} {zone_of(str(i.machine_type))} {i.status} ({zone})"
             for zone, i in self.instances
         ]
+        lines += [f"TPU {line}" for line in self.tpus]
+        lines += [f"queued resource {name}" for name in self.queued]
         return lines + [f"firewall rule {name}" for name in self.firewalls]
 
 
-def find(clients: Any, project: str, pool_id: str | None = None) -> dict[str, PoolResources]:
-    """Every skyward resource of `project` (or only `pool_id`'s), by pool."""
+def find(
+    clients: Any,
+    project: str,
+    pool_id: str | None = None,
+    found_elsewhere: Iterable[tuple[dict[str, str], Callable[[PoolResources], None]]] = (),
+) -> dict[str, PoolResources]:
+    """Every skyward resource of `project` (or only `pool_id`'s), by pool. `found_elsewhere`:
+    (labels, how to add it to its pool) of resources listed by other APIs (TPU nodes)."""
     pools: dict[str, PoolResources] = {}
     for zone, instance in list_instances(clients, project, pool_id):
         labels = dict(instance.labels)
@@ -143,9 +165,25 @@ def find(clients: Any, project: str, pool_id: str | None = None) -> dict[str, Po
         stamp = _stamp(labels.get(CREATED_AT_LABEL))
         if stamp is not None and (pool.created_at is None or stamp < pool.created_at):
             pool.created_at = stamp
+    pools.update(_found_elsewhere(pools, found_elsewhere))
     for rule in list_firewalls(clients, project, pool_id):
         owner = pool_of_firewall(str(rule.name)) or "?"
         pools.setdefault(owner, PoolResources(owner)).firewalls.append(str(rule.name))
+    return pools
+
+
+def _found_elsewhere(
+    pools: dict[str, PoolResources],
+    found: Iterable[tuple[dict[str, str], Callable[[PoolResources], None]]],
+) -> dict[str, PoolResources]:
+    for labels, add in found:
+        owner = labels.get(POOL_LABEL, "?")
+        pool = pools.setdefault(owner, PoolResources(owner))
+        add(pool)
+        pool.created_by = pool.created_by or labels.get(CREATED_BY_LABEL)
+        stamp = _stamp(labels.get(CREATED_AT_LABEL))
+        if stamp is not None and (pool.created_at is None or stamp < pool.created_at):
+            pool.created_at = stamp
     return pools
 
 

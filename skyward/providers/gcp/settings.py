@@ -7,7 +7,9 @@ Resolution follows gcloud and the client libraries, first match wins:
 - zone: ``zone=``; ``CLOUDSDK_COMPUTE_ZONE``; ``[compute] zone`` of gcloud's active configuration;
 - credentials: Application Default Credentials;
 - endpoint: ``api_endpoint=``; ``CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE`` (gcloud's override);
-  else the library's default (compute.googleapis.com).
+  else the library's default (compute.googleapis.com). The TPU API: ``api_endpoint=`` too (one
+  server answers both in the tests), else ``CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU``, else
+  tpu.googleapis.com.
 
 The client libraries are imported here, lazily: ``import skyward`` never needs them.
 """
@@ -44,9 +46,9 @@ def gcloud_property(section: str, name: str) -> str | None:
     return parser.get(section, name, fallback=None) or None
 
 
-def endpoint_of(explicit: str | None) -> str | None:
-    """``scheme://host[:port]`` of the Compute API, or None for the default."""
-    value = explicit or os.environ.get("CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE")
+def endpoint_of(explicit: str | None, api: str = "COMPUTE") -> str | None:
+    """``scheme://host[:port]`` of the Compute (or TPU) API, or None for the default."""
+    value = explicit or os.environ.get(f"CLOUDSDK_API_ENDPOINT_OVERRIDES_{api}")
     if not value:
         return None
     parts = urlsplit(value if "://" in value else f"https://{value}")
@@ -105,9 +107,12 @@ def resolve(project: str | None, zone: str | None, credentials: Any | None) -> A
 class Clients:
     """The Compute API clients of one provider, made on first use (thread-safe)."""
 
-    def __init__(self, credentials: Any, endpoint: str | None) -> None:
+    def __init__(
+        self, credentials: Any, endpoint: str | None, tpu_endpoint: str | None = None
+    ) -> None:
         self._credentials = credentials
         self._endpoint = endpoint
+        self._tpu_endpoint = tpu_endpoint
         self._made: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -115,10 +120,17 @@ class Clients:
         with self._lock:
             if name not in self._made:
                 from google.api_core.client_options import ClientOptions
-                from google.cloud import compute_v1
 
-                options = ClientOptions(api_endpoint=self._endpoint) if self._endpoint else None
-                self._made[name] = getattr(compute_v1, name)(
+                if name == "TpuClient":
+                    from google.cloud import tpu_v2 as module
+
+                    endpoint = self._tpu_endpoint
+                else:
+                    from google.cloud import compute_v1 as module  # type: ignore[no-redef]
+
+                    endpoint = self._endpoint
+                options = ClientOptions(api_endpoint=endpoint) if endpoint else None
+                self._made[name] = getattr(module, name)(
                     credentials=self._credentials, client_options=options, transport="rest"
                 )
             return self._made[name]
@@ -138,3 +150,8 @@ class Clients:
     @property
     def global_operations(self) -> Any:
         return self._client("GlobalOperationsClient")
+
+    @property
+    def tpu(self) -> Any:
+        """The TPU v2 API (google-cloud-tpu), REST transport as for Compute."""
+        return self._client("TpuClient")

@@ -26,11 +26,13 @@ from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
 
 from skyward.errors import ProvisionError
-from skyward.providers.gcp import api, resources
+from skyward.providers.gcp import api, resources, tpus
 
 INSTANCE = "instance"
 FIREWALL = "firewall rule"
-KINDS = (INSTANCE, FIREWALL)
+TPU = tpus.TPU
+QUEUED = tpus.QUEUED
+KINDS = (INSTANCE, FIREWALL, TPU, QUEUED)
 REDELETE = 60.0
 _MAX_BACKOFF = 30.0
 
@@ -43,10 +45,16 @@ class Made:
 
     instances: dict[str, str] = field(default_factory=dict)
     firewalls: set[str] = field(default_factory=set)
+    tpus: set[str] = field(default_factory=set)  # TPU node ids
+    queued: set[str] = field(default_factory=set)  # queued resource ids
 
     def add(self, kind: str, name: str, zone: str = "") -> None:
         if kind == INSTANCE:
             self.instances[name] = zone
+        elif kind == TPU:
+            self.tpus.add(name)
+        elif kind == QUEUED:
+            self.queued.add(name)
         else:
             self.firewalls.add(name)
 
@@ -55,6 +63,8 @@ class Made:
 class _State:
     instances: dict[str, str]  # what may still exist: name -> zone
     firewalls: set[str]
+    tpus: set[str]  # full resource names
+    queued: set[str]
     asked: dict[str, float] = field(default_factory=dict)  # "kind name" -> when deleted
     seen: set[str] = field(default_factory=set)
 
@@ -68,19 +78,30 @@ def remove_pool(
     timeout: float = 600.0,
     poll: float = 3.0,
     log: Log = lambda line: None,
+    tpu_zone: str | None = None,
 ) -> list[str]:
     """Remove everything of `pool_id` (and everything in `made`); what was found, by kind.
+    With `tpu_zone`, the pool's TPU nodes and queued resources there too (when the pool made
+    none, a TPU API that is off or forbidden means there are none).
 
     Returns once a successful listing shows nothing of the pool; raises `ProvisionError` naming
     what remains, and ``skyward down <pool_id>``, when `timeout` seconds were not enough.
     """
     made = made or Made()
-    state = _State(dict(made.instances), set(made.firewalls))
+    where = tpus.parent(project, tpu_zone) if tpu_zone else ""
+    state = _State(
+        dict(made.instances),
+        set(made.firewalls),
+        {f"{where}/nodes/{n}" for n in made.tpus},
+        {f"{where}/queuedResources/{n}" for n in made.queued},
+    )
+    tpu = _TpuScope(tpu_zone, strict=bool(made.tpus or made.queued)) if tpu_zone else None
     deadline = time.monotonic() + timeout
     failing_rounds = 0
     while True:
         problems: list[str] = []
         clear = _round(clients, project, pool_id, state, problems, log)
+        clear = _tpu_round(clients, project, pool_id, tpu, state, problems, log) and clear
         if clear:
             return sorted(state.seen)
         left = deadline - time.monotonic()
@@ -154,6 +175,64 @@ def _round(
     return False
 
 
+@dataclass(frozen=True)
+class _TpuScope:
+    zone: str
+    strict: bool  # the pool made TPUs: a failing listing is a problem, never "none"
+
+
+def _tpu_round(
+    clients: Any,
+    project: str,
+    pool_id: str,
+    scope: _TpuScope | None,
+    state: _State,
+    problems: list[str],
+    log: Log,
+) -> bool:
+    """`_round` for TPU nodes and queued resources; True when both listings are empty."""
+    if scope is None:
+        return True
+    try:
+        state.tpus = {str(n.name) for n in tpus.list_nodes(clients, project, scope.zone, pool_id)}
+        state.queued = {
+            str(q.name) for q in tpus.list_queued(clients, project, scope.zone, pool_id)
+        }
+    except api.ApiError as exc:
+        if not scope.strict and isinstance(exc, (gexc.PermissionDenied, gexc.Forbidden)):
+            # The TPU API off (or not ours to read) in a pool that made no TPU: none exist.
+            log(f"teardown of {pool_id}: TPU API not usable ({api.describe(exc)}): no TPUs")
+            return True
+        problems.append(f"listing TPU nodes failed: {api.describe(exc)}")
+        return False
+    state.seen |= {f"TPU {n.rsplit('/', 1)[-1]}" for n in state.tpus}
+    state.seen |= {f"queued resource {n.rsplit('/', 1)[-1]}" for n in state.queued}
+    if not state.tpus and not state.queued:
+        return True
+    now = time.monotonic()
+    for name in sorted(state.queued):  # force: deletes the node it holds too
+        if _due(state, f"{QUEUED} {name}", now):
+            _delete(
+                problems,
+                f"deleting queued resource {name}",
+                partial(tpus.delete_queued, clients, name),
+                state,
+                f"{QUEUED} {name}",
+                now,
+            )
+    for name in sorted(state.tpus):
+        if _due(state, f"{TPU} {name}", now):
+            _delete(
+                problems,
+                f"deleting TPU {name}",
+                partial(tpus.delete_node, clients, name),
+                state,
+                f"{TPU} {name}",
+                now,
+            )
+    return False
+
+
 def _due(state: _State, key: str, now: float) -> bool:
     """Not asked yet, or asked long enough ago that the deletion must have been lost."""
     return key not in state.asked or now - state.asked[key] > REDELETE
@@ -187,6 +266,8 @@ def _delay(poll: float, failing_rounds: int) -> float:
 def _remains(pool_id: str, state: _State, problems: list[str], timeout: float) -> str:
     lines = [f"  {INSTANCE} {name} ({zone})" for name, zone in sorted(state.instances.items())]
     lines += [f"  {FIREWALL} {name}" for name in sorted(state.firewalls)]
+    lines += [f"  TPU {name.rsplit('/', 1)[-1]}" for name in sorted(state.tpus)]
+    lines += [f"  queued resource {name.rsplit('/', 1)[-1]}" for name in sorted(state.queued)]
     if not lines:
         lines = ["  (nothing known, but GCE could not confirm the pool is gone)"]
     why = [f"  {p}" for p in problems] or ["  (GCE was still deleting them)"]

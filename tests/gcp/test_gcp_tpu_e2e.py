@@ -1,0 +1,189 @@
+"""TPU slices end to end: the real google-cloud-tpu client against the fake TPU API, each host
+of a slice a namespace sshd host that takes the pool's host key and login key from the node's
+metadata (the boot simulator of the VMs). The hosts are CPUs: JAX runs with its CPU wheel
+(``sky.plugins.jax(cuda="cpu")``); libtpu and real TPU chips are only exercised on GCP."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import skyward as sky
+from skyward.errors import ProvisionError
+from tests.contract import ProviderContract
+from tests.gcp.conftest import TPU_SUBNET, GceHosts, gcp_for
+from tests.gcp.test_gcp_e2e import nothing_left
+from tests.support import wheels
+
+pytestmark = [pytest.mark.ssh, pytest.mark.slow]
+
+# The contract's one-node tests get a one-host slice (nodes= must match the slice).
+_ONE_NODE_TESTS = (
+    "test_user_exception_comes_back_as_itself",
+    "test_terminate_leaves_nothing",
+    "test_client_side_plugin_failure_is_named_before_anything_launches",
+    "test_outputs_are_collected_on_ctrl_c",
+    "test_outputs_without_output_dir_go_with_the_pool",
+)
+
+
+def tpu_for(sim: GceHosts, accelerator: str, **kwargs: Any) -> sky.GCP:
+    """The provider with its pools fixed to one TPU slice type (``machine_type=``)."""
+    assert sim.fake is not None
+    return gcp_for(sim.fake, machine_type=accelerator, ssh_cidr=TPU_SUBNET, **kwargs)
+
+
+class TestTPUSliceContract(ProviderContract):
+    """The contract on TPU slices: a 2-host v4-16 (a 1-host v4-8 where a test asks for 1 node)."""
+
+    @pytest.fixture
+    def make_provider(
+        self,
+        tpu_hosts: Callable[..., GceHosts],
+        offline_wheelhouse: Path,
+        request: pytest.FixtureRequest,
+    ) -> Callable[[], object]:
+        self.sim = tpu_hosts()
+        build_env = wheels.offline_build_env(offline_wheelhouse)
+        one = request.node.originalname in _ONE_NODE_TESTS
+        return lambda: tpu_for(self.sim, "v4-8" if one else "v4-16", build_env=build_env)
+
+    @pytest.fixture
+    def make_broken_provider(self, tpu_hosts: Callable[..., GceHosts]) -> Callable[[], object]:
+        """A v4-16 slice whose second host never answers SSH."""
+        self.sim = tpu_hosts(boot_at_most=1)
+        return lambda: tpu_for(self.sim, "v4-16", boot_timeout=3.0)
+
+    @pytest.fixture(autouse=True)
+    def _nothing_left(self, make_provider: Callable[[], object]) -> Iterator[None]:
+        yield
+        nothing_left(self.sim)
+
+    def assert_nothing_left(self, provider: object, pool: sky.ComputePool) -> None:
+        nothing_left(self.sim)
+
+    @contextlib.contextmanager
+    def expect_nothing_launched(self, provider: object, pool: sky.ComputePool) -> Iterator[None]:
+        assert self.sim.fake is not None
+        before = dict(self.sim.fake.calls)
+        yield
+        after = self.sim.fake.calls
+        for call in ("tpu.nodes.create", "tpu.queuedResources.create", "firewalls.insert"):
+            assert after[call] == before.get(call, 0), call
+        assert self.sim.fake.labelled() == []
+
+    def assert_outputs_removed(self, where: str) -> None:
+        nothing_left(self.sim)
+        shutil.rmtree(Path(where).parent, ignore_errors=True)
+
+    def assert_gone(self, provider: object, pids: list[int]) -> None:
+        nothing_left(self.sim)
+
+
+@sky.compute
+def psum_over_hosts() -> tuple[int, int, int, float]:
+    """Each host adds node + 1 across the slice: 1 + 2 + 3 + 4 on four hosts."""
+    import jax
+    import jax.numpy as jnp
+
+    info = sky.instance_info()
+    local = jnp.full((jax.local_device_count(),), float(info.node + 1))
+    total = jax.pmap(lambda v: jax.lax.psum(v, "hosts"), axis_name="hosts")(local)
+    return info.node, jax.process_count(), jax.device_count(), float(total[0])
+
+
+def test_jax_psum_across_the_four_hosts_of_a_v5litepod_16(
+    tpu_hosts: Callable[..., GceHosts],
+) -> None:
+    sim = tpu_hosts()
+    with sky.ComputePool(
+        provider=tpu_for(sim, "v5litepod-16"),
+        accelerator="tpu-v5litepod-16",  # 4 hosts: nodes=4 without saying so
+        plugins=[sky.plugins.jax(cuda="cpu")],  # the hosts are CPUs, not TPU chips
+        stream_output=False,
+    ) as pool:
+        assert len(pool.nodes) == 4
+        results = psum_over_hosts() @ pool
+    assert [r[0] for r in results] == [0, 1, 2, 3]
+    assert all(r[1] == 4 and r[2] == 4 and r[3] == 10.0 for r in results), results
+    assert sim.fake is not None
+    assert sim.fake.calls["tpu.nodes.create"] == 1  # one slice, not four VMs
+    assert sim.fake.calls["instances.bulkInsert"] == 0
+    nothing_left(sim)
+
+
+def test_nodes_follow_the_apis_worker_order(tpu_hosts: Callable[..., GceHosts]) -> None:
+    sim = tpu_hosts()
+    with sky.ComputePool(provider=tpu_for(sim, "v5litepod-16"), stream_output=False) as pool:
+        assert sim.fake is not None
+        (node,) = sim.fake.tpu_nodes.values()
+        workers = [e["ipAddress"] for e in node["networkEndpoints"]]
+        assert [n.private_addr for n in pool.nodes] == workers
+    nothing_left(sim)
+
+
+def test_one_host_never_reachable_fails_the_whole_slice(
+    tpu_hosts: Callable[..., GceHosts],
+) -> None:
+    sim = tpu_hosts(boot_at_most=3)  # the 4th host of the slice never answers SSH
+    with pytest.raises(ProvisionError, match="did not accept the verified SSH login"):
+        with sky.ComputePool(
+            provider=tpu_for(sim, "v5litepod-16", boot_timeout=3.0), stream_output=False
+        ):
+            pytest.fail("a slice with a dead host must not start")
+    assert sim.fake is not None and sim.fake.calls["tpu.nodes.delete"] >= 1
+    nothing_left(sim)
+
+
+def test_a_capacity_error_at_create_leaves_nothing(tpu_hosts: Callable[..., GceHosts]) -> None:
+    sim = tpu_hosts()
+    assert sim.fake is not None
+    sim.fake.capacity = False
+    with pytest.raises(ProvisionError, match="RESOURCE_EXHAUSTED"):
+        with sky.ComputePool(provider=tpu_for(sim, "v5litepod-16"), stream_output=False):
+            pytest.fail("must not start")
+    nothing_left(sim)
+
+
+def test_a_spot_v5e_slice_through_a_queued_resource_runs(
+    tpu_hosts: Callable[..., GceHosts],
+) -> None:
+    sim = tpu_hosts()
+    with sky.ComputePool(
+        provider=tpu_for(sim, "v5litepod-16", spot=True), stream_output=False
+    ) as pool:
+        assert sim.fake is not None and len(sim.fake.queued) == 1
+        assert len(pool.nodes) == 4
+    nothing_left(sim)
+
+
+@sky.compute
+def wait_then_node() -> int:
+    import time
+
+    time.sleep(30)
+    return sky.instance_info().node
+
+
+def test_a_preempted_spot_slice_is_named_as_preempted(tpu_hosts: Callable[..., GceHosts]) -> None:
+    sim = tpu_hosts()
+    fake = sim.fake
+    assert fake is not None
+    with sky.ComputePool(provider=tpu_for(sim, "v4-16", spot=True), stream_output=False) as pool:
+        (name,) = [n.rsplit("/", 1)[-1] for n in fake.tpu_nodes]
+        timer = threading.Timer(1.0, fake.preempt_tpu, [name])
+        timer.start()
+        with pytest.raises(sky.WorkerError) as caught:
+            wait_then_node() @ pool
+        timer.join()
+        assert caught.value.preempted, str(caught.value)
+        assert f"TPU {name}" in str(caught.value) and "preempted" in str(caught.value)
+        with pytest.raises(sky.ConfigError, match="cannot be replaced one by one"):
+            pool.replace(caught.value.node)
+    nothing_left(sim)

@@ -39,7 +39,7 @@ import secrets
 import shutil
 import stat
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -71,10 +71,12 @@ class PushStats:
 
 @dataclass
 class PullStats:
-    """What one `pull_tree` received: files written and their bytes."""
+    """What one `pull_tree` received: files written and their bytes; `paths`: every entry the
+    node listed (give them to the next pull as `pulled`)."""
 
     files: int = 0
     bytes: int = 0
+    paths: frozenset[str] = frozenset()
 
 
 class _Peer:
@@ -362,15 +364,20 @@ async def _drain(peers: list[_Peer]) -> None:
         raise DataError(f"sending data failed: the connection broke ({exc})") from None
 
 
-async def pull_tree(node: RemoteNode, remote_dir: str, local_dir: Path) -> PullStats:
+async def pull_tree(
+    node: RemoteNode, remote_dir: str, local_dir: Path, pulled: frozenset[str] = frozenset()
+) -> PullStats:
     """Make `local_dir` mirror `remote_dir` on `node` (a relative one is under the node's
     skyward cache directory, as its output directories are).
 
     Incremental: only files whose size or mtime differ from the local copy are sent, each
     written to a temp name and renamed, so a reader never sees half a file. Modes, mtimes,
     symlinks and empty directories are kept. A missing `remote_dir` means nothing to pull.
-    Files deleted on the node are not deleted locally. A file the node rewrites during the pull
-    may arrive torn, but keeps its pre-read mtime, so the next pull fetches it again.
+    What an earlier pull from this node brought (`pulled`, its `PullStats.paths`) and the node
+    no longer has is removed here (a checkpoint's temporary directory caught mid-write); nothing
+    else local is ever removed, so a replaced node's empty directory deletes nothing. A file the
+    node rewrites during the pull may arrive torn, but keeps its pre-read mtime, so the next
+    pull fetches it again.
     """
     local_dir = Path(local_dir)
     peer = await _Peer.start(node, "pulling data", "send", remote_dir)
@@ -380,6 +387,8 @@ async def pull_tree(node: RemoteNode, remote_dir: str, local_dir: Path) -> PullS
         if listing["missing"]:
             return stats
         entries = [Entry(p, k, m, t, s, "", g) for p, k, m, t, s, g in listing["entries"]]
+        stats.paths = frozenset(e.path for e in entries)
+        _forget(local_dir, pulled - stats.paths)
         want = _plan(local_dir, entries)
         body = json.dumps({"want": want}).encode()
         peer.write(_LENGTH.pack(len(body)) + body)
@@ -394,6 +403,17 @@ async def pull_tree(node: RemoteNode, remote_dir: str, local_dir: Path) -> PullS
     finally:
         await peer.close()
     return stats
+
+
+def _forget(local_dir: Path, gone: Iterable[str]) -> None:
+    """Remove the local copies of entries the node no longer has (deepest first)."""
+    for rel in sorted(gone, key=lambda p: p.count("/"), reverse=True):
+        target = local_dir / rel
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
 
 
 def _plan(local_dir: Path, entries: list[Entry]) -> list[int]:

@@ -164,6 +164,7 @@ class RemoteNode(Node):
         self.prepared = ""  # the environment hash the node was prepared for
         self.gpu_env: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES for the GPUs it owns
         self.trees: set[str] = set()  # digests of the `sky.Data` trees pushed to it
+        self.pulled: frozenset[str] = frozenset()  # what the last pull of its outputs listed
         self.agent_env: dict[str, str] = {}  # the pool's env= and the image's, once started
         self.receiver: Receiver | None = None  # its data receiver, opened by the first push
 

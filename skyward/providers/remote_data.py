@@ -81,7 +81,8 @@ async def collect_outputs(cluster: Cluster, indices: Sequence[int], output_dir: 
 async def _collect_one(cluster: Cluster, node: RemoteNode, output_dir: str) -> None:
     where = output_path(cluster, node.index)
     if not output_dir.startswith(S3_SCHEME):
-        await files.pull_tree(node, where, local_outputs(cluster, node.index))
+        stats = await files.pull_tree(node, where, local_outputs(cluster, node.index), node.pulled)
+        node.pulled = stats.paths or node.pulled
         return
     if node.python is None:
         raise DataError(f"node {node.index} was never prepared", node=node.index)

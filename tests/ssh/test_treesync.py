@@ -463,7 +463,7 @@ def test_pull_mirrors_incrementally(node: Any, tmp_path: Path) -> None:
     assert_same_tree(src, local)
 
     again = loop.run(pull_tree(remote, str(src), local))
-    assert again == PullStats(0, 0)
+    assert (again.files, again.bytes) == (0, 0) and again.paths == first.paths
 
     with (src / "metrics.jsonl").open("a") as fh:
         fh.write('{"loss": 0.5}\n')
@@ -471,6 +471,26 @@ def test_pull_mirrors_incrementally(node: Any, tmp_path: Path) -> None:
     assert (third.files, third.bytes) == (1, 26)
     assert_same_tree(src, local)
     assert not [p for p in local.rglob("*") if ".skyward-" in p.name]
+
+
+def test_pull_removes_only_what_it_brought_and_the_node_no_longer_has(
+    node: Any, tmp_path: Path
+) -> None:
+    """A checkpoint's temporary directory caught mid-write goes once the node renamed it; a
+    file made here, or a pull that knows of nothing before it (a replaced node), removes
+    nothing."""
+    loop, remote, _data = node
+    src, local = tmp_path / "outputs", tmp_path / "local"
+    (src / "step-1.tmp").mkdir(parents=True)
+    (src / "step-1.tmp" / "state").write_text("half")
+    first = loop.run(pull_tree(remote, str(src), local))
+    (src / "step-1.tmp").rename(src / "step-1")
+    (local / "mine.txt").write_text("made here")
+    loop.run(pull_tree(remote, str(src), local, first.paths))
+    assert sorted(p.name for p in local.iterdir()) == ["mine.txt", "step-1"]
+    shutil.rmtree(src / "step-1")
+    loop.run(pull_tree(remote, str(src), local))  # knows of nothing before it
+    assert sorted(p.name for p in local.iterdir()) == ["mine.txt", "step-1"]
 
 
 def test_pull_of_a_missing_dir_is_nothing(node: Any, tmp_path: Path) -> None:

@@ -329,8 +329,8 @@ def test_a_bad_profile_is_named(tmp_path: Path) -> None:
     profile = profiles.load_profile(None, tmp_path)
     with pytest.raises(sky.ConfigError, match=r"profile 'default' \(skyward.toml\): region is not"):
         profile.build_provider()
-    (tmp_path / "skyward.toml").write_text('[profile.default]\nprovider = "gcp"\n')
-    with pytest.raises(sky.ConfigError, match="unknown provider 'gcp'; use local, ssh, aws"):
+    (tmp_path / "skyward.toml").write_text('[profile.default]\nprovider = "azure"\n')
+    with pytest.raises(sky.ConfigError, match="unknown provider 'azure'; use local, ssh, aws, gcp"):
         profiles.load_profile(None, tmp_path)
     (tmp_path / "skyward.toml").write_text("[profile.default\n")
     with pytest.raises(sky.ConfigError, match=r"skyward\.toml cannot be read"):

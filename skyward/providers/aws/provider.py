@@ -27,7 +27,6 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -45,6 +44,7 @@ from skyward.progress import Phase, Progress
 from skyward.providers.aws import instance_types, instances, resources, teardown, userdata
 from skyward.providers.aws.instances import logger
 from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
+from skyward.providers.cloud import CloudCluster
 from skyward.providers.remote import (
     Bootstrap,
     BootWait,
@@ -63,30 +63,12 @@ T = TypeVar("T")
 
 
 @dataclass
-class AWSCluster(Cluster):
+class AWSCluster(CloudCluster):
     """What one pool has made so far (the tags are the durable record)."""
 
-    key_dir: Path  # the pool's login key, removed with the pool
-    host_key: userdata.HostKey  # the host key every instance of the pool presents
-    cancel: threading.Event = field(default_factory=threading.Event)
-    provisioning: Future[list[dict[str, Any]]] | None = None
     run_params: dict[str, Any] = field(default_factory=dict)  # replace() asks for the same
     instance_ids: list[str] = field(default_factory=list)  # the pool's current instances
     made: teardown.Made = field(default_factory=teardown.Made)  # everything, for teardown
-    node_instances: dict[int, str] = field(default_factory=dict)  # node index -> instance id
-    removed: bool = False
-
-    @property
-    def pool_id(self) -> str:
-        return self.spec.pool_id
-
-    @property
-    def key_path(self) -> Path:
-        return self.key_dir / "id_ed25519"
-
-    def check_cancel(self) -> None:
-        if self.cancel.is_set():
-            raise ProvisionError(f"the launch of pool {self.pool_id} was cancelled")
 
 
 class AWS(RemoteData, Provider):

@@ -29,7 +29,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -41,6 +40,7 @@ from skyward.image import Image
 from skyward.progress import Phase, Progress
 from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
 from skyward.providers.bootscript import HostKey, write_login_key
+from skyward.providers.cloud import CloudCluster
 from skyward.providers.gcp import (
     api,
     instances,
@@ -78,30 +78,12 @@ class _Host:
 
 
 @dataclass
-class GCPCluster(Cluster):
+class GCPCluster(CloudCluster):
     """What one pool has made so far (the labels are the durable record)."""
 
-    key_dir: Path  # the pool's login key, removed with the pool
-    host_key: HostKey  # the host key every VM of the pool presents
-    cancel: threading.Event = field(default_factory=threading.Event)
-    provisioning: Future[list[Any]] | None = None
     body: Any = None  # the bulkInsert request: replace() asks for the same
     made: teardown.Made = field(default_factory=teardown.Made)
-    node_instances: dict[int, str] = field(default_factory=dict)  # node index -> VM name
-    removed: bool = False
     tpu: tpu_types.TpuType | None = None  # the pool is this TPU slice
-
-    @property
-    def pool_id(self) -> str:
-        return self.spec.pool_id
-
-    @property
-    def key_path(self) -> Path:
-        return self.key_dir / "id_ed25519"
-
-    def check_cancel(self) -> None:
-        if self.cancel.is_set():
-            raise ProvisionError(f"the launch of pool {self.pool_id} was cancelled")
 
 
 class GCP(RemoteData, Provider):

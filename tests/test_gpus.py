@@ -24,6 +24,12 @@ from skyward.worker.gpus import Gpu, Inventory
 from tests.support.gpus import MACHINES, fake_nvidia_smi, recorded
 
 
+@pytest.fixture
+def no_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hide the real ``pynvml`` (on a GPU machine it would answer before the fake nvidia-smi)."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+
+
 def parsed(machine: str) -> Inventory:
     return gpus.parse_smi(recorded(machine, "query.txt"), recorded(machine, "nvidia-smi.txt"))
 
@@ -38,14 +44,14 @@ def test_one_h100_with_driver_580_supports_cuda_13() -> None:
                 name="H100",
                 model="NVIDIA H100 80GB HBM3",
                 memory_mib=81559,
-                uuid="GPU-3f2b9c1e-7a4d-5e86-b0c2-94d1a6e8f713",
+                uuid="GPU-143e21f0-dc59-ac20-ed8e-c630f5df47cd",
             ),
         ),
-        driver="580.65.06",
+        driver="580.159.04",
         cuda="13.0",
     )
     assert inventory.cuda_major == 13
-    assert inventory.describe() == "1 x H100 (driver 580.65.06, CUDA 13.0)"
+    assert inventory.describe() == "1 x H100 (driver 580.159.04, CUDA 13.0)"
 
 
 def test_eight_a100_80gb_with_driver_550_support_cuda_12_4() -> None:
@@ -160,6 +166,7 @@ def test_this_machine_has_no_gpu() -> None:
 
 
 @pytest.mark.parametrize("machine", [m for m in MACHINES if m != "driver-failed"])
+@pytest.mark.usefixtures("no_nvml")
 def test_find_runs_nvidia_smi(
     machine: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -169,6 +176,7 @@ def test_find_runs_nvidia_smi(
     assert gpus.find() == parsed(machine)
 
 
+@pytest.mark.usefixtures("no_nvml")
 def test_a_driver_that_does_not_answer_is_no_gpu_with_its_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -181,6 +189,7 @@ def test_a_driver_that_does_not_answer_is_no_gpu_with_its_reason(
     assert "couldn't communicate with the NVIDIA driver" in inventory.describe()
 
 
+@pytest.mark.usefixtures("no_nvml")
 def test_a_hung_nvidia_smi_is_cut_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake nvidia-smi that never answers (a driver in trouble) is killed at the timeout."""
     monkeypatch.setenv("PATH", f"{fake_nvidia_smi('hung', tmp_path)}:/usr/bin:/bin")
@@ -203,9 +212,9 @@ def test_nvml_is_asked_first(tmp_path: Path) -> None:
         "def nvmlDeviceGetHandleByIndex(i): return i\n"
         "def nvmlDeviceGetName(h): return b'NVIDIA H100 80GB HBM3'\n"
         "def nvmlDeviceGetMemoryInfo(h): return _Memory()\n"
-        "def nvmlDeviceGetUUID(h): return 'GPU-3f2b9c1e-7a4d-5e86-b0c2-94d1a6e8f713'\n"
+        "def nvmlDeviceGetUUID(h): return 'GPU-143e21f0-dc59-ac20-ed8e-c630f5df47cd'\n"
         "def nvmlDeviceGetMigMode(h): raise NVMLError('Not Supported')\n"
-        "def nvmlSystemGetDriverVersion(): return '580.65.06'\n"
+        "def nvmlSystemGetDriverVersion(): return '580.159.04'\n"
         "def nvmlSystemGetCudaDriverVersion_v2(): return 13000\n"
     )
     fake_nvidia_smi("driver-failed", tmp_path / "bin")
@@ -258,3 +267,10 @@ def test_the_host_check_reports_gpus_where_skyward_cannot_be_imported(tmp_path: 
     assert report.gpus == parsed("h100-driver580")
     assert report.satisfied is None, "skyward was not importable there"
     assert hostcheck.check(replace(query, gpus=False)).gpus is None
+
+
+@pytest.mark.gpu
+def test_nvml_and_nvidia_smi_agree_on_this_machine() -> None:
+    """On a real GPU: both ways of listing the GPUs give the same inventory."""
+    pytest.importorskip("pynvml")
+    assert gpus.find() == gpus._from_smi(gpus.SMI_TIMEOUT)

@@ -27,7 +27,7 @@ def machine(name: str) -> Inventory:
     return parse_smi(recorded(name, "query.txt"), recorded(name, "nvidia-smi.txt"))
 
 
-H100 = machine("h100-driver580")  # one H100 80GB HBM3, driver 580.65.06, CUDA 13.0
+H100 = machine("h100-driver580")  # one H100 80GB HBM3, driver 580.159.04, CUDA 13.0
 EIGHT_A100 = machine("a100x8-driver550")  # eight A100-SXM4-80GB, driver 550, CUDA 12.4
 MIG = machine("a100-mig-driver535")  # two A100-SXM4-40GB, GPU 0 in MIG mode
 NONE = Inventory(problem="nvidia-smi was not found on PATH")
@@ -58,7 +58,7 @@ def test_two_nodes_never_share_one_gpu() -> None:
     with pytest.raises(sky.ConfigError) as caught:
         assign(H100, "GPU", 2)
     message = str(caught.value)
-    assert "needs 2 GPU(s)" in message and "1 x H100 (driver 580.65.06, CUDA 13.0)" in message
+    assert "needs 2 GPU(s)" in message and "1 x H100 (driver 580.159.04, CUDA 13.0)" in message
     assert "NCCL" in message
 
 
@@ -153,3 +153,26 @@ def test_more_nodes_than_gpus_is_a_config_error_before_anything_starts() -> None
     count = len(machine_gpus().gpus)
     with pytest.raises(sky.ConfigError, match=f"needs {count + 1} GPU"):
         sky.ComputePool(nodes=count + 1, accelerator="GPU")
+
+
+@sky.compute
+def interpreter_and_devices() -> tuple[str, list[str]]:
+    import sys
+
+    import jax
+
+    return sys.executable, [str(device) for device in jax.devices()]
+
+
+@pytest.mark.gpu
+def test_a_cuda_jax_already_here_serves_a_gpu_pool_without_a_build() -> None:
+    """The JAX plugin asks for jax[cuda13] (or cuda12) on a GPU node; this interpreter's jax,
+    which runs on the GPU, satisfies it: the node runs this interpreter, no environment is
+    built (where there is no package index, a build could not even start)."""
+    import sys
+
+    plugins = [sky.plugins.jax()]
+    with sky.ComputePool(nodes=1, accelerator="GPU", plugins=plugins, stream_output=False) as p:
+        python, devices = interpreter_and_devices() >> p
+    assert python == sys.executable
+    assert devices == ["cuda:0"]

@@ -60,7 +60,7 @@ class Inventory:
     """A machine's GPUs, its driver, and the highest CUDA that driver supports."""
 
     gpus: tuple[Gpu, ...] = ()
-    driver: str | None = None  # "580.65.06"
+    driver: str | None = None  # "580.159.04"
     cuda: str | None = None  # "13.0"
     # Why the GPUs could not be listed ("nvidia-smi was not found on PATH", the driver's own
     # complaint); None when they were (even none at all).
@@ -134,7 +134,7 @@ def parse_smi(query: str, header: str) -> Inventory:
     for line in query.splitlines():
         if not line.strip():
             continue
-        # "0, NVIDIA H100 80GB HBM3, 81559, GPU-..., 580.65.06, Disabled": the name is the one
+        # "0, NVIDIA H100 80GB HBM3, 81559, GPU-..., 580.159.04, Disabled": the name is the one
         # field that could hold a comma, so the rest are counted from both ends.
         fields = [field.strip() for field in line.split(",")]
         if len(fields) < len(QUERY_FIELDS) or not fields[0].isdigit():

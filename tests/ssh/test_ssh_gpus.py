@@ -124,7 +124,7 @@ def test_a_host_without_the_gpus_asked_for_fails_the_start_before_anything_is_bu
     ):
         pass
     assert (
-        f"host root@127.0.0.1:{host.port} has 1 x H100 (driver 580.65.06, CUDA 13.0); "
+        f"host root@127.0.0.1:{host.port} has 1 x H100 (driver 580.159.04, CUDA 13.0); "
         "the pool asked for H100:8" in str(caught.value)
     )
     assert caught.value.node == 0

@@ -85,13 +85,18 @@ class Dispatch:
         if dead:
             raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
         frames_ = self._frames(call, payload)  # encoded once, written to every node
-        tally = Tally(len(self.sessions))
-        replies = [Reply(tally) for _ in self.sessions]
-        batches: list[Calls] = [[(frames_, reply)] for reply in replies]
-        writes = [s.enqueue(batch) for s, batch in zip(self.sessions, batches, strict=True)]
-        for session, batch, chunks in zip(self.sessions, batches, writes, strict=True):
+        sessions = list(self.sessions)
+        tally = Tally(len(sessions))
+        replies: list[Reply] = []
+        writes: list[tuple[NodeSession, Calls, list[frames.Buffer]]] = []
+        for session in sessions:
+            reply = Reply(tally)
+            replies.append(reply)
+            batch: Calls = [(frames_, reply)]
+            writes.append((session, batch, session.enqueue(batch)))
+        for session, batch, chunks in writes:
             session.flush(batch, chunks)  # back to back: each write wakes a node
-        return self._collect(tally, replies, list(self.sessions), spmd=True)
+        return self._collect(tally, replies, sessions, spmd=True)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
         """Run independent calls spread over the nodes; results in call order (see

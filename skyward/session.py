@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import pickle
 import threading
 import time
 from collections import deque
@@ -219,6 +220,19 @@ class NodeSession:
 
         Split from the write so a broadcast writes to every node back to back: a write wakes
         that node's agent, which then competes for the cores with the rest of the loop."""
+        if len(calls) == 1:  # one call (a broadcast's, a `>>`): no list to build and join
+            call, future = calls[0]
+            with self._lock:
+                if self.dead is not None:
+                    future.set_exception(self.dead)
+                    return []
+                if not future.set_running_or_notify_cancel():
+                    return []
+                first_time = call.fn_id not in self._sent_functions
+                if first_time:
+                    self._sent_functions.add(call.fn_id)
+                self.pending[call.call_id] = future
+            return call.chunks(first_time)
         chunks: list[frames.Buffer] = []
         with self._lock:
             for call, future in calls:
@@ -262,8 +276,15 @@ class NodeSession:
             self.stream.kill()
 
     def _on_frame(self, message: messages.Message, segments: list[frames.Buffer]) -> None:
-        if type(message) is messages.Result:
-            self._resolve(message.call_id, segments)
+        if type(message) is messages.Result:  # the hot path: written out, not a call away
+            future = self.pending.pop(message.call_id, None)
+            if future is not None:
+                try:
+                    value = pickle.loads(segments[0], buffers=segments[1:])
+                except Exception as exc:
+                    self._unpicklable(future, exc)
+                else:
+                    future.set_result(value)
         elif type(message) is messages.Raised:
             self._reject(message, segments)
         elif type(message) is messages.Reported:
@@ -273,21 +294,15 @@ class NodeSession:
         elif type(message) is not messages.Heartbeat:
             self._loop.call_soon_threadsafe(self._control.put_nowait, message)
 
-    def _resolve(self, call_id: int, segments: list[frames.Buffer]) -> None:
-        future = self.pending.pop(call_id, None)
-        if future is None:
-            return
-        try:
-            future.set_result(frames.loads(segments))
-        except Exception as exc:
-            future.set_exception(
-                RemoteError(
-                    type(exc).__name__,
-                    f"the result could not be unpickled on the client: {exc}",
-                    "",
-                    node=self.node,
-                )
+    def _unpicklable(self, future: Outcome, exc: Exception) -> None:
+        future.set_exception(
+            RemoteError(
+                type(exc).__name__,
+                f"the result could not be unpickled on the client: {exc}",
+                "",
+                node=self.node,
             )
+        )
 
     def _reject(self, raised: messages.Raised, segments: list[frames.Buffer]) -> None:
         future = self.pending.pop(raised.call_id, None)

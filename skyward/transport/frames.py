@@ -13,6 +13,7 @@ This module is shared by the client and the worker agent, so it imports only the
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import os
 import pickle
@@ -26,6 +27,8 @@ from skyward.transport.messages import Message, from_wire, to_wire
 
 HEADER = struct.Struct("!II")
 LENGTH = struct.Struct("!Q")
+# A header and the first segment length (or the metadata's first bytes when there is none).
+_ONE_SEGMENT = struct.Struct("!IIQ")
 PROTOCOL = 5
 
 Buffer = bytes | bytearray | memoryview
@@ -97,6 +100,11 @@ def dumps(value: Any, dump: Callable[..., bytes] = pickle.dumps) -> list[Buffer]
     if not buffers:
         return [stream]
     return [stream, *(b.raw() for b in buffers)]
+
+
+@functools.cache
+def _lengths(count: int) -> struct.Struct:
+    return struct.Struct(f"!{count}Q")
 
 
 def loads(segments: Sequence[Buffer]) -> Any:
@@ -257,23 +265,32 @@ class FrameDecoder:
         """Deliver the complete frames at the start of `data` without copying it into the
         buffer (the common case: one small reply per read); return what is left."""
         offset, end = 0, len(data)
-        while end - offset >= HEADER.size:
-            meta_len, count = HEADER.unpack_from(data, offset)
+        on_frame, loads = self._on_frame, pickle.loads
+        while end - offset >= _ONE_SEGMENT.size:
+            meta_len, count, first = _ONE_SEGMENT.unpack_from(data, offset)
             start = offset + HEADER.size + 8 * count
+            if count == 1:  # a result or an exception: one pickled segment
+                stop = start + meta_len + first
+                if stop > end:
+                    break
+                middle = start + meta_len
+                on_frame(from_wire(loads(data[start:middle])), [data[middle:stop]])
+                offset = stop
+                continue
             if start > end:
                 break
-            lengths = struct.unpack_from(f"!{count}Q", data, offset + HEADER.size)
+            lengths = _lengths(count).unpack_from(data, offset + HEADER.size)
             stop = start + meta_len + sum(lengths)
             if stop > end:
                 break
-            message = from_wire(pickle.loads(data[start : start + meta_len]))
+            message = from_wire(loads(data[start : start + meta_len]))
             segments: list[Buffer] = []
             position = start + meta_len
             for size in lengths:
                 segments.append(data[position : position + size])
                 position += size
             offset = stop
-            self._on_frame(message, segments)
+            on_frame(message, segments)
         return data[offset:] if offset else data
 
     def _advance(self) -> None:

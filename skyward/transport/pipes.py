@@ -18,7 +18,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO
+from typing import IO, Any
 
 from skyward.transport.base import AgentStream, Receiver
 from skyward.transport.frames import Buffer, spin_until, write_all
@@ -40,10 +40,12 @@ class SubprocessStream:
         self._linger = linger
         self.pid = process.pid
         self._write_lock = threading.Lock()
+        self._stdin_fd = process.stdin.fileno()
         self._exit: asyncio.Future[int | None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._control: _ControlReader | None = None
         self._last_reply = 0.0  # seconds the last lone reply took to come
+        self._groups: dict[tuple[int, ...], _Group] = {}  # see _Group
 
     def start(self, on_control: Receiver, on_output: Receiver) -> None:
         loop = self._loop = asyncio.get_running_loop()
@@ -82,7 +84,7 @@ class SubprocessStream:
         if len(readers) == 1:
             readers[0].read_until(done, self._linger)
         elif readers:
-            _ControlReader.read_all_until(readers, done)
+            _ControlReader.read_all_until(readers, done, self._groups)
 
     def _readable(self, pipe: IO[bytes], receiver: Receiver) -> None:
         try:
@@ -114,15 +116,19 @@ class SubprocessStream:
             self._exit.set_result(status)
 
     def write(self, chunks: Sequence[Buffer]) -> None:
-        assert self._process.stdin
-        fd = self._process.stdin.fileno()
+        fd = self._stdin_fd
         with self._write_lock:
             for chunk in chunks:
-                write_all(fd, chunk)
+                # A small call's frame goes in one write; only a short one needs the loop.
+                written = os.write(fd, chunk)
+                size = chunk.nbytes if type(chunk) is memoryview else len(chunk)
+                if written < size:
+                    write_all(fd, memoryview(chunk).cast("B")[written:])
 
     def close_input(self) -> None:
         with self._write_lock, contextlib.suppress(OSError):
             assert self._process.stdin
+            self._stdin_fd = -1  # a later write fails (EBADF), never reaches a reused number
             self._process.stdin.close()
 
     async def exit_status(self) -> int | None:
@@ -154,7 +160,9 @@ class _ControlReader:
         self._poller = select.poll()
         self._poller.register(fd, select.POLLIN)
         self._lock = threading.Lock()
-        self._turn = threading.Condition()
+        # Guards the fields below; a plain lock (not a Condition): callers take it twice per
+        # call, and nobody needs to be notified (see `_background`).
+        self._state = threading.Lock()
         self._callers = 0
         self._last_caller = 0.0
         self._selecting = False
@@ -178,7 +186,7 @@ class _ControlReader:
         self._receiver(data)
 
     def _finish(self) -> None:
-        with self._turn:  # no caller kicks a closed pipe (its number may be reused)
+        with self._state:  # no caller kicks a closed pipe (its number may be reused)
             self._closed_kick = True
             for fd in (self._kick_r, self._kick_w):
                 with contextlib.suppress(OSError):
@@ -186,23 +194,20 @@ class _ControlReader:
 
     def _background(self) -> None:
         while not self._ended:
-            with self._turn:
-                while True:
-                    if self._callers:
-                        # Nobody notifies this thread when callers leave (that would cost a
-                        # wake-up per call): it looks again now and then.
-                        self._turn.wait(self.BUSY_POLL)
-                        continue
-                    idle = time.monotonic() - self._last_caller
-                    if idle >= self.LINGER:
+            while True:
+                with self._state:
+                    callers, idle = self._callers, time.monotonic() - self._last_caller
+                    if not callers and idle >= self.LINGER:
                         self._selecting = True
                         break
-                    self._turn.wait(self.LINGER - idle)
+                # Nobody wakes this thread when callers leave (that would cost a wake-up per
+                # call): it looks again now and then.
+                time.sleep(self.BUSY_POLL if callers else self.LINGER - idle)
             with self._lock:
                 if self._ended:
                     return
                 ready, _, _ = select.select([self._fd, self._kick_r], [], [])
-                with self._turn:
+                with self._state:
                     self._selecting = False
                 if self._kick_r in ready:
                     with contextlib.suppress(OSError):
@@ -211,14 +216,14 @@ class _ControlReader:
                     self._read_once()
 
     def _enter(self) -> None:
-        with self._turn:
+        with self._state:
             self._callers += 1
             if self._selecting and not self._closed_kick:
                 with contextlib.suppress(OSError):
                     os.write(self._kick_w, b"k")  # ask the background reader to step aside
 
     def _leave(self) -> None:
-        with self._turn:
+        with self._state:
             self._callers -= 1
             self._last_caller = time.monotonic()
 
@@ -237,27 +242,29 @@ class _ControlReader:
 
     @classmethod
     def read_all_until(
-        cls, readers: Sequence[_ControlReader], done: Callable[[], bool], poll: float = 0.05
+        cls,
+        readers: Sequence[_ControlReader],
+        done: Callable[[], bool],
+        known: dict[tuple[int, ...], _Group],
+        poll: float = 0.05,
     ) -> None:
-        """Read several pipes in this thread until `done()` (checked at least every `poll` s)."""
-        ordered = sorted(set(readers), key=lambda r: r._fd)  # one lock order: no deadlock
-        for reader in ordered:
+        """Read several pipes in this thread until `done()` (checked at least every `poll` s);
+        `known` keeps their poll set for the next time."""
+        group = _Group.of(readers, known)
+        for reader in group.readers:
             reader._enter()
         held: list[_ControlReader] = []
         try:
-            for reader in ordered:
+            for reader in group.readers:
                 reader._lock.acquire()
                 held.append(reader)
-            live = [r for r in ordered if not r._ended]
+            live = [r for r in group.readers if not r._ended]
             if len(live) == 1:
                 (only,) = live
                 while not done() and not only._ended:
                     only._read_once()  # one pipe: sleep in read() itself
                 return
-            by_fd = {r._fd: r for r in live}
-            poller = select.poll()
-            for fd in by_fd:
-                poller.register(fd, select.POLLIN)
+            by_fd, poller = group.poller(live)
             timeout_ms = poll * 1000
             while by_fd and not done():
                 for fd, _ in poller.poll(timeout_ms):
@@ -266,11 +273,48 @@ class _ControlReader:
                     if reader._ended:
                         poller.unregister(fd)
                         del by_fd[fd]
+                        group.broken = True
         finally:
             for reader in held:
                 reader._lock.release()
-            for reader in ordered:
+            for reader in group.readers:
                 reader._leave()
+
+
+class _Group:
+    """The pipes one caller reads together (a broadcast's), kept from one call to the next: a
+    poll set registered once, not on every broadcast."""
+
+    def __init__(self, readers: Sequence[_ControlReader]) -> None:
+        self.readers = sorted(set(readers), key=lambda r: r._fd)  # one lock order: no deadlock
+        self.broken = False  # a pipe ended: the next caller builds a fresh poll set
+        self._by_fd = {r._fd: r for r in self.readers}
+        self._poller = select.poll()
+        for fd in self._by_fd:
+            self._poller.register(fd, select.POLLIN)
+
+    @classmethod
+    def of(cls, readers: Sequence[_ControlReader], known: dict[tuple[int, ...], _Group]) -> _Group:
+        """The group of `readers` kept in `known` (the calling stream's), made if need be."""
+        key = tuple(id(r) for r in readers)  # the kept group holds them: the ids stay theirs
+        group = known.get(key)
+        if group is None or group.broken:
+            if len(known) >= 8:  # a pool's broadcasts use one group, its restarts a few more
+                known.clear()
+            group = known[key] = _Group(readers)
+        return group
+
+    def poller(self, live: list[_ControlReader]) -> tuple[dict[int, _ControlReader], Any]:
+        """The fds to read and a poll object over them: the kept ones while every pipe is
+        open (the lock of each is held), else new ones over `live`."""
+        if len(live) == len(self.readers):
+            return dict(self._by_fd), self._poller
+        self.broken = True
+        by_fd = {r._fd: r for r in live}
+        poller = select.poll()
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
+        return by_fd, poller
 
 
 async def spawn(

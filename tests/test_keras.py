@@ -175,3 +175,35 @@ def test_keras_example_script_runs() -> None:
     )  # type: ignore[union-attr]
     assert last < 0.5 * first
     assert "(node 0) Epoch 1/" in done.stdout and "(node 1) Epoch" not in done.stdout
+
+
+@pytest.mark.slow
+def test_one_node_with_several_devices_trains_over_all_of_them() -> None:
+    """A node that owns several devices (GPUs on a real machine; here XLA's forced CPU
+    devices stand in for them) gets a DataParallel over its own devices."""
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    plugins = [sky.plugins.keras(backend="jax")]
+    with sky.ComputePool(nodes=1, env=env, plugins=plugins, stream_output=False) as alone:
+        setup = keras_setup() >> alone
+    assert setup == {"env": "jax", "backend": "jax", "distribution": "DataParallel", "devices": 2}
+
+
+@sky.compute
+def fit_where() -> tuple[str, float]:
+    import keras
+
+    x = np.ones((64, 3), np.float32)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    loss = model.fit(x, x[:, :1], epochs=2, verbose=0).history["loss"][-1]
+    (device,) = model.weights[0].value.devices()
+    return str(device), float(loss)
+
+
+@pytest.mark.gpu
+def test_keras_trains_on_the_nodes_gpu() -> None:
+    plugins = [sky.plugins.jax(), sky.plugins.keras(backend="jax")]
+    with sky.ComputePool(nodes=1, accelerator="GPU", plugins=plugins, stream_output=False) as p:
+        device, loss = fit_where() >> p
+    assert device == "cuda:0"
+    assert np.isfinite(loss)

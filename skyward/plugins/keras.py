@@ -2,6 +2,7 @@
 
 On several nodes it installs ``keras.distribution.DataParallel`` over every device of every node,
 so ``model.fit`` on each node trains one replicated model, each node feeding its own batches.
+One node with several devices (``accelerator="H100:8"``) gets the same over its own devices.
 Stacked after the JAX plugin it reuses the ``jax.distributed`` setup already done; alone, it asks
 Keras to initialize the distributed runtime itself.
 """
@@ -29,7 +30,8 @@ class KerasPlugin(Plugin):
 
     Args:
         backend: the Keras backend (``"jax"``; others work on a single node).
-        distribute: install ``DataParallel`` over all devices when the pool has several nodes.
+        distribute: install ``DataParallel`` over all devices when there are several (several
+            nodes, or one node with several GPUs).
     """
 
     name = "keras"
@@ -59,7 +61,8 @@ class KerasPlugin(Plugin):
                 f"plugin could set {self.backend!r}; do not import keras at node start-up"
             )
         os.environ["KERAS_BACKEND"] = self.backend
-        if info.total_nodes == 1 or not self.distribute:
+        alone = info.total_nodes == 1
+        if not self.distribute or (alone and self.backend != "jax"):
             yield
             return
         if self.backend != "jax":
@@ -68,21 +71,24 @@ class KerasPlugin(Plugin):
             )
         import keras
 
-        if not _jax_distributed_ready():
+        if not alone and not _jax_distributed_ready():
             keras.distribution.initialize(
                 job_addresses=f"{info.head_addr}:{info.ports['keras']}",
                 num_processes=info.total_nodes,
                 process_id=info.node,
             )
-        else:
+        elif not alone:
             # Keras's own initialize() agrees one random seed across processes, so unseeded
             # models start identical on every node; do the same when JAX was set up for it.
             keras.utils.set_random_seed(_shared_seed(info.pool_id))
-        devices = keras.distribution.list_devices()
-        # Each node feeds its own batches (numpy arrays or its own dataset): Keras must not
-        # try to shard the input itself, which it can only do for a tf.data.Dataset.
-        distribution = keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False)
-        keras.distribution.set_distribution(distribution)
+        devices = keras.distribution.list_devices()  # every node's (one node: its own GPUs)
+        if len(devices) > 1:
+            # Each node feeds its own batches (numpy arrays or its own dataset): Keras must not
+            # try to shard the input itself, which it can only do for a tf.data.Dataset.
+            distribution = keras.distribution.DataParallel(
+                devices=devices, auto_shard_dataset=False
+            )
+            keras.distribution.set_distribution(distribution)
         yield
 
 

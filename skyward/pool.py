@@ -249,7 +249,7 @@ class ComputePool:
         """The teardown's last line: ``removed 4 instances in 38.2 s``."""
         if self.cluster is None:
             return f"nothing was left to remove ({duration(seconds)} s)"
-        return f"{self.provider.teardown_summary(len(self.cluster.nodes))} in {duration(seconds)} s"
+        return f"{self.provider.teardown_summary(self.cluster)} in {duration(seconds)} s"
 
     def _collect_at_close(self) -> BaseException | None:
         """Bring every node's outputs back before the nodes go; what went wrong, if anything

@@ -13,7 +13,7 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
                            `Cluster`: the nodes and everything the provider keeps for this pool;
 - `prepare(cluster, image, progress)`  builds the image's environment on every node;
 - `terminate(cluster)`     removes every node and everything made for them; idempotent;
-- `teardown_summary(n)`    what `terminate` did, for the pool's last line ("removed 4 instances");
+- `teardown_summary(cluster)`  what `terminate` did, for the last line ("removed 4 instances");
 - `replace(cluster, index)`  a fresh node in place of a lost one (default: not supported);
 - `explain(cluster, node)` why a node went away (a reclaimed spot instance), or None;
 - `stage_data(cluster, data, log)`  makes a `sky.Data` available on every node and says where
@@ -130,10 +130,10 @@ class Provider(ABC):
     async def terminate(self, cluster: Cluster) -> None:
         """Remove the nodes and what was created for them; idempotent."""
 
-    def teardown_summary(self, nodes: int) -> str:
-        """What `terminate` did to a pool of `nodes` nodes, in words for the pool's last line
-        (the pool adds the time): ``removed 4 instances``."""
-        return f"removed {count(nodes, 'node')}"
+    def teardown_summary(self, cluster: Cluster) -> str:
+        """What `terminate` did to `cluster`, in words for the pool's last line (the pool adds
+        the time): ``removed 4 instances``."""
+        return f"removed {count(len(cluster.nodes), 'node')}"
 
     async def replace(self, cluster: Cluster, index: int) -> Node:
         """Put a fresh node in ``cluster.nodes[index]`` (whose node was lost) and return it;

@@ -210,8 +210,8 @@ class Local(Provider):
             )
         )
 
-    def teardown_summary(self, nodes: int) -> str:
-        return f"stopped {count(nodes, 'process', 'processes')}"
+    def teardown_summary(self, cluster: Cluster) -> str:
+        return f"stopped {count(len(cluster.nodes), 'process', 'processes')}"
 
     async def terminate(self, cluster: Cluster) -> None:
         # Agents are killed by the pool with their process groups; what is left is the

@@ -117,8 +117,8 @@ class SSH(RemoteData, Provider):
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
         await remote.prepare_nodes(cluster, image, self.bootstrap, progress)
 
-    def teardown_summary(self, nodes: int) -> str:
-        return f"closed {count(nodes, 'connection')}"
+    def teardown_summary(self, cluster: Cluster) -> str:
+        return f"closed {count(len(cluster.nodes), 'connection')}"
 
     async def terminate(self, cluster: Cluster) -> None:
         await remove_outputs(cluster)  # the hosts stay: what the pool wrote on them goes

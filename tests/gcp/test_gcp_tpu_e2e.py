@@ -6,6 +6,7 @@ metadata (the boot simulator of the VMs). The hosts are CPUs: JAX runs with its 
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -118,14 +119,21 @@ def test_jax_psum_across_the_four_hosts_of_a_v5litepod_16(
     nothing_left(sim)
 
 
-def test_nodes_follow_the_apis_worker_order(tpu_hosts: Callable[..., GceHosts]) -> None:
+def test_nodes_follow_the_apis_worker_order(
+    tpu_hosts: Callable[..., GceHosts], caplog: pytest.LogCaptureFixture
+) -> None:
     sim = tpu_hosts()
-    with sky.ComputePool(provider=tpu_for(sim, "v5litepod-16"), stream_output=False) as pool:
+    with (
+        caplog.at_level(logging.INFO, logger="skyward"),
+        sky.ComputePool(provider=tpu_for(sim, "v5litepod-16"), stream_output=False) as pool,
+    ):
         assert sim.fake is not None
         (node,) = sim.fake.tpu_nodes.values()
         workers = [e["ipAddress"] for e in node["networkEndpoints"]]
         assert [n.private_addr for n in pool.nodes] == workers
     nothing_left(sim)
+    last = [r.getMessage() for r in caplog.records if r.name == "skyward"][-1]
+    assert last.startswith(f"{pool.pool_id}: removed TPU slice v5litepod-16 (4 hosts) in "), last
 
 
 def test_one_host_never_reachable_fails_the_whole_slice(

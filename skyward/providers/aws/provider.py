@@ -266,8 +266,8 @@ class AWS(RemoteData, Provider):
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
         await prepare_nodes(cluster, image, self.bootstrap, progress)
 
-    def teardown_summary(self, nodes: int) -> str:
-        return f"removed {count(nodes, 'instance')}"
+    def teardown_summary(self, cluster: Cluster) -> str:
+        return f"removed {count(len(cluster.nodes), 'instance')}"
 
     async def terminate(self, cluster: Cluster) -> None:
         await self._teardown(_aws(cluster))

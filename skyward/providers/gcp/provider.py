@@ -303,8 +303,11 @@ class GCP(RemoteData, Provider):
     async def terminate(self, cluster: Cluster) -> None:
         await self._teardown(_gcp(cluster))
 
-    def teardown_summary(self, nodes: int) -> str:
-        return f"removed {count(nodes, 'VM')}"
+    def teardown_summary(self, cluster: Cluster) -> str:
+        tpu = _gcp(cluster).tpu
+        if tpu is not None:
+            return f"removed TPU slice {tpu.accelerator_type} ({count(tpu.hosts, 'host')})"
+        return f"removed {count(len(cluster.nodes), 'VM')}"
 
     async def explain(self, cluster: Cluster, node: Node) -> NodeLoss | None:
         """Why `node`'s VM went away (e.g. preempted), or None if it still runs."""

@@ -37,7 +37,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
 from botocore.parsers import ResponseParserError
 
-from skyward.cluster import Accelerator, ClusterSpec
+from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
 from skyward.progress import Phase, Progress
@@ -45,15 +45,14 @@ from skyward.providers.aws import instance_types, instances, resources, teardown
 from skyward.providers.aws.instances import logger
 from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
 from skyward.providers.cloud import CloudCluster
+from skyward.providers.connect import BootWait, ConnectOptions, connect_all
 from skyward.providers.remote import (
     Bootstrap,
-    BootWait,
-    ConnectOptions,
     RemoteNode,
     close_hosts,
-    connect_all,
     prepare_nodes,
     remote_nodes,
+    survey_nodes,
 )
 from skyward.providers.remote_data import RemoteData
 from skyward.providers.threads import in_thread
@@ -262,6 +261,9 @@ class AWS(RemoteData, Provider):
         (node,) = await self._connect(pool, found, [index])
         pool.nodes[index] = node
         return node
+
+    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
+        return await survey_nodes(cluster, image, self.bootstrap, progress)
 
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
         await prepare_nodes(cluster, image, self.bootstrap, progress)

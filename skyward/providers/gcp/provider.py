@@ -34,13 +34,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from skyward.cluster import Accelerator, ClusterSpec
+from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
 from skyward.progress import Phase, Progress
 from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
 from skyward.providers.bootscript import HostKey, write_login_key
 from skyward.providers.cloud import CloudCluster
+from skyward.providers.connect import BootWait, ConnectOptions, connect_all
 from skyward.providers.gcp import (
     api,
     instances,
@@ -55,13 +56,11 @@ from skyward.providers.gcp.instances import logger
 from skyward.providers.gcp.settings import Access, Clients, endpoint_of, resolve
 from skyward.providers.remote import (
     Bootstrap,
-    BootWait,
-    ConnectOptions,
     RemoteNode,
     close_hosts,
-    connect_all,
     prepare_nodes,
     remote_nodes,
+    survey_nodes,
 )
 from skyward.providers.remote_data import RemoteData
 from skyward.providers.threads import in_thread
@@ -296,6 +295,9 @@ class GCP(RemoteData, Provider):
         (node,) = await self._connect(pool, found, [index])
         pool.nodes[index] = node
         return node
+
+    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
+        return await survey_nodes(cluster, image, self.bootstrap, progress)
 
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
         await prepare_nodes(cluster, image, self.bootstrap, progress)

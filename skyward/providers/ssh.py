@@ -1,12 +1,12 @@
 """The SSH provider: pools on machines that already exist, reached with asyncssh.
 
 Node i runs on hosts[i]. `launch` opens one verified connection per host, all at once, kept for
-the pool's life; `prepare` is the remote bootstrap (`skyward.providers.remote`): one check
-command per host, then only what is missing (skyward's source, apt packages, uv, the image's
-environment). When the interpreter (``python=`` or ``python3``) already satisfies the image and
-the agent's pins, it is used directly, as `Local` does; otherwise a uv environment is built from
-it. A second pool with the same image on the same hosts costs one check command and the agent
-start per host.
+the pool's life; `survey` and `prepare` are the remote bootstrap (`skyward.providers.remote`):
+one check command per host (its GPUs too, before the plugins choose their packages), then only
+what is missing (skyward's source, apt packages, uv, the image's environment). When the
+interpreter (``python=`` or ``python3``) already satisfies the image and the agent's pins, it is
+used directly, as `Local` does; otherwise a uv environment is built from it. A second pool with
+the same image on the same hosts costs one check command and the agent start per host.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`sky.AWS`: a pool's nodes as EC2 instances, reached over verified SSH.
 
 launch, for the whole pool at once (the EC2 call count does not grow with N); the EC2 steps are
-the plain functions of `instances`, the SSH steps those of `skyward.providers.remote`:
+the plain functions of `instances`, the SSH steps those of `skyward.providers.connect` and
+`skyward.providers.remote`:
 
 1. check the instance type against ``describe_instance_types`` and resolve the AMI (public SSM
    parameter) and the subnet, before anything is created;
@@ -9,8 +10,9 @@ the plain functions of `instances`, the SSH steps those of `skyward.providers.re
    traffic inside the group), both tagged ``skyward:pool=<id>``;
 3. one ``run_instances`` for all N (MinCount=MaxCount=N), with user data that installs a host key
    made on the client and starts the idle watchdog; wait until all N run;
-4. connect to every instance, trusting only that host key, retrying while they boot; `prepare`
-   and the agents are the remote bootstrap's, as for `sky.SSH`.
+4. connect to every instance, trusting only that host key, retrying while they boot; `survey`
+   (the instances' GPUs and drivers), `prepare` and the agents are the remote bootstrap's, as
+   for `sky.SSH`.
 
 What one pool made lives in its `AWSCluster` (and in the tags, the durable record). Teardown
 (end of the pool, or any failure or cancellation during launch) is `teardown.remove_pool`, the

@@ -1,15 +1,17 @@
 """`sky.GCP`: a pool's nodes as Compute Engine VMs, reached over verified SSH.
 
 launch, for the whole pool at once (the API calls do not grow with N); the GCE steps are the
-plain functions of `instances`, the SSH steps those of `skyward.providers.remote`:
+plain functions of `instances`, the SSH steps those of `skyward.providers.connect` and
+`skyward.providers.remote`:
 
 1. resolve project, zone and credentials and pick the machine type (offline, in `validate`);
 2. create the pool's firewall rules and a fresh login key; the VMs' metadata carries the key
    (``ssh-keys``) and a startup script that installs a host key made on the client and starts
    the idle watchdog;
 3. one ``instances.bulkInsert`` for all N (``minCount = N``); wait until all N run;
-4. connect to every VM, trusting only that host key, retrying while they boot; `prepare` and
-   the agents are the remote bootstrap's, as for `sky.SSH`.
+4. connect to every VM, trusting only that host key, retrying while they boot; `survey` (the
+   VMs' GPUs and drivers), `prepare` and the agents are the remote bootstrap's, as for
+   `sky.SSH`.
 
 What one pool made lives in its `GCPCluster` (and in the labels and names, the durable record).
 Teardown (end of the pool, or any failure or cancellation during launch) is

@@ -1,11 +1,14 @@
-"""`ClusterSpec`: what a pool asks its provider for, and the accelerator spelling it accepts."""
+"""`ClusterSpec`: what a pool asks its provider for, and the accelerator spelling it accepts;
+`Hardware`: what the provider found on the nodes once they were up."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from skyward.errors import ConfigError
+from skyward.worker.gpus import ANY, Gpu
 
 _ACCELERATOR = re.compile(r"^(?P<name>[A-Za-z][A-Za-z0-9._-]*)(?::(?P<count>[1-9][0-9]*))?$")
 
@@ -49,9 +52,56 @@ class ClusterSpec:
     accelerator: Accelerator | None = None
     provider: str = "local"
     image_hash: str = ""
-    # The highest CUDA every node's driver supports ("13.0"), when the provider knows it before
-    # launch; None otherwise (the JAX plugin then assumes CUDA 12 for a GPU).
+    # The highest CUDA every node's driver supports ("13.0"), once the nodes are up and their
+    # provider has looked (`Hardware`); None before, without GPUs, or when a driver did not say
+    # (the JAX plugin then assumes CUDA 12 for a GPU).
     cuda: str | None = None
     # Where the nodes' outputs go when the pool ends: an absolute local directory (node i's in
     # its ``node-<i>`` folder) or an ``s3://bucket/prefix`` the nodes upload to; None: nowhere.
     outputs: str | None = None
+
+    def seen(self, hardware: Hardware) -> ClusterSpec:
+        """This spec with what the nodes turned out to have: the CUDA their drivers support
+        and, when no accelerator was named and every node owns GPUs, those GPUs as the
+        accelerator (so plugins choose for them). Itself when nothing changes."""
+        accelerator = self.accelerator or hardware.gpus
+        if (accelerator, hardware.cuda) == (self.accelerator, self.cuda):
+            return self
+        return replace(self, accelerator=accelerator, cuda=hardware.cuda)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the nodes of a launched pool have, as their provider found it (`Provider.survey`).
+
+    Both are None unless every node owns at least one GPU. `gpus` is then the accelerator
+    they share: the GPUs' name when all have the same (``H100``), else ``GPU``, and the fewest
+    any node owns. `cuda` is the lowest of the CUDA versions their drivers support, so that a
+    wheel built for it runs on every node; None when a driver did not say.
+    """
+
+    cuda: str | None = None
+    gpus: Accelerator | None = None
+
+    @classmethod
+    def of(cls, owned: Sequence[tuple[Gpu, ...]], cuda: Sequence[str | None]) -> Hardware:
+        """From each node's GPUs and the CUDA its driver supports, in node order."""
+        if not owned or not all(owned):
+            return cls()
+        names = {gpu.name for gpus in owned for gpu in gpus}
+        gpus = Accelerator(names.pop() if len(names) == 1 else ANY, min(map(len, owned)))
+        known = [version for version in cuda if version]
+        lowest = min(known, key=_version_key) if len(known) == len(cuda) else None
+        return cls(lowest, gpus)
+
+    def describe(self) -> str:
+        """In words, for the pool's status line: "every node has 8 x H100 (CUDA 12.4)"."""
+        if self.gpus is None:
+            return "some node has no GPU"
+        cuda = f" (CUDA {self.cuda})" if self.cuda else ""
+        return f"every node has {self.gpus.count} x {self.gpus.name}{cuda}"
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    """ "12.4" -> (12, 4): CUDA versions compare by number, not as text ("12.10" > "12.4")."""
+    return tuple(int(part) for part in version.split(".") if part.isdigit())

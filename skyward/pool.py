@@ -138,8 +138,8 @@ class ComputePool:
             outputs=_outputs(output_dir),
         )
         self.provider.validate(self.spec)
-        self.spec = replace(self.spec, cuda=provider.expected_cuda(self.spec))
-        self.image: Image = image or Image()
+        self._asked = image or Image()  # before the plugins' transforms
+        self.image: Image = self._asked
         self.startup_timeout = startup_timeout
         self.shutdown_timeout = shutdown_timeout
         self.broadcast_grace = broadcast_grace
@@ -180,11 +180,7 @@ class ComputePool:
         """Provision the nodes, build their environments, start the agents, run plugin setup."""
         if self._loop is not None:
             raise PoolClosedError("this pool was already started; create a new ComputePool")
-        for plugin in self.plugins:
-            self.image = hooks.call_hook(
-                plugin.name, "transform", plugin.transform, self.image, self.spec
-            )
-        self.spec = replace(self.spec, image_hash=self.image.content_hash)
+        self._plan(self.spec)  # a plugin's failure costs nothing yet: nothing is launched
         try:
             self._plugins_blob = cloudpickle.dumps(list(self.plugins), frames.PROTOCOL)
         except Exception as exc:
@@ -309,12 +305,21 @@ class ComputePool:
         self._pings = asyncio.get_running_loop().create_task(
             ping_agents(lambda: self._sessions, self.heartbeat_timeout)
         )
+        hardware = await self.provider.survey(self.cluster, self.image, self.console)
+        if (seen := self.spec.seen(hardware)) is not self.spec:
+            self._plan(seen)  # e.g. CUDA 13 drivers: the plugins choose their wheels again
         await self.provider.prepare(self.cluster, self.image, self.console)
         await self._start_agents()
         self._heartbeats = asyncio.get_running_loop().create_task(
             watch_heartbeats(lambda: self._sessions, self.heartbeat_timeout)
         )
         self.console.phase(None, Phase.READY)
+
+    def _plan(self, spec: ClusterSpec) -> None:
+        """The nodes' image for `spec`: the plugins' transforms over the pool's own image. Run
+        before launch, then again if what the nodes turn out to have changes the spec."""
+        self.image = hooks.transform(self.plugins, self._asked, spec)
+        self.spec = replace(spec, image_hash=self.image.content_hash)
 
     async def _start_agents(self) -> None:
         """Start an agent on every node and take each through the handshake and the plugins."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.worker import gpus, hostcheck
 from skyward.worker.gpus import Gpu, Inventory
 from tests.support.gpus import MACHINES, fake_nvidia_smi, recorded
@@ -267,6 +268,37 @@ def test_the_host_check_reports_gpus_where_skyward_cannot_be_imported(tmp_path: 
     assert report.gpus == parsed("h100-driver580")
     assert report.satisfied is None, "skyward was not importable there"
     assert hostcheck.check(replace(query, gpus=False)).gpus is None
+
+
+def hardware(*machines: str | None) -> Hardware:
+    """What a pool of one node per machine has (None: a machine without a GPU)."""
+    inventories = [parsed(m) if m else Inventory() for m in machines]
+    return Hardware.of([i.usable for i in inventories], [i.cuda for i in inventories])
+
+
+def test_a_pool_runs_the_cuda_of_its_oldest_driver() -> None:
+    """The lowest CUDA wins; the GPUs' common name (or GPU) and the fewest any node owns."""
+    assert hardware("h100-driver580") == Hardware("13.0", Accelerator("H100"))
+    assert hardware("a100x8-driver550") == Hardware("12.4", Accelerator("A100-80GB", 8))
+    assert hardware("h100-driver580", "a100x8-driver550") == Hardware("12.4", Accelerator("GPU"))
+    # versions compare by number: 12.10 is newer than 12.4
+    newer = Gpu(index=0, name="H100", model="NVIDIA H100", memory_mib=1)
+    assert Hardware.of([(newer,), (newer,)], ["12.10", "12.4"]).cuda == "12.4"
+    assert Hardware.of([(newer,), (newer,)], ["13.0", None]).cuda is None  # a driver did not say
+
+
+def test_a_pool_with_a_node_without_gpus_has_none() -> None:
+    assert hardware("h100-driver580", None) == Hardware()
+    assert hardware("a100-mig-driver535", None, None) == Hardware()
+
+
+def test_the_spec_takes_the_hardware_but_keeps_a_named_accelerator() -> None:
+    spec = ClusterSpec(nodes=1, pool_id="p")
+    seen = spec.seen(hardware("h100-driver580"))
+    assert (seen.accelerator, seen.cuda) == (Accelerator("H100"), "13.0")
+    named = ClusterSpec(nodes=1, pool_id="p", accelerator=Accelerator("GPU", 1))
+    assert named.seen(hardware("h100-driver580")).accelerator == Accelerator("GPU")
+    assert spec.seen(Hardware()) is spec  # nothing changed: the plugins are not asked again
 
 
 @pytest.mark.gpu

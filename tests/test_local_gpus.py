@@ -10,7 +10,10 @@ rules on a real GPU, and are skipped where there is none.
 from __future__ import annotations
 
 import os
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +22,7 @@ from skyward.cluster import Accelerator
 from skyward.providers import local_gpus
 from skyward.providers.local import machine_gpus
 from skyward.worker.gpus import Inventory, parse_smi
-from tests.support.gpus import recorded
+from tests.support.gpus import WheelSeen, fake_nvidia_smi, recorded, wheel
 
 
 def machine(name: str) -> Inventory:
@@ -126,6 +129,34 @@ def test_asking_for_a_gpu_where_there_is_none_fails_at_once() -> None:
     assert time.monotonic() - began < 30  # generous: it must not wait for anything
 
 
+@pytest.fixture
+def recorded_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """This machine answers as the recorded 8 x A100-80GB one (driver 550, CUDA 12.4) does:
+    its nvidia-smi first on PATH, a real ``pynvml`` hidden, the inventory asked anew."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setenv(
+        "PATH", f"{fake_nvidia_smi('a100x8-driver550', tmp_path)}:{os.environ['PATH']}"
+    )
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    machine_gpus.cache_clear()
+    yield
+    machine_gpus.cache_clear()
+
+
+@pytest.mark.usefixtures("recorded_machine")
+def test_a_local_gpu_pool_gets_the_wheel_of_this_machines_driver() -> None:
+    """The JAX plugin's wheel follows the driver's CUDA (12.4 here); a CPU pool's is jax[cpu]."""
+    plugins = [sky.plugins.jax(initialize=False), WheelSeen()]
+    with sky.ComputePool(nodes=2, accelerator="A100", plugins=plugins, stream_output=False) as p:
+        assert wheel() @ p == ["jax[cuda12]"] * 2
+        assert p.spec.cuda == "12.4"
+        assert [d[2:] for d in devices_seen() @ p] == [((0,), "A100-80GB"), ((1,), "A100-80GB")]
+    plugins = [sky.plugins.jax(initialize=False), WheelSeen()]
+    with sky.ComputePool(nodes=1, plugins=plugins, stream_output=False) as p:
+        assert wheel() >> p == "jax[cpu]"
+        assert (p.spec.accelerator, p.spec.cuda) == (None, None)
+
+
 # -- on a real GPU (skipped without one) -----------------------------------------------------
 
 
@@ -176,3 +207,6 @@ def test_a_cuda_jax_already_here_serves_a_gpu_pool_without_a_build() -> None:
         python, devices = interpreter_and_devices() >> p
     assert python == sys.executable
     assert devices == ["cuda:0"]
+    cuda = machine_gpus().cuda_major or 0
+    assert p.spec.cuda == machine_gpus().cuda
+    assert f"jax[{'cuda13' if cuda >= 13 else 'cuda12'}]" in p.image.pip

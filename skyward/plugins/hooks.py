@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from skyward.errors import PluginError, SkywardError
 
 if TYPE_CHECKING:
+    from skyward.cluster import ClusterSpec
+    from skyward.image import Image
     from skyward.plugins.base import Plugin
 
 T = TypeVar("T")
@@ -27,6 +29,13 @@ def call_hook(
 ) -> T:
     """`fn(*args)`, with a failure reported as plugin `plugin`'s in `hook`."""
     return _guarded(plugin, hook, "failed in", node, fn, *args)
+
+
+def transform(plugins: Sequence[Plugin], image: Image, spec: ClusterSpec) -> Image:
+    """`image` through every plugin's `transform` for `spec`, in plugin order."""
+    for plugin in plugins:
+        image = call_hook(plugin.name, "transform", plugin.transform, image, spec)
+    return image
 
 
 def _guarded(

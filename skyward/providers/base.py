@@ -7,10 +7,12 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
 - `nodes_for(acc, asked)`  the pool size for an accelerator that fixes it (a TPU slice is one
                            node per host), or `ConfigError` when the asked size disagrees;
 - `implied_accelerator()`  what an explicit instance type carries, so plugins see it (AWS);
-- `expected_cuda(spec)`    the highest CUDA the nodes' drivers support, if known before launch;
 - `validate(spec)`         checks the request before anything is created or paid for;
 - `launch(spec, progress)`  creates all N nodes or raises, leaving nothing behind; returns the
                            `Cluster`: the nodes and everything the provider keeps for this pool;
+- `survey(cluster, image, progress)`  what the launched nodes have (`Hardware`: their GPUs,
+                           the CUDA their drivers support), before any environment is built: the
+                           pool fills in its spec with it and the plugins choose their packages;
 - `prepare(cluster, image, progress)`  builds the image's environment on every node;
 - `terminate(cluster)`     removes every node and everything made for them; idempotent;
 - `teardown_summary(cluster)`  what `terminate` did, for the last line ("removed 4 instances");
@@ -40,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from skyward.cluster import Accelerator, ClusterSpec
+from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.data import Data, Placement
 from skyward.errors import ConfigError
 from skyward.image import Image
@@ -68,7 +70,7 @@ class Node(ABC):
         self.private_addr = private_addr  # how the other nodes reach it
         self.public_addr = public_addr  # how the client reaches it
         # The GPUs this node owns, once its provider knows them (Local at launch, a remote
-        # host when it is prepared); `instance_info()` reports them.
+        # host when it is surveyed); `instance_info()` reports them.
         self.gpus: tuple[Gpu, ...] = ()
 
     @abstractmethod
@@ -107,11 +109,6 @@ class Provider(ABC):
         """The accelerator the provider's own settings carry (an explicit instance type)."""
         return None
 
-    def expected_cuda(self, spec: ClusterSpec) -> str | None:
-        """The highest CUDA every node's driver will support ("13.0"), when the provider knows
-        before launch (Local: this machine's driver); plugins pick their wheels by it."""
-        return None
-
     def validate(self, spec: ClusterSpec) -> None:
         """Raise `ConfigError` if the request cannot be served; creates nothing."""
         return None
@@ -120,6 +117,18 @@ class Provider(ABC):
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         """Create all `spec.nodes` nodes, or raise and leave nothing behind; report each
         node's phases (booting, connecting) to `progress`."""
+
+    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
+        """What the nodes of `cluster` have, once launched and before any environment is built:
+        the pool fills in its spec with it (the drivers' CUDA; the GPUs, when none was named)
+        and runs the plugins' `transform` again if that changes it. Each node's `gpus` are set
+        by the time it returns.
+
+        `image` is the image as planned before launch. A provider that must ask its machines
+        may check them for it in the same step and reuse that check in `prepare` when the
+        image stays the same. The default reads the nodes' `gpus`, with the CUDA unknown.
+        """
+        return Hardware.of([node.gpus for node in cluster.nodes], [None] * len(cluster.nodes))
 
     @abstractmethod
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:

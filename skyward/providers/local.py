@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from skyward import info
-from skyward.cluster import ClusterSpec
+from skyward.cluster import ClusterSpec, Hardware
 from skyward.errors import BootstrapError
 from skyward.image import Image
 from skyward.progress import Phase, Progress
@@ -109,8 +109,10 @@ class Local(Provider):
         if spec.accelerator is not None:  # a request the machine cannot serve fails here
             local_gpus.assign(machine_gpus(), spec.accelerator, spec.nodes)
 
-    def expected_cuda(self, spec: ClusterSpec) -> str | None:
-        return machine_gpus().cuda if spec.accelerator is not None else None
+    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
+        """The GPUs `launch` dealt the nodes (none in a CPU pool) and this machine's CUDA."""
+        cuda = (await asyncio.to_thread(machine_gpus)).cuda
+        return Hardware.of([node.gpus for node in cluster.nodes], [cuda] * len(cluster.nodes))
 
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         # With a core for each node and one for the client, both ends of a small call poll

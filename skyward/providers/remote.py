@@ -1,15 +1,16 @@
 """The remote bootstrap, shared by every provider whose nodes are hosts reached over SSH.
 
-Plain functions, used by `sky.SSH` and `sky.AWS` (and by any other cloud's provider):
+Plain functions, used by `sky.SSH`, `sky.AWS` and `sky.GCP` once their hosts are connected
+(`skyward.providers.connect`):
 
-- `connect_all`: one verified connection per host, all at once; a host that fails closes the
-  others and fails the whole launch. With a `BootWait`, each host is retried until a deadline
-  (an instance that is still booting: sshd down, or still offering the image's own host key);
-- `prepare_nodes`: per host, concurrently, ONE check command (`skyward.worker.hostcheck` run
-  with the host's interpreter) reports what is already there and the host's GPUs. A pool that
-  names an accelerator fails there, before anything is built, on a host without enough of
-  it; the node owns the host's GPUs (`Node.gpus`, MIG-mode ones left out). Then only the
-  missing pieces are built:
+- `survey_nodes` (`Provider.survey`): per host, concurrently, ONE check command
+  (`skyward.worker.hostcheck` run with the host's interpreter) reports what is already there
+  for the image as planned and the host's GPUs. A pool that names an accelerator fails there,
+  before anything is built, on a host without enough of it; the node owns the host's GPUs
+  (`Node.gpus`, MIG-mode ones left out). The pool learns what the hosts have (`Hardware`)
+  and its plugins choose their packages by it;
+- `prepare_nodes`: per host, concurrently, the survey's check reused when the image stayed as
+  planned (else one more check), then only the missing pieces are built:
 
   - skyward itself (`skyward.providers.source`), unpacked once to
     ``~/.cache/skyward/src/<hash>/skyward`` (PYTHONPATH points there for envbuild and the agent);
@@ -23,7 +24,7 @@ Plain functions, used by `sky.SSH` and `sky.AWS` (and by any other cloud's provi
 - `RemoteNode`: a node on one `SSHHost`; it starts the agent in the prepared interpreter.
 
 A second pool with the same image on the same hosts costs one check command and the agent start
-per host.
+per host (two check commands when what the hosts have changes the image: see `survey_nodes`).
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ import importlib.metadata as metadata
 import json
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
-from skyward.cluster import Accelerator
-from skyward.errors import BootstrapError, ProvisionError
+from skyward.cluster import Accelerator, Hardware
+from skyward.errors import BootstrapError
 from skyward.image import Image
 from skyward.progress import Phase, Progress
 from skyward.providers.base import Cluster, Log, Node
@@ -48,46 +49,15 @@ from skyward.providers.environment import env_spec
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.base import AgentStream
 from skyward.transport.channels import open_agent
-from skyward.transport.ssh import Completed, Endpoint, SSHConnectError, SSHHost, connect, shell_env
+from skyward.transport.ssh import Completed, SSHHost, shell_env
 from skyward.worker import hostcheck
-from skyward.worker.gpus import Gpu, Inventory, visible_env
+from skyward.worker.gpus import Inventory, visible_env
 
 if TYPE_CHECKING:
     from skyward.providers.files import Receiver
 
 CACHE = "$HOME/.cache/skyward"  # expanded by the remote shell
 _CHECK_CACHE = "~/.cache/skyward"  # expanded by the check itself
-
-
-@dataclass(frozen=True)
-class ConnectOptions:
-    """How to log into a pool's hosts: trusted host keys, login key, ssh_config, timeouts."""
-
-    known_hosts: asyncssh.SSHKnownHosts | tuple[()]
-    key: str | None = None
-    config: Sequence[str] = ()  # () reads ~/.ssh/config; [] reads no config at all
-    timeout: float = 10.0
-    keepalive: float = 15.0
-
-    async def connect(self, endpoint: Endpoint, timeout: float | None = None) -> SSHHost:
-        return await connect(
-            endpoint,
-            known_hosts=self.known_hosts,
-            key=self.key,
-            config=self.config,
-            timeout=self.timeout if timeout is None else timeout,
-            keepalive=self.keepalive,
-        )
-
-
-@dataclass(frozen=True)
-class BootWait:
-    """Retry a host that refuses the verified login until `deadline` (the loop's clock): a
-    machine that is still booting. `budget` names the deadline in the error."""
-
-    deadline: float
-    poll: float
-    budget: str
 
 
 @dataclass(frozen=True)
@@ -103,57 +73,6 @@ class Bootstrap:
         return f"export {shell_env(self.build_env)}; " if self.build_env else ""
 
 
-async def connect_host(
-    endpoint: Endpoint, options: ConnectOptions, wait: BootWait | None = None, label: str = ""
-) -> SSHHost:
-    """One verified connection; with `wait`, retried until its deadline, never trusting more."""
-    if wait is None:
-        return await options.connect(endpoint)
-    loop = asyncio.get_running_loop()
-    while True:
-        timeout = max(1.0, min(options.timeout, wait.deadline - loop.time()))
-        try:
-            return await options.connect(endpoint, timeout)
-        except SSHConnectError as exc:
-            # While the machine boots, sshd is down, still offers the image's own host key
-            # (rejected: only ours is trusted) or has no authorized key yet. Wait, never trust.
-            if loop.time() + wait.poll > wait.deadline:
-                raise ProvisionError(
-                    f"{label or endpoint} did not accept the verified SSH login within "
-                    f"{wait.budget}; last error: {exc}"
-                ) from None
-            await asyncio.sleep(wait.poll)
-
-
-async def connect_all(
-    endpoints: Sequence[Endpoint],
-    options: ConnectOptions,
-    wait: BootWait | None = None,
-    labels: Sequence[str] = (),
-) -> list[SSHHost]:
-    """Connect to every host at once; all of them, or close those that connected and raise."""
-    names = list(labels) or [""] * len(endpoints)
-    results = await asyncio.gather(
-        *(connect_host(e, options, wait, n) for e, n in zip(endpoints, names, strict=True)),
-        return_exceptions=True,
-    )
-    hosts = [r for r in results if isinstance(r, SSHHost)]
-    failures = [r for r in results if isinstance(r, BaseException)]
-    if not failures:
-        return hosts
-    await asyncio.gather(*(h.close() for h in hosts), return_exceptions=True)
-    for failure in failures:
-        if not isinstance(failure, Exception):
-            raise failure  # cancellation, KeyboardInterrupt: not ours to reword
-    first = failures[0]
-    if len(failures) == 1 and isinstance(first, ProvisionError):
-        raise first
-    raise ProvisionError(
-        f"{len(failures)} of {len(endpoints)} SSH host(s) could not be reached:\n"
-        + "\n".join(f"  {f}" for f in failures)
-    ) from first
-
-
 class RemoteNode(Node):
     """A node on one SSH host: its connection and, once prepared, the interpreter to run."""
 
@@ -163,6 +82,9 @@ class RemoteNode(Node):
         self.python: str | None = None
         self.prepared = ""  # the environment hash the node was prepared for
         self.gpu_env: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES for the GPUs it owns
+        self.inventory: Inventory | None = None  # the host's GPUs, once listed
+        # The survey's check and the environment hash it was for: `prepare_host` reuses it.
+        self.checked: tuple[str, hostcheck.Report] | None = None
         self.trees: set[str] = set()  # digests of the `sky.Data` trees pushed to it
         self.pulled: frozenset[str] = frozenset()  # what the last pull of its outputs listed
         self.agent_env: dict[str, str] = {}  # the pool's env= and the image's, once started
@@ -204,6 +126,41 @@ async def close_hosts(cluster: Cluster) -> None:
     await asyncio.gather(*(h.close() for h in hosts.values()), return_exceptions=True)
 
 
+async def survey_nodes(
+    cluster: Cluster, image: Image, bootstrap: Bootstrap, progress: Progress
+) -> Hardware:
+    """What the hosts have (`Provider.survey`): every host checked at once for `image`, its
+    GPUs listed; a pool that names an accelerator fails here on a host without enough of it.
+
+    The check is the one `prepare_nodes` starts with, kept on the node: when the image it then
+    prepares is the same (what the hosts have did not change the plan), a pool costs one check
+    command per host; where it changed (a CUDA wheel instead of the planned CPU one), two.
+    """
+    nodes = remote_nodes(cluster)
+    await asyncio.gather(
+        *(_survey(node, image, bootstrap, progress, cluster.spec.accelerator) for node in nodes)
+    )
+    hardware = Hardware.of(
+        [node.gpus for node in nodes], [(node.inventory or Inventory()).cuda for node in nodes]
+    )
+    if cluster.spec.accelerator is None and hardware.gpus is not None:
+        progress(f"no accelerator named; {hardware.describe()}: the nodes use them")
+    return hardware
+
+
+async def _survey(
+    node: RemoteNode,
+    image: Image,
+    bootstrap: Bootstrap,
+    progress: Progress,
+    accelerator: Accelerator | None,
+) -> None:
+    progress.phase(node.index, Phase.BUILDING)
+    report = await _check(node, image, bootstrap, progress.log_for(node.index), gpus=True)
+    _own_gpus(node, report.gpus or Inventory(), accelerator)
+    node.checked = (env_spec(image).hash, report)
+
+
 async def prepare_nodes(
     cluster: Cluster, image: Image, bootstrap: Bootstrap, progress: Progress
 ) -> None:
@@ -225,39 +182,21 @@ async def prepare_host(
     progress: Progress,
     accelerator: Accelerator | None = None,
 ) -> None:
-    """Check the host once (its GPUs against `accelerator` too), build only what is missing,
-    and set the node's interpreter and GPUs; each step and its output lines are the node's
-    `Phase.BUILDING` details."""
+    """Check the host once (reusing the survey's check when it was for this image; a node not
+    surveyed, a replacement, has its GPUs checked against `accelerator` here), build only
+    what is missing, and set the node's interpreter; each step and its output lines are the
+    node's `Phase.BUILDING` details."""
     spec = env_spec(image)
-    progress.phase(node.index, Phase.BUILDING)
     host_log = progress.log_for(node.index)
-
-    query = hostcheck.Query(
-        cache=_CHECK_CACHE,
-        env=spec.hash,
-        src=source_hash(),
-        uv=bootstrap.uv_version,
-        apt=image.apt,
-        requirements=spec.pip,
-        gpus=True,
-    )
-    python = bootstrap.python or "python3"
-    report = hostcheck.Report.from_json(
-        await _json(
-            node,
-            bootstrap,
-            f"P=$(command -v {shlex.quote(python)}) || "
-            f"{{ echo 'python {python} was not found on this host' >&2; exit 127; }}; "
-            f'exec "$P" -c {shlex.quote(_check_program())} {shlex.quote(query.to_json())}',
-            "checking the host",
-            host_log,
-        )
-    )
-    node.gpus = _gpus_for(node, report.gpus or Inventory(), accelerator)
-    # A pool that named its GPUs shows each node only those; without a name a host's
-    # processes see its GPUs as they always have.
-    named = accelerator is not None and not accelerator.is_tpu
-    node.gpu_env = visible_env(node.gpus) if named and node.gpus else {}
+    checked, node.checked = node.checked, None
+    if node.inventory is None:
+        progress.phase(node.index, Phase.BUILDING)
+        report = await _check(node, image, bootstrap, host_log, gpus=True)
+        _own_gpus(node, report.gpus or Inventory(), accelerator)
+    elif checked is not None and checked[0] == spec.hash:
+        report = checked[1]
+    else:
+        report = await _check(node, image, bootstrap, host_log, gpus=False)
     base = shlex.quote(report.python)
     if not report.src:
         await _run(
@@ -276,7 +215,7 @@ async def prepare_host(
                 node,
                 bootstrap,
                 f"cd && {_pythonpath()} exec {base} -m skyward.worker.hostcheck "
-                f"{shlex.quote(replace(query, gpus=False).to_json())}",
+                f"{shlex.quote(_query(image, bootstrap, gpus=False).to_json())}",
                 "checking the host's packages",
                 host_log,
             )
@@ -307,20 +246,54 @@ async def prepare_host(
     node.prepared = spec.hash
 
 
+def _query(image: Image, bootstrap: Bootstrap, gpus: bool) -> hostcheck.Query:
+    spec = env_spec(image)
+    return hostcheck.Query(
+        cache=_CHECK_CACHE,
+        env=spec.hash,
+        src=source_hash(),
+        uv=bootstrap.uv_version,
+        apt=image.apt,
+        requirements=spec.pip,
+        gpus=gpus,
+    )
+
+
+async def _check(
+    node: RemoteNode, image: Image, bootstrap: Bootstrap, log: Log, gpus: bool
+) -> hostcheck.Report:
+    """The one check command that reports what the host has for `image` (and its GPUs), run
+    with the host's interpreter before skyward's source may be there."""
+    python = bootstrap.python or "python3"
+    query = _query(image, bootstrap, gpus)
+    return hostcheck.Report.from_json(
+        await _json(
+            node,
+            bootstrap,
+            f"P=$(command -v {shlex.quote(python)}) || "
+            f"{{ echo 'python {python} was not found on this host' >&2; exit 127; }}; "
+            f'exec "$P" -c {shlex.quote(_check_program())} {shlex.quote(query.to_json())}',
+            "checking the host",
+            log,
+        )
+    )
+
+
 @cache
 def _check_program() -> str:
     return hostcheck.program()
 
 
-def _gpus_for(
-    node: RemoteNode, inventory: Inventory, accelerator: Accelerator | None
-) -> tuple[Gpu, ...]:
-    """The GPUs the node owns: every usable one of the host, or the first `accelerator.count`
-    that `accelerator` names; a `BootstrapError` when the host has fewer of them than the pool
-    asked for. A TPU is not NVIDIA's to list: it is left to the provider that made the
-    machine."""
+def _own_gpus(node: RemoteNode, inventory: Inventory, accelerator: Accelerator | None) -> None:
+    """Give the node the host's GPUs: every usable one, or the first `accelerator.count` that
+    `accelerator` names (a `BootstrapError` when the host has fewer than the pool asked for).
+    A TPU is not NVIDIA's to list: it is left to the provider that made the machine."""
+    node.inventory = inventory
     if accelerator is None or accelerator.is_tpu:
-        return inventory.usable
+        node.gpus = inventory.usable
+        # Without a name, a host's processes see its GPUs as they always have.
+        node.gpu_env = {}
+        return
     found = inventory.matching(accelerator.name)
     if len(found) < accelerator.count:
         raise BootstrapError(
@@ -329,7 +302,9 @@ def _gpus_for(
             "they have, or leave `accelerator` out to run on whatever GPUs each host has",
             node=node.index,
         )
-    return found[: accelerator.count]
+    node.gpus = found[: accelerator.count]
+    # A pool that named its GPUs shows each node only those.
+    node.gpu_env = visible_env(node.gpus)
 
 
 def _pythonpath() -> str:

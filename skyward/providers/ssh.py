@@ -1,12 +1,12 @@
 """The SSH provider: pools on machines that already exist, reached with asyncssh.
 
 Node i runs on hosts[i]. `launch` opens one verified connection per host, all at once, kept for
-the pool's life; `prepare` is the remote bootstrap (`skyward.providers.remote`): one check
-command per host, then only what is missing (skyward's source, apt packages, uv, the image's
-environment). When the interpreter (``python=`` or ``python3``) already satisfies the image and
-the agent's pins, it is used directly, as `Local` does; otherwise a uv environment is built from
-it. A second pool with the same image on the same hosts costs one check command and the agent
-start per host.
+the pool's life; `survey` and `prepare` are the remote bootstrap (`skyward.providers.remote`):
+one check command per host (its GPUs too, before the plugins choose their packages), then only
+what is missing (skyward's source, apt packages, uv, the image's environment). When the
+interpreter (``python=`` or ``python3``) already satisfies the image and the agent's pins, it is
+used directly, as `Local` does; otherwise a uv environment is built from it. A second pool with
+the same image on the same hosts costs one check command and the agent start per host.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from skyward.cluster import ClusterSpec
+from skyward.cluster import ClusterSpec, Hardware
 from skyward.errors import ConfigError
 from skyward.image import Image
 from skyward.progress import Phase, Progress
-from skyward.providers import remote
+from skyward.providers import connect, remote
 from skyward.providers.base import Cluster, Node, Provider, count
 from skyward.providers.remote_data import RemoteData, remove_outputs
 from skyward.transport.ssh import Endpoint, KnownHosts, load_known_hosts
@@ -73,7 +73,7 @@ class SSH(RemoteData, Provider):
             if not path.is_file():
                 raise ConfigError(f"SSH key file {str(path)!r} does not exist")
             key_file = str(path)
-        self.connect_options = remote.ConnectOptions(
+        self.connect_options = connect.ConnectOptions(
             known_hosts=load_known_hosts(known_hosts),
             key=key_file,
             config=tuple(config) if config is not None else (),
@@ -103,7 +103,7 @@ class SSH(RemoteData, Provider):
         endpoints = self.endpoints[: spec.nodes]
         for index, endpoint in enumerate(endpoints):
             progress.phase(index, Phase.CONNECTING, str(endpoint))
-        hosts = await remote.connect_all(endpoints, self.connect_options)
+        hosts = await connect.connect_all(endpoints, self.connect_options)
         nodes: list[Node] = [remote.RemoteNode(i, h) for i, h in enumerate(hosts)]
         return Cluster(spec, nodes)
 
@@ -113,6 +113,9 @@ class SSH(RemoteData, Provider):
         host = await self.connect_options.connect(self.endpoints[index])
         cluster.nodes[index] = remote.RemoteNode(index, host)
         return cluster.nodes[index]
+
+    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
+        return await remote.survey_nodes(cluster, image, self.bootstrap, progress)
 
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
         await remote.prepare_nodes(cluster, image, self.bootstrap, progress)

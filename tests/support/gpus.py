@@ -7,8 +7,12 @@ on a PATH and `skyward.worker.gpus.find` runs it as it would run the real one.
 
 from __future__ import annotations
 
+import os
 import shlex
 from pathlib import Path
+
+import skyward as sky
+from skyward.cluster import ClusterSpec
 
 RECORDED = Path(__file__).resolve().parent.parent / "data" / "gpus"
 MACHINES = ("h100-driver580", "a100x8-driver550", "a100-mig-driver535", "driver-failed")
@@ -42,3 +46,29 @@ def fake_nvidia_smi(machine: str, directory: Path) -> Path:
     script.write_text(f"#!/bin/sh\n# recorded nvidia-smi of {machine} (tests/data/gpus)\n{body}")
     script.chmod(0o755)
     return directory
+
+
+WHEEL = "SKYWARD_TEST_JAX_WHEEL"
+
+
+class WheelSeen(sky.Plugin):
+    """Placed after the JAX plugin: replaces the jax requirement it added with the variable
+    `WHEEL` naming it (so the nodes need nothing this interpreter lacks: no CUDA jax is
+    installed), and keeps the spec each `transform` saw."""
+
+    name = "wheel-seen"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.specs: list[ClusterSpec] = []
+
+    def transform(self, image: sky.Image, cluster: ClusterSpec) -> sky.Image:
+        self.specs.append(cluster)
+        jax = ",".join(p for p in image.pip if p.startswith("jax"))
+        return image.without_packages(["jax", "jaxlib"]).with_env({WHEEL: jax})
+
+
+@sky.compute
+def wheel() -> str | None:
+    """The JAX wheel the pool chose for this node (`WheelSeen`)."""
+    return os.environ.get(WHEEL)

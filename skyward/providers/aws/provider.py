@@ -1,7 +1,8 @@
 """`sky.AWS`: a pool's nodes as EC2 instances, reached over verified SSH.
 
 launch, for the whole pool at once (the EC2 call count does not grow with N); the EC2 steps are
-the plain functions of `instances`, the SSH steps those of `skyward.providers.remote`:
+the plain functions of `instances`, the SSH steps those of `skyward.providers.connect` and
+`skyward.providers.remote`:
 
 1. check the instance type against ``describe_instance_types`` and resolve the AMI (public SSM
    parameter) and the subnet, before anything is created;
@@ -9,8 +10,9 @@ the plain functions of `instances`, the SSH steps those of `skyward.providers.re
    traffic inside the group), both tagged ``skyward:pool=<id>``;
 3. one ``run_instances`` for all N (MinCount=MaxCount=N), with user data that installs a host key
    made on the client and starts the idle watchdog; wait until all N run;
-4. connect to every instance, trusting only that host key, retrying while they boot; `prepare`
-   and the agents are the remote bootstrap's, as for `sky.SSH`.
+4. connect to every instance, trusting only that host key, retrying while they boot; `survey`
+   (the instances' GPUs and drivers), `prepare` and the agents are the remote bootstrap's, as
+   for `sky.SSH`.
 
 What one pool made lives in its `AWSCluster` (and in the tags, the durable record). Teardown
 (end of the pool, or any failure or cancellation during launch) is `teardown.remove_pool`, the
@@ -37,7 +39,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
 from botocore.parsers import ResponseParserError
 
-from skyward.cluster import Accelerator, ClusterSpec
+from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
 from skyward.progress import Phase, Progress
@@ -45,15 +47,14 @@ from skyward.providers.aws import instance_types, instances, resources, teardown
 from skyward.providers.aws.instances import logger
 from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
 from skyward.providers.cloud import CloudCluster
+from skyward.providers.connect import BootWait, ConnectOptions, connect_all
 from skyward.providers.remote import (
     Bootstrap,
-    BootWait,
-    ConnectOptions,
     RemoteNode,
     close_hosts,
-    connect_all,
     prepare_nodes,
     remote_nodes,
+    survey_nodes,
 )
 from skyward.providers.remote_data import RemoteData
 from skyward.providers.threads import in_thread
@@ -262,6 +263,9 @@ class AWS(RemoteData, Provider):
         (node,) = await self._connect(pool, found, [index])
         pool.nodes[index] = node
         return node
+
+    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
+        return await survey_nodes(cluster, image, self.bootstrap, progress)
 
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
         await prepare_nodes(cluster, image, self.bootstrap, progress)

@@ -1,15 +1,17 @@
 """`sky.GCP`: a pool's nodes as Compute Engine VMs, reached over verified SSH.
 
 launch, for the whole pool at once (the API calls do not grow with N); the GCE steps are the
-plain functions of `instances`, the SSH steps those of `skyward.providers.remote`:
+plain functions of `instances`, the SSH steps those of `skyward.providers.connect` and
+`skyward.providers.remote`:
 
 1. resolve project, zone and credentials and pick the machine type (offline, in `validate`);
 2. create the pool's firewall rules and a fresh login key; the VMs' metadata carries the key
    (``ssh-keys``) and a startup script that installs a host key made on the client and starts
    the idle watchdog;
 3. one ``instances.bulkInsert`` for all N (``minCount = N``); wait until all N run;
-4. connect to every VM, trusting only that host key, retrying while they boot; `prepare` and
-   the agents are the remote bootstrap's, as for `sky.SSH`.
+4. connect to every VM, trusting only that host key, retrying while they boot; `survey` (the
+   VMs' GPUs and drivers), `prepare` and the agents are the remote bootstrap's, as for
+   `sky.SSH`.
 
 What one pool made lives in its `GCPCluster` (and in the labels and names, the durable record).
 Teardown (end of the pool, or any failure or cancellation during launch) is
@@ -34,13 +36,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from skyward.cluster import Accelerator, ClusterSpec
+from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
 from skyward.progress import Phase, Progress
 from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
 from skyward.providers.bootscript import HostKey, write_login_key
 from skyward.providers.cloud import CloudCluster
+from skyward.providers.connect import BootWait, ConnectOptions, connect_all
 from skyward.providers.gcp import (
     api,
     instances,
@@ -55,13 +58,11 @@ from skyward.providers.gcp.instances import logger
 from skyward.providers.gcp.settings import Access, Clients, endpoint_of, resolve
 from skyward.providers.remote import (
     Bootstrap,
-    BootWait,
-    ConnectOptions,
     RemoteNode,
     close_hosts,
-    connect_all,
     prepare_nodes,
     remote_nodes,
+    survey_nodes,
 )
 from skyward.providers.remote_data import RemoteData
 from skyward.providers.threads import in_thread
@@ -296,6 +297,9 @@ class GCP(RemoteData, Provider):
         (node,) = await self._connect(pool, found, [index])
         pool.nodes[index] = node
         return node
+
+    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
+        return await survey_nodes(cluster, image, self.bootstrap, progress)
 
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
         await prepare_nodes(cluster, image, self.bootstrap, progress)

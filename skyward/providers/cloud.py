@@ -1,16 +1,32 @@
-"""`CloudCluster`: the per-pool state every provider that makes machines keeps (AWS, GCP)."""
+"""What every provider that makes machines shares (AWS, GCP): `CloudCluster`, the per-pool
+state it keeps, and `CloudProvider`, the base class with its settings, connection, bootstrap and
+teardown."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import shutil
 import threading
+from abc import abstractmethod
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skyward.errors import ProvisionError
-from skyward.providers.base import Cluster
+from skyward.cluster import Hardware
+from skyward.errors import ConfigError, ProvisionError
+from skyward.image import Image
+from skyward.progress import Progress
+from skyward.providers.base import Cluster, Node, Provider
 from skyward.providers.bootscript import HostKey
+from skyward.providers.connect import BootWait, ConnectOptions, connect_all
+from skyward.providers.remote import Bootstrap, close_hosts, prepare_nodes, survey_nodes
+from skyward.providers.remote_data import RemoteData
+from skyward.providers.threads import in_thread
+from skyward.transport.ssh import Endpoint, SSHHost, load_known_hosts
 
 
 @dataclass
@@ -35,3 +51,110 @@ class CloudCluster(Cluster):
     def check_cancel(self) -> None:
         if self.cancel.is_set():
             raise ProvisionError(f"the launch of pool {self.pool_id} was cancelled")
+
+
+class CloudProvider(RemoteData, Provider):
+    """What a provider that makes its machines shares (AWS, GCP): the settings every one of them
+    takes, the verified SSH connection to a pool's machines, the remote bootstrap (`survey`,
+    `prepare`) and a teardown that a cancelled event loop cannot stop half-way.
+
+    A subclass makes the machines (`launch`, `replace`) and removes a pool's cloud resources
+    (`remove_resources`, called in a non-daemon thread)."""
+
+    def __init__(
+        self,
+        *,
+        idle_timeout: float,
+        python: str | None,
+        boot_timeout: float,
+        connect_timeout: float,
+        keepalive: float,
+        build_env: Mapping[str, str] | None,
+        poll_interval: float,
+        teardown_timeout: float,
+    ) -> None:
+        if teardown_timeout <= 0:
+            raise ConfigError(f"teardown_timeout must be > 0 seconds, got {teardown_timeout!r}")
+        if idle_timeout <= 0:
+            raise ConfigError(f"idle_timeout must be > 0 seconds, got {idle_timeout!r}")
+        self.boot_timeout = boot_timeout
+        self.connect_timeout = connect_timeout
+        self.keepalive = keepalive
+        self.bootstrap = Bootstrap(python, build_env=dict(build_env or {}))
+        self.poll_interval = poll_interval
+        self.teardown_timeout = teardown_timeout
+        self._lock = threading.Lock()  # guards the subclass's lazily made API clients
+
+    async def launched(
+        self,
+        cluster: CloudCluster,
+        make: Callable[[], list[Any]],
+        connect: Callable[[list[Any]], Awaitable[list[Node]]],
+    ) -> Cluster:
+        """`cluster` with its nodes: `make` (the cloud calls that make the machines) runs in a
+        thread, then `connect` reaches what it made. On any failure or cancellation, what was
+        made is removed; the launch's own error stays the error, the teardown's is a note."""
+        try:
+            cluster.provisioning = in_thread(make, f"skyward-{self.name}-launch-{cluster.pool_id}")
+            found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
+            cluster.nodes = await connect(found)
+            return cluster
+        except BaseException as exc:
+            cluster.cancel.set()
+            logger = logging.getLogger(f"skyward.{self.name}")
+            logger.info("launch of %s failed (%r): removing what it created", cluster.pool_id, exc)
+            try:
+                await self.terminate(cluster)
+            except ProvisionError as cleanup:
+                exc.add_note(str(cleanup))
+            raise
+
+    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
+        return await survey_nodes(cluster, image, self.bootstrap, progress)
+
+    async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
+        await prepare_nodes(cluster, image, self.bootstrap, progress)
+
+    async def terminate(self, cluster: Cluster) -> None:
+        if not isinstance(cluster, CloudCluster):
+            raise TypeError(f"{cluster!r} is not a pool of the {self.name} provider")
+        pool = cluster
+        if pool.removed:
+            return
+        await close_hosts(pool)
+        done = in_thread(lambda: self._remove(pool), f"skyward-{self.name}-teardown-{pool.pool_id}")
+        # Shielded: if the pool's loop is cancelled, the thread still finishes the job.
+        await asyncio.shield(asyncio.wrap_future(done))
+
+    def _remove(self, pool: CloudCluster) -> None:
+        if pool.provisioning is not None:
+            # Let an in-flight create call return first, so the machines it made are found too.
+            with contextlib.suppress(BaseException):
+                pool.provisioning.exception()
+        self.remove_resources(pool)
+        pool.removed = True
+        shutil.rmtree(pool.key_dir, ignore_errors=True)
+
+    @abstractmethod
+    def remove_resources(self, pool: CloudCluster) -> None:
+        """Remove everything `pool` made in the cloud (its machines, rules, keys), or raise
+        `ProvisionError` naming what remains once `teardown_timeout` has passed."""
+
+    async def connect_hosts(
+        self, pool: CloudCluster, addresses: Sequence[str], user: str, labels: Sequence[str]
+    ) -> list[SSHHost]:
+        """Connect to the machines at `addresses` (named `labels` in errors) as `user`, trusting
+        only the pool's host key and logging in with its key, retrying while they boot."""
+        options = ConnectOptions(
+            known_hosts=load_known_hosts([pool.host_key.known_hosts_line(a) for a in addresses]),
+            key=str(pool.key_path),
+            config=[],  # no ~/.ssh/config rule (User, HostName...) may redirect this login
+            timeout=self.connect_timeout,
+            keepalive=self.keepalive,
+        )
+        wait = BootWait(
+            asyncio.get_running_loop().time() + self.boot_timeout,
+            self.poll_interval,
+            f"boot_timeout={self.boot_timeout:g} s",
+        )
+        return await connect_all([Endpoint(a, 22, user) for a in addresses], options, wait, labels)

@@ -24,8 +24,6 @@ it before exiting.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import shutil
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
@@ -39,26 +37,18 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
 from botocore.parsers import ResponseParserError
 
-from skyward.cluster import Accelerator, ClusterSpec, Hardware
+from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
-from skyward.image import Image
 from skyward.progress import Phase, Progress
 from skyward.providers.aws import instance_types, instances, resources, teardown, userdata
 from skyward.providers.aws.instances import logger
-from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
-from skyward.providers.cloud import CloudCluster
-from skyward.providers.connect import BootWait, ConnectOptions, connect_all
+from skyward.providers.base import Cluster, Node, NodeLoss, count
+from skyward.providers.cloud import CloudCluster, CloudProvider
 from skyward.providers.remote import (
-    Bootstrap,
     RemoteNode,
-    close_hosts,
-    prepare_nodes,
     remote_nodes,
-    survey_nodes,
 )
-from skyward.providers.remote_data import RemoteData
 from skyward.providers.threads import in_thread
-from skyward.transport.ssh import Endpoint, load_known_hosts
 
 T = TypeVar("T")
 
@@ -72,7 +62,7 @@ class AWSCluster(CloudCluster):
     made: teardown.Made = field(default_factory=teardown.Made)  # everything, for teardown
 
 
-class AWS(RemoteData, Provider):
+class AWS(CloudProvider):
     """Nodes as EC2 instances, one security group and key pair per pool, nothing left behind.
 
     Args:
@@ -133,10 +123,16 @@ class AWS(RemoteData, Provider):
         profile: str | None = None,
         session: boto3.session.Session | None = None,
     ) -> None:
-        if teardown_timeout <= 0:
-            raise ConfigError(f"teardown_timeout must be > 0 seconds, got {teardown_timeout!r}")
-        if idle_timeout <= 0:
-            raise ConfigError(f"idle_timeout must be > 0 seconds, got {idle_timeout!r}")
+        super().__init__(
+            idle_timeout=idle_timeout,
+            python=python,
+            boot_timeout=boot_timeout,
+            connect_timeout=connect_timeout,
+            keepalive=keepalive,
+            build_env=build_env,
+            poll_interval=poll_interval,
+            teardown_timeout=teardown_timeout,
+        )
         if ssh_cidr is not None:
             instances.check_cidr(ssh_cidr)
         self.region = region
@@ -152,16 +148,9 @@ class AWS(RemoteData, Provider):
             iam_instance_profile,
         )
         self.user = user
-        self.boot_timeout = boot_timeout
-        self.connect_timeout = connect_timeout
-        self.keepalive = keepalive
-        self.bootstrap = Bootstrap(python, build_env=dict(build_env or {}))
-        self.poll_interval = poll_interval
-        self.teardown_timeout = teardown_timeout
         self._profile = profile
         self._session = session
         self._clients: dict[str, Any] = {}
-        self._lock = threading.Lock()
 
     # -- boto3 -----------------------------------------------------------------------------
 
@@ -224,23 +213,11 @@ class AWS(RemoteData, Provider):
             key_dir=Path(tempfile.mkdtemp(prefix=f"skyward-aws-{spec.pool_id}-")),
             host_key=userdata.HostKey.generate(f"skyward-{spec.pool_id}"),
         )
-        try:
-            cluster.provisioning = in_thread(
-                lambda: self._provision(cluster, choice, progress),
-                f"skyward-aws-launch-{spec.pool_id}",
-            )
-            found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
-            cluster.nodes = await self._connect(cluster, found, range(len(found)), progress)
-            return cluster
-        except BaseException as exc:
-            cluster.cancel.set()
-            logger.info("launch of %s failed (%r): removing what it created", spec.pool_id, exc)
-            try:
-                await self._teardown(cluster)
-            except ProvisionError as cleanup:
-                # The launch's own failure stays the error; what the teardown left is a note.
-                exc.add_note(str(cleanup))
-            raise
+        return await self.launched(
+            cluster,
+            lambda: self._provision(cluster, choice, progress),
+            lambda found: self._connect(cluster, found, range(len(found)), progress),
+        )
 
     async def replace(self, cluster: Cluster, index: int) -> Node:
         """A new instance, launched as the pool's were, in place of a lost one."""
@@ -264,17 +241,8 @@ class AWS(RemoteData, Provider):
         pool.nodes[index] = node
         return node
 
-    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
-        return await survey_nodes(cluster, image, self.bootstrap, progress)
-
-    async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
-        await prepare_nodes(cluster, image, self.bootstrap, progress)
-
     def teardown_summary(self, cluster: Cluster) -> str:
         return f"removed {count(len(cluster.nodes), 'instance')}"
-
-    async def terminate(self, cluster: Cluster) -> None:
-        await self._teardown(_aws(cluster))
 
     async def explain(self, cluster: Cluster, node: Node) -> NodeLoss | None:
         """Why `node`'s instance went away (e.g. spot preemption), or None if it still runs."""
@@ -387,24 +355,10 @@ class AWS(RemoteData, Provider):
             if progress is not None:
                 index = indexes[len(addresses) - 1]
                 progress.phase(index, Phase.CONNECTING, f"{instance['InstanceId']} {address}")
-        options = ConnectOptions(
-            known_hosts=load_known_hosts([pool.host_key.known_hosts_line(a) for a in addresses]),
-            key=str(pool.key_path),
-            config=[],  # no ~/.ssh/config rule (User, HostName...) may redirect this login
-            timeout=self.connect_timeout,
-            keepalive=self.keepalive,
-        )
-        wait = BootWait(
-            asyncio.get_running_loop().time() + self.boot_timeout,
-            self.poll_interval,
-            f"boot_timeout={self.boot_timeout:g} s",
-        )
-        hosts = await connect_all(
-            [Endpoint(a, 22, self.user) for a in addresses],
-            options,
-            wait,
-            [f"instance {i['InstanceId']} ({a})" for i, a in zip(found, addresses, strict=True)],
-        )
+        labels = [
+            f"instance {i['InstanceId']} ({a})" for i, a in zip(found, addresses, strict=True)
+        ]
+        hosts = await self.connect_hosts(pool, addresses, self.user, labels)
         nodes: list[Node] = []
         for index, host, instance in zip(indexes, hosts, found, strict=True):
             pool.node_instances[index] = str(instance["InstanceId"])
@@ -413,22 +367,8 @@ class AWS(RemoteData, Provider):
 
     # -- teardown --------------------------------------------------------------------------
 
-    async def _teardown(self, pool: AWSCluster) -> None:
-        if pool.removed:
-            return
-        await close_hosts(pool)
-        done = in_thread(lambda: self._remove(pool), f"skyward-aws-teardown-{pool.pool_id}")
-        # Shielded: if the pool's loop is cancelled, the thread still finishes the job.
-        await asyncio.shield(asyncio.wrap_future(done))
-
-    def _remove(self, pool: AWSCluster) -> None:
-        if pool.provisioning is not None:
-            # Let an in-flight run_instances return first, so its instances are found too.
-            with contextlib.suppress(BaseException):
-                pool.provisioning.exception()
-        self._remove_pool(self.client("ec2"), pool.pool_id, pool.made)
-        pool.removed = True
-        shutil.rmtree(pool.key_dir, ignore_errors=True)
+    def remove_resources(self, pool: CloudCluster) -> None:
+        self._remove_pool(self.client("ec2"), pool.pool_id, _aws(pool).made)
 
     def _remove_pool(self, ec2: Any, pool_id: str, made: teardown.Made | None = None) -> list[str]:
         return teardown.remove_pool(

@@ -25,10 +25,7 @@ metadata and SSH steps; the slice is created, and removed, as a whole.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,14 +33,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from skyward.cluster import Accelerator, ClusterSpec, Hardware
+from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
-from skyward.image import Image
 from skyward.progress import Phase, Progress
-from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
+from skyward.providers.base import Cluster, Node, NodeLoss, count
 from skyward.providers.bootscript import HostKey, write_login_key
-from skyward.providers.cloud import CloudCluster
-from skyward.providers.connect import BootWait, ConnectOptions, connect_all
+from skyward.providers.cloud import CloudCluster, CloudProvider
 from skyward.providers.gcp import (
     api,
     instances,
@@ -57,16 +52,10 @@ from skyward.providers.gcp import (
 from skyward.providers.gcp.instances import logger
 from skyward.providers.gcp.settings import Access, Clients, endpoint_of, resolve
 from skyward.providers.remote import (
-    Bootstrap,
     RemoteNode,
-    close_hosts,
-    prepare_nodes,
     remote_nodes,
-    survey_nodes,
 )
-from skyward.providers.remote_data import RemoteData
 from skyward.providers.threads import in_thread
-from skyward.transport.ssh import Endpoint, load_known_hosts
 
 
 @dataclass(frozen=True)
@@ -87,7 +76,7 @@ class GCPCluster(CloudCluster):
     tpu: tpu_types.TpuType | None = None  # the pool is this TPU slice
 
 
-class GCP(RemoteData, Provider):
+class GCP(CloudProvider):
     """Nodes as Compute Engine VMs (GPU or CPU), firewall rules per pool, nothing left behind.
 
     Args:
@@ -147,10 +136,16 @@ class GCP(RemoteData, Provider):
         credentials: Any | None = None,
         api_endpoint: str | None = None,
     ) -> None:
-        if teardown_timeout <= 0:
-            raise ConfigError(f"teardown_timeout must be > 0 seconds, got {teardown_timeout!r}")
-        if idle_timeout <= 0:
-            raise ConfigError(f"idle_timeout must be > 0 seconds, got {idle_timeout!r}")
+        super().__init__(
+            idle_timeout=idle_timeout,
+            python=python,
+            boot_timeout=boot_timeout,
+            connect_timeout=connect_timeout,
+            keepalive=keepalive,
+            build_env=build_env,
+            poll_interval=poll_interval,
+            teardown_timeout=teardown_timeout,
+        )
         if ssh_cidr is not None:
             ssh_cidr = instances.check_cidr(ssh_cidr)
         self.project = project
@@ -169,17 +164,10 @@ class GCP(RemoteData, Provider):
             disk_size_gb,
             user,
         )
-        self.boot_timeout = boot_timeout
-        self.connect_timeout = connect_timeout
-        self.keepalive = keepalive
-        self.bootstrap = Bootstrap(python, build_env=dict(build_env or {}))
-        self.poll_interval = poll_interval
-        self.teardown_timeout = teardown_timeout
         self._credentials = credentials
         self._endpoint = api_endpoint
         self._access: Access | None = None
         self._clients: Clients | None = None
-        self._lock = threading.Lock()
 
     # -- project, zone, clients ----------------------------------------------------------
 
@@ -236,6 +224,10 @@ class GCP(RemoteData, Provider):
         tpu = None
         if spec.accelerator is not None and spec.accelerator.is_tpu:
             tpu = tpu_types.parse(spec.accelerator)
+            what = f"TPU {tpu.accelerator_type} ({count(tpu.hosts, 'host')})"
+        else:
+            choice = machine_types.choose(spec.accelerator, self.machine_type)
+            what = f"{spec.nodes} x {choice.machine_type}"
         cluster = GCPCluster(
             spec,
             [],
@@ -243,27 +235,14 @@ class GCP(RemoteData, Provider):
             host_key=HostKey.generate(f"skyward-{spec.pool_id}"),
             tpu=tpu,
         )
-        try:
-            if tpu is None:
-                choice = machine_types.choose(spec.accelerator, self.machine_type)
-                work = partial(self._provision, cluster, choice)
-                what = f"{spec.nodes} x {choice.machine_type}"
-            else:
-                work = partial(self._provision_tpu, cluster, tpu)
-                what = f"TPU {tpu.accelerator_type} ({count(tpu.hosts, 'host')})"
-            cluster.provisioning = in_thread(work, f"skyward-gcp-launch-{spec.pool_id}")
-            progress.phase(None, Phase.BOOTING, what)
-            found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
-            cluster.nodes = await self._connect(cluster, found, range(len(found)), progress)
-            return cluster
-        except BaseException as exc:
-            cluster.cancel.set()
-            logger.info("launch of %s failed (%r): removing what it created", spec.pool_id, exc)
-            try:
-                await self._teardown(cluster)
-            except ProvisionError as cleanup:
-                exc.add_note(str(cleanup))  # the launch's own failure stays the error
-            raise
+        progress.phase(None, Phase.BOOTING, what)
+        return await self.launched(
+            cluster,
+            partial(self._provision, cluster, choice)
+            if tpu is None
+            else partial(self._provision_tpu, cluster, tpu),
+            lambda found: self._connect(cluster, found, range(len(found)), progress),
+        )
 
     async def replace(self, cluster: Cluster, index: int) -> Node:
         """A new VM, launched as the pool's were, in place of a lost one."""
@@ -297,15 +276,6 @@ class GCP(RemoteData, Provider):
         (node,) = await self._connect(pool, found, [index])
         pool.nodes[index] = node
         return node
-
-    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
-        return await survey_nodes(cluster, image, self.bootstrap, progress)
-
-    async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
-        await prepare_nodes(cluster, image, self.bootstrap, progress)
-
-    async def terminate(self, cluster: Cluster) -> None:
-        await self._teardown(_gcp(cluster))
 
     def teardown_summary(self, cluster: Cluster) -> str:
         tpu = _gcp(cluster).tpu
@@ -483,24 +453,8 @@ class GCP(RemoteData, Provider):
         if progress is not None:
             for index, target in zip(indexes, targets, strict=True):
                 progress.phase(index, Phase.CONNECTING, f"{target.name} {target.address}")
-        options = ConnectOptions(
-            known_hosts=load_known_hosts([pool.host_key.known_hosts_line(a) for a in addresses]),
-            key=str(pool.key_path),
-            config=[],  # no ~/.ssh/config rule (User, HostName...) may redirect this login
-            timeout=self.connect_timeout,
-            keepalive=self.keepalive,
-        )
-        wait = BootWait(
-            asyncio.get_running_loop().time() + self.boot_timeout,
-            self.poll_interval,
-            f"boot_timeout={self.boot_timeout:g} s",
-        )
-        hosts = await connect_all(
-            [Endpoint(a, 22, self.placement.user) for a in addresses],
-            options,
-            wait,
-            [f"{'TPU' if pool.tpu else 'VM'} {t.name} ({t.address})" for t in targets],
-        )
+        labels = [f"{'TPU' if pool.tpu else 'VM'} {t.name} ({t.address})" for t in targets]
+        hosts = await self.connect_hosts(pool, addresses, self.placement.user, labels)
         nodes: list[Node] = []
         for index, host, target in zip(indexes, hosts, targets, strict=True):
             pool.node_instances[index] = target.name
@@ -524,22 +478,9 @@ class GCP(RemoteData, Provider):
 
     # -- teardown --------------------------------------------------------------------------
 
-    async def _teardown(self, pool: GCPCluster) -> None:
-        if pool.removed:
-            return
-        await close_hosts(pool)
-        done = in_thread(lambda: self._remove(pool), f"skyward-gcp-teardown-{pool.pool_id}")
-        # Shielded: if the pool's loop is cancelled, the thread still finishes the job.
-        await asyncio.shield(asyncio.wrap_future(done))
-
-    def _remove(self, pool: GCPCluster) -> None:
-        if pool.provisioning is not None:
-            # Let an in-flight bulkInsert return first, so its VMs are found too.
-            with contextlib.suppress(BaseException):
-                pool.provisioning.exception()
-        self._remove_pool(pool.pool_id, pool.made, tpu=pool.tpu is not None)
-        pool.removed = True
-        shutil.rmtree(pool.key_dir, ignore_errors=True)
+    def remove_resources(self, pool: CloudCluster) -> None:
+        gcp = _gcp(pool)
+        self._remove_pool(gcp.pool_id, gcp.made, tpu=gcp.tpu is not None)
 
     def _remove_pool(
         self, pool_id: str, made: teardown.Made | None = None, tpu: bool = True

@@ -3,6 +3,7 @@ whose addresses are unreachable (nothing here connects over SSH)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -107,6 +108,9 @@ def test_skyward_ls_and_down_include_tpu_nodes(
     made = teardown.Made()
     tpus.create(clients, access, "left-1", body, tpu, False, made.add)
     tpus.create(clients, access, "left-2", body, tpu_types.parse("v6e-8"), True, made.add)
+    elsewhere = dataclasses.replace(access, zone="us-east5-a")  # ls and down cover every zone
+    body3 = tpus.node_body(elsewhere, instances.Placement(), "left-3", tpu, metadata, None)
+    tpus.create(clients, elsewhere, "left-3", body3, tpu, False, made.add)
     import google.auth
     from google.auth.credentials import AnonymousCredentials
 
@@ -117,6 +121,7 @@ def test_skyward_ls_and_down_include_tpu_nodes(
     assert cli.main(["ls", "--cloud", "gcp"]) == 0
     out = capsys.readouterr().out
     assert "TPU skyward-left-1-tpu v4-16" in out and "queued resource skyward-left-2-tpu" in out
+    assert "TPU skyward-left-3-tpu v4-16" in out
     assert cli.main(["down", "--all", "--cloud", "gcp"]) == 0
     assert "removed" in capsys.readouterr().out
     assert api_fake.labelled() == []

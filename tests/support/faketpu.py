@@ -260,10 +260,19 @@ class TpuApi:
         with self._lock:
             return self._tpu_check(tpu_v2.Node, dict(self._node(loc, id)))
 
+    def _in(self, loc: str, name: str, kind: str) -> bool:
+        """Whether `name` is a `kind` in location `loc` ("-": in any, as AIP-159 reads across
+        collections)."""
+        zone = "[^/]+" if loc == "-" else re.escape(loc)
+        return (
+            re.fullmatch(f"projects/{self.project}/locations/{zone}/{kind}/[^/]+", name) is not None
+        )
+
     def _tpu_nodes_list(self, loc: str, **_: Any) -> Any:
-        prefix = f"projects/{self.project}/locations/{loc}/nodes/"
         with self._lock:
-            nodes = [dict(n) for k, n in sorted(self.tpu_nodes.items()) if k.startswith(prefix)]
+            nodes = [
+                dict(n) for k, n in sorted(self.tpu_nodes.items()) if self._in(loc, k, "nodes")
+            ]
         return self._tpu_check(tpu_v2.ListNodesResponse, {"nodes": nodes})
 
     def _tpu_nodes_delete(self, loc: str, id: str, **_: Any) -> Any:
@@ -318,9 +327,12 @@ class TpuApi:
             return self._tpu_check(tpu_v2.QueuedResource, dict(self._queued(loc, id)))
 
     def _tpu_queuedResources_list(self, loc: str, **_: Any) -> Any:
-        prefix = f"projects/{self.project}/locations/{loc}/queuedResources/"
         with self._lock:
-            items = [dict(q) for k, q in sorted(self.queued.items()) if k.startswith(prefix)]
+            items = [
+                dict(q)
+                for k, q in sorted(self.queued.items())
+                if self._in(loc, k, "queuedResources")
+            ]
         return self._tpu_check(tpu_v2.ListQueuedResourcesResponse, {"queuedResources": items})
 
     def _tpu_queuedResources_delete(

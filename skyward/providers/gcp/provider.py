@@ -313,7 +313,8 @@ class GCP(CloudProvider):
         problems: list[str] = []
         for pool_id in pools:
             try:
-                removed += [f"{pool_id}: {line}" for line in self._remove_pool(pool_id)]
+                found = self._remove_pool(pool_id, tpu_zone=tpus.ALL_LOCATIONS)
+                removed += [f"{pool_id}: {line}" for line in found]
             except ProvisionError as exc:
                 problems.append(str(exc))
         if problems:
@@ -321,14 +322,14 @@ class GCP(CloudProvider):
         return removed
 
     def find(self, pool: str | None = None) -> dict[str, resources.PoolResources]:
-        """Everything of skyward in the project (VMs and firewall rules; TPU nodes and queued
-        resources in this provider's zone), by pool: what ``skyward ls`` prints."""
+        """Everything of skyward in the project, in every zone (VMs, firewall rules, TPU nodes
+        and queued resources), by pool: what ``skyward ls`` prints."""
         clients, access = self.clients(), self.access()
         return resources.find(
             clients,
             access.project,
             pool,
-            tpus.found(clients, access.project, access.zone, pool),
+            tpus.found(clients, access.project, tpus.ALL_LOCATIONS, pool),
         )
 
     # -- launch: the GCE half runs in a thread ---------------------------------------------
@@ -480,13 +481,15 @@ class GCP(CloudProvider):
 
     def remove_resources(self, pool: CloudCluster) -> None:
         gcp = _gcp(pool)
-        self._remove_pool(gcp.pool_id, gcp.made, tpu=gcp.tpu is not None)
+        # A VM pool's own teardown looks for no TPU: its calls stay those of the Compute API.
+        zone = self.access().zone if gcp.tpu is not None else None
+        self._remove_pool(gcp.pool_id, gcp.made, tpu_zone=zone)
 
     def _remove_pool(
-        self, pool_id: str, made: teardown.Made | None = None, tpu: bool = True
+        self, pool_id: str, made: teardown.Made | None = None, tpu_zone: str | None = None
     ) -> list[str]:
-        """Remove one pool; `tpu`: look for TPU nodes and queued resources too (a VM pool's
-        own teardown does not: its calls stay those of the Compute API)."""
+        """Remove one pool; with `tpu_zone` (a zone, or `tpus.ALL_LOCATIONS`), its TPU nodes
+        and queued resources there too."""
         return teardown.remove_pool(
             self.clients(),
             self.access().project,
@@ -495,7 +498,7 @@ class GCP(CloudProvider):
             timeout=self.teardown_timeout,
             poll=self.poll_interval,
             log=logger.info,
-            tpu_zone=self.access().zone if tpu else None,
+            tpu_zone=tpu_zone,
         )
 
 

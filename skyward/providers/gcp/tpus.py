@@ -40,6 +40,12 @@ _CAPACITY_CODES = (8,)  # google.rpc.Code.RESOURCE_EXHAUSTED: no capacity or quo
 _LOST = ("PREEMPTED", "TERMINATED", "STOPPED", "STOPPING", "DELETING", "HIDDEN")
 
 
+ALL_LOCATIONS = "-"
+"""The location that lists every zone's TPU nodes and queued resources in one call (reading
+across collections, AIP-159), for ``skyward ls`` and ``skyward down``; each one listed carries
+its own zone in its name, which is what its deletion uses."""
+
+
 def parent(project: str, zone: str) -> str:
     return f"projects/{project}/locations/{zone}"
 

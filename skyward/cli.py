@@ -14,6 +14,7 @@ import argparse
 import shutil
 import sys
 import traceback
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -89,25 +90,25 @@ def _aws(args: argparse.Namespace) -> Any:
     return aws
 
 
-def _aws_ls(args: argparse.Namespace) -> int:
-    from skyward.providers.aws import resources
-
-    pools = resources.find(_aws(args).client("ec2"))
-    if not pools:
-        print("no skyward resources in this region")
-    for pool in sorted(pools.values(), key=lambda p: p.pool_id):
-        when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
-        print(f"{pool.pool_id}  created {when} by {pool.created_by or '?'}")
-        for line in pool.describe():
-            print(f"    {line}")
-    return 0
-
-
-def _aws_down(args: argparse.Namespace) -> int:
-    if not args.all and not args.pool:
-        print("skyward down: name a POOL (see `skyward ls`) or pass --all", file=sys.stderr)
-        return 2
-    removed = _aws(args).cleanup(older_than=0, pool=None if args.all else args.pool)
+def _ls_or_down(
+    args: argparse.Namespace,
+    find: Callable[[], Mapping[str, Any]],
+    cleanup: Callable[[str | None], list[str]],
+    where: str,
+) -> int:
+    """`skyward ls` (what `find` lists, by pool) or `skyward down` (`cleanup` of one pool, or
+    of all with None), for one cloud."""
+    if args.command == "ls":
+        pools = find()
+        if not pools:
+            print(f"no skyward resources in this {where}")
+        for pool in sorted(pools.values(), key=lambda p: p.pool_id):
+            when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
+            print(f"{pool.pool_id}  created {when} by {pool.created_by or '?'}")
+            for line in pool.describe():
+                print(f"    {line}")
+        return 0
+    removed = cleanup(None if args.all else args.pool)
     for line in removed:
         print(f"removed {line}")
     if not removed:
@@ -115,19 +116,42 @@ def _aws_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _aws_command(args: argparse.Namespace) -> int:
-    """`skyward ls` / `skyward down`; an AWS problem is one line on stderr and exit status 1."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from skyward.errors import SkywardError
-
+def _cloud_command(
+    args: argparse.Namespace, command: Callable[[], int], errors: tuple[type[BaseException], ...]
+) -> int:
+    """`command()`, with a cloud's problem (`errors`) as one line on stderr and exit status 1
+    (the traceback with --debug). A bare `skyward down` is refused before any cloud call: it
+    must never mean "everything"."""
+    if args.command == "down" and not args.all and not args.pool:
+        print("skyward down: name a POOL (see `skyward ls`) or pass --all", file=sys.stderr)
+        return 2
     try:
-        return _aws_ls(args) if args.command == "ls" else _aws_down(args)
-    except (SkywardError, BotoCoreError, ClientError) as exc:
+        return command()
+    except errors as exc:
         if args.debug:
             traceback.print_exc()
         print(f"skyward {args.command}: {exc}", file=sys.stderr)
         return 1
+
+
+def _aws_command(args: argparse.Namespace) -> int:
+    """`skyward ls` / `skyward down`: the region's skyward resources."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from skyward.errors import SkywardError
+
+    def command() -> int:
+        from skyward.providers.aws import resources
+
+        aws = _aws(args)
+        return _ls_or_down(
+            args,
+            lambda: resources.find(aws.client("ec2")),
+            lambda pool: aws.cleanup(older_than=0, pool=pool),
+            "region",
+        )
+
+    return _cloud_command(args, command, (SkywardError, BotoCoreError, ClientError))
 
 
 def _gcp(args: argparse.Namespace) -> Any:
@@ -149,32 +173,12 @@ def _gcp_command(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         print(f"skyward {args.command}: {exc.name} is missing: pip install 'skyward[gcp]'")
         return 1
-    try:
+
+    def command() -> int:
         gcp = _gcp(args)
-        if args.command == "ls":
-            pools = gcp.find()
-            if not pools:
-                print("no skyward resources in this project")
-            for pool in sorted(pools.values(), key=lambda p: p.pool_id):
-                when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
-                print(f"{pool.pool_id}  created {when} by {pool.created_by or '?'}")
-                for line in pool.describe():
-                    print(f"    {line}")
-            return 0
-        if not args.all and not args.pool:
-            print("skyward down: name a POOL (see `skyward ls`) or pass --all", file=sys.stderr)
-            return 2
-        removed = gcp.cleanup(pool=None if args.all else args.pool)
-        for line in removed:
-            print(f"removed {line}")
-        if not removed:
-            print("nothing to remove")
-        return 0
-    except (SkywardError, GoogleAPIError, OSError) as exc:
-        if args.debug:
-            traceback.print_exc()
-        print(f"skyward {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return _ls_or_down(args, gcp.find, lambda pool: gcp.cleanup(pool=pool), "project")
+
+    return _cloud_command(args, command, (SkywardError, GoogleAPIError, OSError))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -45,7 +45,16 @@ def _environments(cache: Path) -> list[Path]:
 
 
 def _size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    """Bytes of the files under `path`, each content once however many hard links it has."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for f in path.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            st = f.stat()
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
 
 
 def _cache_list(cache: Path) -> int:
@@ -55,6 +64,11 @@ def _cache_list(cache: Path) -> int:
     for env in envs:
         state = "ready" if (env / envbuild.READY_MARKER).exists() else "incomplete"
         print(f"{env.name}  {_size(env) / 1e6:8.1f} MB  {state}")
+    data = cache / "data"
+    if data.exists():
+        # Trees are hard links into objects/ (and S3 versions into each other): count each
+        # file once.
+        print(f"sky.Data on this machine: {_size(data) / 1e6:.1f} MB in {data}")
     return 0
 
 
@@ -69,10 +83,12 @@ def _old_sources(cache: Path) -> list[Path]:
 def _cache_clear(cache: Path) -> int:
     envs = _environments(cache)
     sources = _old_sources(cache)
-    for path in [*envs, *sources]:
+    data = cache / "data"
+    for path in [*envs, *sources, data]:
         shutil.rmtree(path, ignore_errors=True)
     print(f"removed {len(envs)} environment(s) from {cache / 'envs'}")
     print(f"removed {len(sources)} old copy(ies) of skyward from {cache / 'src'}")
+    print(f"removed the sky.Data store and S3 downloads in {data}")
     return 0
 
 
@@ -291,7 +307,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--profile", help="only this profile's provider (and this machine)")
     cache = commands.add_parser(
-        "cache", parents=[common], help="node environments built on this machine"
+        "cache", parents=[common], help="node environments and sky.Data stored on this machine"
     )
     cache.add_argument("action", choices=["list", "clear"])
     for name, text in (("ls", "list skyward's cloud resources"), ("down", "remove them")):

@@ -28,10 +28,20 @@ def test_cache_list_and_clear(
     old_copy.mkdir(parents=True)
     current = tmp_path / "src" / source_hash() / "skyward"  # this client's own: kept
     current.mkdir(parents=True)
+    objects = tmp_path / "data" / "objects"
+    objects.mkdir(parents=True)
+    (objects / "ab12").write_bytes(b"y" * 3_000_000)
+    tree = tmp_path / "data" / "trees" / "cd34" / "tree"
+    tree.mkdir(parents=True)
+    (tree / "weights.bin").hardlink_to(objects / "ab12")  # one content, counted once
+    assert main(["cache", "list"]) == 0
+    assert "sky.Data on this machine: 3.0 MB" in capsys.readouterr().out
     assert main(["cache", "clear"]) == 0
     assert not env.exists()
     assert not old_copy.parent.exists() and current.exists()
-    assert "removed 1 old copy(ies) of skyward" in capsys.readouterr().out
+    assert not (tmp_path / "data").exists()
+    out = capsys.readouterr().out
+    assert "removed 1 old copy(ies) of skyward" in out and "sky.Data store" in out
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,13 +1,13 @@
 """SSH-provider benchmarks: each skyward figure beside a baseline measured in the same run.
 
-Run as root: ``python benchmarks/bench_ssh.py [--quick]``. It starts its own sshd on 127.0.0.1
-and three network-namespace hosts (tests/support/sshd.py). The round trip logs in as root and
-runs this interpreter directly; the bootstrap figures log in as the unprivileged `skyward-test`
-user with the host's python3, as on a fresh machine, after one warm-up that builds its uv
-environment (so they measure a start with the environment built). The namespace hosts have no
-route off the machine, so that build installs uv and the agent's packages from a wheelhouse of
-this client's own (tests/support/wheels.py), as the AWS contract tests do. A MISS is printed,
-never an exit status.
+Run as root: ``python benchmarks/bench_ssh.py [--quick] [--only rtt|bootstrap]``. It starts its
+own sshd on 127.0.0.1 and three network-namespace hosts (tests/support/sshd.py). The round trip
+logs in as root and runs this interpreter directly; the bootstrap figures log in as the
+unprivileged `skyward-test` user with the host's python3, as on a fresh machine, after one
+warm-up that builds its uv environment (so they measure a start with the environment built).
+The namespace hosts have no route off the machine, so that build installs uv and the agent's
+packages from a wheelhouse of this client's own (tests/support/wheels.py), as the AWS contract
+tests do. A MISS is printed, never an exit status.
 
 - rtt: no-op ``call >> pool`` over SSH vs an echo round trip over an open asyncssh channel
   with the same ciphers (timed inside an event loop run by the same thread), sampled in
@@ -151,6 +151,7 @@ def pool_start(provider: SSH, nodes: int) -> tuple[float, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--only", choices=("rtt", "bootstrap"), help="run one part (default: both)")
     args = parser.parse_args()
     if not sshd.is_root():
         sys.exit("bench_ssh needs root (it starts sshd and network namespaces)")
@@ -158,15 +159,21 @@ def main() -> None:
     starts = 3 if args.quick else 7
     work = Path(tempfile.mkdtemp(prefix="skyward-bench-ssh-"))
     try:
-        run(work, runs, starts)
+        run(work, runs, starts, args.only)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run(work: Path, runs: int, starts: int) -> None:
+def run(work: Path, runs: int, starts: int, only: str | None) -> None:
     work.chmod(0o755)  # skyward-test's bootstrap reads the wheelhouse inside
-    build_env = wheels.offline_build_env(wheels.wheelhouse(work / "wheels"))
     key = sshd.KeyPair.generate(work)
+    if only != "bootstrap":
+        rtt(key, runs)
+    if only != "rtt":
+        bootstrap(work, key, starts)
+
+
+def rtt(key: sshd.KeyPair, runs: int) -> None:
     with sshd.SshdServer(authorized_keys=[key]) as server:
         provider = SSH(
             [f"root@127.0.0.1:{server.port}"],
@@ -193,6 +200,9 @@ def run(work: Path, runs: int, starts: int) -> None:
         report("rtt: noop >> pool", call, floor, 1.5)
         print(f"    for scale, an echo over asyncssh's default ciphers: {default * 1000:.3f} ms")
 
+
+def bootstrap(work: Path, key: sshd.KeyPair, starts: int) -> None:
+    build_env = wheels.offline_build_env(wheels.wheelhouse(work / "wheels"))
     sshd.SshUser.ensure().authorize(key)
     with sshd.NetnsHosts(3, subnet="10.213.4.0/24", authorized_keys=[key]) as net:
         known = net.known_hosts_lines()

@@ -32,10 +32,11 @@ class AgentStream(Protocol):
     def wait_replies(self, group: Sequence[AgentStream], done: Callable[[], bool]) -> None:
         """Help a caller that waits for replies from `group` (this stream among them).
 
-        A stream that can read its replies in the caller's thread (a local pipe) reads and
-        delivers them here until `done()`, which saves a hand-off between threads per reply.
-        Otherwise (an SSH channel, whose bytes the event loop reads) it returns at once and
-        the caller waits on its futures, which the loop resolves.
+        A local pipe is read and its replies delivered here until `done()`; an SSH channel's
+        caller runs the pool's event loop, which reads every channel, until `done()`. Either
+        saves the hand-offs between threads that are most of a small call's round trip. It
+        may also return before `done()` (another caller runs the loop, or this thread cannot):
+        the caller then waits on its futures, which whoever runs the loop resolves.
         """
         ...
 

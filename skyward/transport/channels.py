@@ -4,19 +4,22 @@ An `AgentChannel` is the asyncssh session of the channel the agent runs in: the 
 decodes are handed to the node's session straight from `data_received`, with no reader task
 between them (a task and a future per read were a tenth of a small call's round trip). Its
 control bytes are the channel's stdout, its output the channel's stderr. Everything here runs
-on the pool's event loop; `write` may be called from any thread.
+on whichever thread runs the pool's event loop (its own, or a caller waiting for replies:
+`loop.LoopThread.drive`); `write` may be called from any thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable, Sequence
 
 import asyncssh
 from asyncssh.channel import SSHChannel
 
 from skyward.errors import ProvisionError
+from skyward.loop import lender
 from skyward.transport.base import AgentStream, Receiver
 from skyward.transport.frames import Buffer
 from skyward.transport.ssh import PID_MARKER, SSHHost
@@ -52,6 +55,9 @@ class AgentChannel(asyncssh.SSHClientSession[bytes]):
         self.pid = 0
         self.pid_known: asyncio.Future[int] = loop.create_future()
         self._loop = loop
+        self._lender = lender(loop)
+        self._write_lock = threading.Lock()
+        self._queued = 0  # writes handed to the loop and not yet done there
         self._channel: asyncssh.SSHClientChannel[bytes] | None = None
         self._preamble = b""
         # What arrives before `start` gives the receivers (the agent's first message may).
@@ -72,6 +78,8 @@ class AgentChannel(asyncssh.SSHClientSession[bytes]):
             self._deliver(False, data)
         elif self.pid_known.done():
             self._deliver(True, data)
+            if self._lender is not None:
+                self._lender.settled()
         else:
             self._find_pid(data)
 
@@ -125,14 +133,37 @@ class AgentChannel(asyncssh.SSHClientSession[bytes]):
             (on_control if control else on_output)(data)
 
     def wait_replies(self, group: Sequence[AgentStream], done: Callable[[], bool]) -> None:
-        """Nothing to do here: the event loop reads SSH channels and resolves the replies."""
-        return None
+        """Run the pool's loop, which reads every channel, in this thread until `done()`."""
+        if self._lender is not None:
+            self._lender.drive(done)
 
     def write(self, chunks: Sequence[Buffer]) -> None:
-        # asyncssh channels belong to the loop; going through call_soon_threadsafe from every
-        # thread (the loop's own included) keeps all writes in one order.
         data = [bytes(chunk) for chunk in chunks]
-        self._loop.call_soon_threadsafe(self._write_now, data)
+        lender = self._lender
+        with self._write_lock:
+            # asyncssh's channels belong to whoever runs the loop. When nobody does (a caller
+            # between calls), this thread writes itself; otherwise the loop does, and so do the
+            # writes after one that waits there, to keep each thread's writes in order.
+            if not self._queued and lender is not None:
+                if lender.holds():
+                    self._write_now(data)
+                    return
+                if lender.borrow():
+                    try:
+                        self._write_now(data)
+                    finally:
+                        lender.give_back()
+                    return
+            self._queued += 1
+        self._loop.call_soon_threadsafe(self._write_queued, data)
+
+    def _write_queued(self, data: list[bytes] | None) -> None:
+        if data is None:
+            self._eof()
+        else:
+            self._write_now(data)
+        with self._write_lock:
+            self._queued -= 1
 
     def _write_now(self, data: list[bytes]) -> None:
         if self._channel is None:
@@ -143,7 +174,9 @@ class AgentChannel(asyncssh.SSHClientSession[bytes]):
 
     def close_input(self) -> None:
         """Send EOF (the agent then exits) but keep the channel, so its output still arrives."""
-        self._loop.call_soon_threadsafe(self._eof)
+        with self._write_lock:
+            self._queued += 1
+        self._loop.call_soon_threadsafe(self._write_queued, None)
 
     def _eof(self) -> None:
         if self._channel is not None:

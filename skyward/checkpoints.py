@@ -9,6 +9,7 @@ so the checkpoint outlives its node. On Local the path is on this machine alread
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ class Checkpoints:
         self._submit = submit
         self._seen: list[tuple[str, Future[None]]] = []  # where each is, and its copy
         self._locks: dict[int, asyncio.Lock] = {}
+        self._closed = False
 
     def reported(self, report: Report, cluster: Cluster | None) -> None:
         """Note a report that names a checkpoint, and start copying it off its node."""
@@ -70,9 +72,31 @@ class Checkpoints:
         self._seen.append((where, self._submit(self._copy(cluster, report.node))))
 
     async def _copy(self, cluster: Cluster, index: int) -> None:
-        lock = self._locks.setdefault(index, asyncio.Lock())
-        async with lock:  # one collection of a node at a time; each is incremental
+        async with self._lock(index):  # one collection of a node at a time; each incremental
+            if self._closed:  # the pool's last collection has been: the outputs may be going
+                return
             await self._provider.collect_outputs(cluster, [index], self._log)
+
+    def _lock(self, index: int) -> asyncio.Lock:
+        return self._locks.setdefault(index, asyncio.Lock())
+
+    async def collect(self, cluster: Cluster, indices: list[int], last: bool = False) -> None:
+        """Collect the outputs of nodes `indices`, after any copy of theirs under way (every
+        collection goes through here: two at once could each see the node's directory at
+        another moment). `last`: the pool's collection before its nodes go; copies that had
+        not begun by then do nothing (a node's directory may be half removed when they run).
+        """
+        locks = [self._lock(i) for i in sorted(indices)]  # one order: no deadlock
+        async with contextlib.AsyncExitStack() as held:
+            for lock in locks:
+                await held.enter_async_context(lock)
+            if last:
+                self._closed = True
+            await self._provider.collect_outputs(cluster, indices, self._log)
+
+    def close(self) -> None:
+        """The nodes are going: copies that have not begun do nothing."""
+        self._closed = True
 
     def latest(self, timeout: float) -> Data | None:
         """The newest reported checkpoint that reached a place every node can read, as a

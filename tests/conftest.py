@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
+from typing import IO
 
 import pytest
 
@@ -93,6 +94,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     )
     for item in gpu_tests:
         item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def reported_pids(stream: IO[str], expected: int, timeout: float = 60.0) -> list[int]:
+    """The pids a client's nodes print as ``PIDS <pid> ...`` lines on `stream`, read until
+    `expected` of them came, the stream ended or `timeout` passed."""
+    pids: list[int] = []
+    deadline = time.monotonic() + timeout
+    while len(pids) < expected and time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            break
+        if "PIDS" in line:
+            pids += [int(p) for p in line.split("PIDS", 1)[1].split()]
+    return pids
 
 
 def sigint_default() -> None:

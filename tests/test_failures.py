@@ -15,7 +15,7 @@ import pytest
 
 import skyward as sky
 from skyward.providers.base import NodeLoss
-from tests.conftest import alive, sigint_default, wait_gone, worker_children
+from tests.conftest import alive, reported_pids, sigint_default, wait_gone, worker_children
 
 
 class NeedsTwoArgs(Exception):
@@ -253,15 +253,8 @@ def test_signals_to_the_client_leave_no_process_behind(
         preexec_fn=sigint_default,
     )
     assert client.stdout is not None
-    pids: list[int] = []
-    deadline = time.monotonic() + 60
     expected = {"call": 4, "one": 2, "startup": 2}[phase]
-    while len(pids) < expected and time.monotonic() < deadline:
-        line = client.stdout.readline()
-        if not line:
-            break
-        if "PIDS" in line:
-            pids += [int(p) for p in line.split("PIDS", 1)[1].split()]
+    pids = reported_pids(client.stdout, expected)
     assert pids, "the client never reported its nodes' pids"
     assert all(alive(p) for p in pids)
     client.send_signal(sig)

@@ -38,10 +38,9 @@ def settle_later(loop: LoopThread, delay: float) -> tuple[list[int], threading.E
     return ran, done
 
 
+@pytest.mark.usefixtures("sigint_raises")  # a background shell's ignored SIGINT runs no
+# Python code, and would let the main thread drive
 def test_the_main_thread_runs_the_loop_only_where_signals_wait_for_it() -> None:
-    # Python's own Ctrl-C handler, whatever this process inherited (a background shell's
-    # ignored SIGINT runs no Python code, and would let the main thread drive).
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     thread = LoopThread("skyward-test-loop")
     try:
         _, done = settle_later(thread, 0.01)
@@ -49,7 +48,6 @@ def test_the_main_thread_runs_the_loop_only_where_signals_wait_for_it() -> None:
         assert done.wait(2)  # could land inside asyncssh, so the loop's thread serves it
     finally:
         thread.stop()
-        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_waiting_caller_runs_the_loop_itself(loop: LoopThread) -> None:

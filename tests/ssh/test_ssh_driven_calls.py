@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
-from tests.conftest import sigint_default
+from tests.conftest import reported_pids, sigint_default
 from tests.ssh.conftest import Server, wait_until
 from tests.support import sshd
 
@@ -121,13 +121,7 @@ def test_a_signal_mid_call_unwinds_the_pool_and_leaves_nothing(
     expected = 2 if how == "one" else 4
     pids: list[int] = []
     try:
-        deadline = time.monotonic() + 60
-        while len(pids) < expected and time.monotonic() < deadline:
-            line = client.stdout.readline()
-            if not line:
-                break
-            if "PIDS" in line:
-                pids += [int(p) for p in line.split("PIDS", 1)[1].split()]
+        pids = reported_pids(client.stdout, expected)
         assert len(pids) == expected, f"the nodes never reported their pids: {pids}"
         time.sleep(0.3)  # the output flows: the caller is deep in the loop's callbacks
         client.send_signal(sig)

@@ -21,7 +21,7 @@ import pytest
 
 import skyward as sky
 from skyward.transport.ssh import HostKeyError, HostUnreachableError, SSHAuthError
-from tests.conftest import sigint_default
+from tests.conftest import reported_pids, sigint_default
 from tests.contract import ends, zeros_with_marks
 from tests.ssh.conftest import Hosts, Server, processes_with, wait_until
 from tests.support import sshd
@@ -373,13 +373,7 @@ def test_the_client_killed_mid_call_leaves_nothing_on_the_host(local_sshd: Serve
     assert client.stdout is not None
     pids: list[int] = []
     try:
-        deadline = time.monotonic() + 60
-        while len(pids) < 4 and time.monotonic() < deadline:
-            line = client.stdout.readline()
-            if not line:
-                break
-            if "PIDS" in line:
-                pids += [int(p) for p in line.split("PIDS", 1)[1].split()]
+        pids = reported_pids(client.stdout, 4)
         assert len(pids) == 4, f"the nodes never reported their pids: {pids}"
     finally:
         client.kill()

@@ -73,29 +73,26 @@ class Checkpoints:
 
     async def _copy(self, cluster: Cluster, index: int) -> None:
         async with self._lock(index):  # one collection of a node at a time; each incremental
-            if self._closed:  # the pool's last collection has been: the outputs may be going
+            if self._closed:  # the pool is ending: its last collection covers this
                 return
             await self._provider.collect_outputs(cluster, [index], self._log)
 
     def _lock(self, index: int) -> asyncio.Lock:
         return self._locks.setdefault(index, asyncio.Lock())
 
-    async def collect(self, cluster: Cluster, indices: list[int], last: bool = False) -> None:
+    async def collect(self, cluster: Cluster, indices: list[int]) -> None:
         """Collect the outputs of nodes `indices`, after any copy of theirs under way (every
         collection goes through here: two at once could each see the node's directory at
-        another moment). `last`: the pool's collection before its nodes go; copies that had
-        not begun by then do nothing (a node's directory may be half removed when they run).
-        """
+        another moment)."""
         locks = [self._lock(i) for i in sorted(indices)]  # one order: no deadlock
         async with contextlib.AsyncExitStack() as held:
             for lock in locks:
                 await held.enter_async_context(lock)
-            if last:
-                self._closed = True
             await self._provider.collect_outputs(cluster, indices, self._log)
 
     def close(self) -> None:
-        """The nodes are going: copies that have not begun do nothing."""
+        """The pool's last collection is next and then the nodes go: copies that have not
+        begun do nothing (a node's directory may be half removed when they would run)."""
         self._closed = True
 
     def latest(self, timeout: float) -> Data | None:

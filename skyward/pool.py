@@ -221,8 +221,8 @@ class ComputePool:
                 timeout = self.shutdown_timeout if graceful and not busy else 0.5
                 with contextlib.suppress(Exception):
                     self._loop.run(self._stop_agents(timeout))
-                collected = self._collect_at_close()
                 self._checkpoints.close()  # no copy may list a directory being removed
+                collected = self._collect_at_close()
                 summary = f"removing the pool failed after {duration(time.monotonic() - began)} s"
                 try:
                     self._loop.run(self._terminate())
@@ -254,7 +254,7 @@ class ComputePool:
         if self.spec.outputs is None or self.cluster is None or self._loop is None:
             return None
         try:
-            self._loop.run(asyncio.wait_for(self._collect(last=True), self.collect_timeout))
+            self._loop.run(asyncio.wait_for(self._collect(), self.collect_timeout))
         except TimeoutError:
             return DataError(
                 f"collecting the outputs to {self.spec.outputs} took longer than "
@@ -265,10 +265,10 @@ class ComputePool:
             return exc
         return None
 
-    async def _collect(self, last: bool = False) -> None:
+    async def _collect(self) -> None:
         cluster = self.cluster
         assert cluster is not None, "launched first"
-        await self._checkpoints.collect(cluster, [node.index for node in cluster.nodes], last)
+        await self._checkpoints.collect(cluster, [node.index for node in cluster.nodes])
 
     def collect_outputs(self) -> None:
         """Bring every node's `sky.output_dir()` to the pool's ``output_dir`` now (only what

@@ -71,7 +71,8 @@ def test_the_last_collection_waits_for_copies_and_none_begins_after_it(
     checkpoints = Checkpoints(provider, lambda line: None, loop.submit)
     checkpoints.reported(report(0, 10), pool)  # a copy of node 0 begins in the background
     time.sleep(0.05)
-    loop.run(checkpoints.collect(pool, [0, 1], last=True))
+    checkpoints.close()  # the pool's last collection is next
+    loop.run(checkpoints.collect(pool, [0, 1]))
     checkpoints.reported(report(0, 20), pool)  # reported as the pool ends: copies nothing
     time.sleep(0.3)
     assert provider.events == [

@@ -118,11 +118,11 @@ class CloudProvider(RemoteData, Provider):
     async def terminate(self, cluster: Cluster) -> None:
         if not isinstance(cluster, CloudCluster):
             raise TypeError(f"{cluster!r} is not a pool of the {self.name} provider")
-        pool = cluster
-        if pool.removed:
+        if cluster.removed:
             return
-        await close_hosts(pool)
-        done = in_thread(lambda: self._remove(pool), f"skyward-{self.name}-teardown-{pool.pool_id}")
+        await close_hosts(cluster)
+        name = f"skyward-{self.name}-teardown-{cluster.pool_id}"
+        done = in_thread(lambda: self._remove(cluster), name)
         # Shielded: if the pool's loop is cancelled, the thread still finishes the job.
         await asyncio.shield(asyncio.wrap_future(done))
 

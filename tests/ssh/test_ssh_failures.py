@@ -401,7 +401,8 @@ def test_a_host_whose_every_process_dies_fails_the_call_and_can_be_replaced(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
-        threading.Timer(0.5, reboot).start()
+        rebooting = threading.Timer(0.5, reboot)
+        rebooting.start()
         began = time.monotonic()
         try:
             with pytest.raises(sky.WorkerError) as caught:
@@ -409,6 +410,12 @@ def test_a_host_whose_every_process_dies_fails_the_call_and_can_be_replaced(
             assert caught.value.node == 0
             assert time.monotonic() - began < 10
         finally:
+            # The call can fail before the reboot has killed sshd: restart it only once the
+            # old one is gone, or start() finds it running and the kill then takes it down.
+            rebooting.join()
+            deadline = time.monotonic() + 10
+            while host.server.running and time.monotonic() < deadline:
+                time.sleep(0.02)
             host.server.start()  # the host is back
         pool.replace(0)
         assert node_pid() >> pool != first

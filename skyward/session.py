@@ -2,9 +2,8 @@
 
 A session owns one node's stream and everything that happens on it: the handshake (`open`,
 `hello`, `ready`) with the node's `Stage` as it goes, the calls it holds and their futures, the
-node's output (split into lines, kept, and handed to the console; a line being redrawn with
-``\r`` is handed over as it changes too), its reports (`sky.report`, handed to the pool), its
-heartbeat deadline, and its death, which fails every call it held with a `WorkerError`.
+node's output (a `NodeOutput`), its reports (`sky.report`, handed to the pool), its heartbeat
+deadline, and its death, which fails every call it held with a `WorkerError`.
 
 Threads: bytes arrive on the pool's event loop, or on whichever thread reads a local pipe (see
 `AgentStream.wait_replies`); results resolve thread-safe futures there and reports go to
@@ -20,20 +19,18 @@ import enum
 import pickle
 import threading
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from skyward import failures
 from skyward.errors import PluginError, PoolClosedError, RemoteError, WorkerError
 from skyward.info import InstanceInfo
+from skyward.node_output import NodeOutput
 from skyward.providers.base import NodeLoss
 from skyward.reports import Report
 from skyward.transport import frames, messages
 from skyward.transport.base import AgentStream
 
-KEPT_LINES = 100_000
-OUTPUT_CHUNK = 1 << 16
 # How long to wait for the rest of a dead node's output before reporting its death.
 OUTPUT_DRAIN_SECONDS = 0.3
 # How long the provider may take to say why a node went away before the error is raised.
@@ -108,7 +105,8 @@ class NodeSession:
     ) -> None:
         self.node = node
         self.stream = stream
-        self.lines: deque[str] = deque(earlier_lines, maxlen=KEPT_LINES)
+        self.output = NodeOutput(node, on_output, on_partial, earlier_lines)
+        self.lines = self.output.lines
         self.pending: dict[int, Outcome] = {}
         self.dead: WorkerError | None = None
         self.exit_status: int | None = None
@@ -120,17 +118,14 @@ class NodeSession:
         self._explain = explain
         self._on_output = on_output
         self._on_report = on_report
-        self._on_partial = on_partial
         self._control: asyncio.Queue[messages.Message | None] = asyncio.Queue()
         self._stopping = False
         self._lock = threading.Lock()
         self._decoder = frames.FrameDecoder(self._on_frame)
-        self._partial_line = b""
-        self._output_done = asyncio.Event()
         self._ended_task: asyncio.Task[None] | None = None
         self._control_closed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        stream.start(self._on_control_bytes, self._on_output_bytes)
+        stream.start(self._on_control_bytes, self.output.feed)
 
     @property
     def ready(self) -> bool:
@@ -245,7 +240,7 @@ class NodeSession:
                 self._sent_functions.add(call.fn_id)
                 self.pending[call.call_id] = future
                 chunks += call.chunks(first_time)
-        return chunks if len(chunks) == 1 else _coalesce(chunks)
+        return chunks if len(chunks) == 1 else frames.coalesce(chunks)
 
     def flush(self, calls: Calls, chunks: list[frames.Buffer]) -> None:
         """Write what `enqueue` returned for `calls`; a failed write fails those calls."""
@@ -270,9 +265,7 @@ class NodeSession:
         try:
             self._decoder.feed(data)
         except Exception as exc:
-            self._output_line(
-                f"[skyward] broken stream from the agent of node {self.node}: {exc!r}"
-            )
+            self.output.line(f"[skyward] broken stream from the agent of node {self.node}: {exc!r}")
             self.stream.kill()
 
     def _on_frame(self, message: messages.Message, segments: list[frames.Buffer]) -> None:
@@ -309,28 +302,6 @@ class NodeSession:
         if future is not None:
             future.set_exception(failures.rebuild_exception(raised.error, segments, self.node))
 
-    def _on_output_bytes(self, data: bytes) -> None:
-        if not data:
-            if self._partial_line:
-                self._output_line(self._partial_line.decode(errors="replace"))
-                self._partial_line = b""
-            self._output_done.set()
-            return
-        *lines, self._partial_line = (self._partial_line + data).split(b"\n")
-        if len(self._partial_line) > OUTPUT_CHUNK:  # a very long line without a newline: show it
-            lines.append(self._partial_line)
-            self._partial_line = b""
-        for raw in lines:
-            self._output_line(raw.decode(errors="replace").rstrip("\r"))
-        if self._on_partial is not None and b"\r" in self._partial_line:
-            # A line redrawn in place (a progress bar): its newline may be minutes away.
-            redrawn = self._partial_line.rsplit(b"\r", 1)[-1]
-            self._on_partial(self.node, redrawn.decode(errors="replace"))
-
-    def _output_line(self, line: str) -> None:
-        self.lines.append(line)
-        self._on_output(self.node, line)
-
     def _control_ended(self) -> None:
         self._control_closed.set()
         if self._ended_task is None:
@@ -339,7 +310,7 @@ class NodeSession:
     async def _ended(self) -> None:
         """The control stream closed: collect the exit status and the last output."""
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._output_done.wait(), OUTPUT_DRAIN_SECONDS)
+            await asyncio.wait_for(self.output.ended.wait(), OUTPUT_DRAIN_SECONDS)
         try:
             self.exit_status = await asyncio.wait_for(
                 self.stream.exit_status(), OUTPUT_DRAIN_SECONDS
@@ -428,7 +399,7 @@ class NodeSession:
         try:
             await asyncio.wait_for(self._control_closed.wait(), timeout)
         except TimeoutError:
-            self._output_line(
+            self.output.line(
                 f"[skyward] node {self.node} did not stop within {timeout:g} s; killing it"
             )
         self.stream.kill()
@@ -463,20 +434,3 @@ async def ping_agents(sessions: Callable[[], Sequence[NodeSession]], timeout: fl
         for session in sessions():
             if session.stream.remote and session.stage is not Stage.STARTING and not session.dead:
                 session.stream.write(ping)
-
-
-def _coalesce(chunks: list[frames.Buffer]) -> list[frames.Buffer]:
-    """Join runs of small chunks, so several calls to one node cost one write."""
-    out: list[frames.Buffer] = []
-    small = bytearray()
-    for chunk in chunks:
-        if memoryview(chunk).nbytes < OUTPUT_CHUNK:
-            small += chunk
-            continue
-        if small:
-            out.append(small)
-            small = bytearray()
-        out.append(chunk)
-    if small:
-        out.append(small)
-    return out

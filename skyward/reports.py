@@ -176,6 +176,10 @@ class Outbox:
 
     def flush(self) -> None:
         """Send everything queued so far; OSError when the client is gone."""
+        # Nothing queued and no batch being written (one taken is written under the lock):
+        # nothing to wait for. The common case after a call, so it takes no lock.
+        if not self._queue and not self._sending.locked():
+            return
         with self._sending:
             # Only what is queued now: a thread that keeps reporting must not keep us here.
             left = len(self._queue)

@@ -148,6 +148,8 @@ class SyncChannel:
         self.last_input = time.monotonic()
 
     def _read_exactly(self, n: int) -> bytes:
+        if not n:
+            return b""
         data = self._in.read(n)
         if len(data) < n:
             raise FrameError("stream closed in the middle of a frame")
@@ -163,22 +165,30 @@ class SyncChannel:
             return self._read_frame()
 
     def _read_frame(self) -> tuple[Message, list[bytes]] | None:
-        header = self._in.read(HEADER.size)
-        if not header:
+        # Written for speed: a node may run thousands of small calls a second, and each one's
+        # frame is read here (the header, then the lengths and metadata together, then the
+        # segments).
+        read = self._in.read
+        header = read(HEADER.size)
+        if len(header) < HEADER.size:
+            if header:
+                raise FrameError("stream closed in the middle of a frame header")
             self._ended = True
             return None
-        if len(header) < HEADER.size:
-            raise FrameError("stream closed in the middle of a frame header")
         meta_len, count = HEADER.unpack(header)
-        # the lengths and the metadata in one read: a call's whole frame is two reads and the
-        # segments, which counts on a node that runs thousands of small calls a second
-        body = self._read_exactly(8 * count + meta_len)
+        size = 8 * count + meta_len
+        body = read(size)
+        if len(body) < size:
+            raise FrameError("stream closed in the middle of a frame")
+        self.last_input = time.monotonic()
+        if count == 1:  # a call: its pickled arguments
+            (length,) = LENGTH.unpack_from(body)
+            # each segment its own bytes object: an out-of-band ``bytes`` argument is then
+            # rebuilt as that very object, with no copy
+            return from_wire(pickle.loads(memoryview(body)[8:])), [self._read_exactly(length)]
         lengths = _lengths(count).unpack_from(body) if count else ()
         message = from_wire(pickle.loads(memoryview(body)[8 * count :]))
-        self.last_input = time.monotonic()
-        # each segment its own bytes object: an out-of-band ``bytes`` argument is then rebuilt
-        # as that very object, with no copy
-        return message, [self._read_exactly(n) if n else b"" for n in lengths]
+        return message, [self._read_exactly(n) for n in lengths]
 
     def read_ahead(self, keep: Callable[[Message], bool]) -> None:
         """From another thread: take the frames that have arrived while the reader is busy

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 from skyward.errors import NotOnNodeError
 
@@ -12,6 +14,8 @@ ENV_VAR = "SKYWARD_INSTANCE_INFO"
 OUTPUT_ENV_VAR = "SKYWARD_OUTPUT_DIR"
 
 _current: InstanceInfo | None = None
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +56,7 @@ class InstanceInfo:
     @classmethod
     def from_json(cls, text: str) -> InstanceInfo:
         """Inverse of `to_json`."""
-        data = json.loads(text)
-        data["peers"] = tuple(data["peers"])
-        data["devices"] = tuple(data.get("devices", ()))
-        return cls(**data)
+        return from_json(cls, text)
 
 
 def instance_info() -> InstanceInfo:
@@ -111,3 +112,14 @@ def set_current(info: InstanceInfo | None) -> None:
         path = os.path.join(cache_root(), os.path.expanduser(info.output_dir))
         os.makedirs(path, exist_ok=True)
         os.environ[OUTPUT_ENV_VAR] = path
+
+
+def from_json(make: Callable[..., T], text: str) -> T:
+    """A dataclass (`make`) from the JSON of its `asdict`, as nodes pass them on: every JSON
+    array is one of its tuples, nested ones too, so each becomes a tuple again; a field the
+    JSON lacks (written by an older version) keeps its default."""
+    return make(**{key: _tuples(value) for key, value in json.loads(text).items()})
+
+
+def _tuples(value: object) -> object:
+    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value

@@ -14,10 +14,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 from skyward import compute  # the decorator (the package binds it over the module)
 from skyward.data import Data
@@ -182,17 +184,7 @@ def print_aws_pools(profile: Profile) -> int:
     provider = profile.build_provider()
     ec2 = provider.client("ec2")  # type: ignore[attr-defined]
     region = ec2.meta.region_name
-    me = resources.created_by()
-    count = 0
-    for pool in sorted(resources.find(ec2).values(), key=lambda p: p.pool_id):
-        if pool.created_by != me:
-            continue
-        count += 1
-        when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
-        print(f"aws    {region}  {pool.pool_id}  created {when}")
-        for line in pool.describe():
-            print(f"           {line}")
-    return count
+    return _print_cloud_pools(f"aws    {region}", resources.find(ec2), resources.created_by())
 
 
 def print_gcp_pools(profile: Profile) -> int:
@@ -202,14 +194,30 @@ def print_gcp_pools(profile: Profile) -> int:
     provider = profile.build_provider()
     project = provider.access().project  # type: ignore[attr-defined]
     me = resources.pool_labels("-")[resources.CREATED_BY_LABEL]
-    count = 0
     found = resources.find(provider.clients(), project)  # type: ignore[attr-defined]
+    return _print_cloud_pools(f"gcp    {project}", found, me)
+
+
+class _CloudPool(Protocol):
+    """What `skyward status` reads of a pool found on a cloud (AWS's or GCP's resources)."""
+
+    pool_id: str
+    created_at: datetime | None
+    created_by: str | None
+
+    def describe(self) -> list[str]: ...
+
+
+def _print_cloud_pools(where: str, found: Mapping[str, _CloudPool], me: str) -> int:
+    """Print the pools of `found` that `me` (this user@host) made, each under its resources,
+    with `where` (the cloud and its region or project) first; how many there were."""
+    count = 0
     for pool in sorted(found.values(), key=lambda p: p.pool_id):
         if pool.created_by != me:
             continue
         count += 1
         when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
-        print(f"gcp    {project}  {pool.pool_id}  created {when}")
+        print(f"{where}  {pool.pool_id}  created {when}")
         for line in pool.describe():
             print(f"           {line}")
     return count

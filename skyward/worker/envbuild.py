@@ -2,8 +2,8 @@
 
 Runs on the node (``python -m skyward.worker.envbuild`` reads a JSON `EnvSpec` on stdin and prints
 the environment's interpreter path, or with ``--setup-only`` only runs the setup commands once)
-and in-process for the Local provider. Standard library only:
-it runs before the environment it builds exists.
+and in-process for the Local provider. Standard library only (with `skyward.info`, itself
+standard library only): it runs before the environment it builds exists.
 
 Layout of the cache directory::
 
@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from skyward.info import from_json
 from skyward.worker.hostcheck import READY_MARKER as READY_MARKER
 
 OUTPUT_TAIL_LINES = 40
@@ -48,11 +49,7 @@ class EnvSpec:
 
     @classmethod
     def from_json(cls, text: str) -> EnvSpec:
-        data = json.loads(text)
-        data["pip"] = tuple(data["pip"])
-        data["setup"] = tuple(data["setup"])
-        data["indexes"] = tuple((u, tuple(p), f) for u, p, f in data["indexes"])
-        return cls(**data)
+        return from_json(cls, text)
 
 
 class BuildFailed(Exception):

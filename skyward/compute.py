@@ -200,26 +200,34 @@ def compute(fn: Callable[P, R]) -> Compute[P, R]:
     return Compute(fn)
 
 
-# `PendingCall`, short enough that each overload of `gather` below keeps its parameters on one
-# line: one overload an arity, and none a copy of the next.
-_Call = PendingCall
-
-
 @overload
-def gather(a: _Call[T1], /) -> Gather[T1]: ...
+def gather(a: PendingCall[T1], /) -> Gather[T1]: ...
 @overload
-def gather(a: _Call[T1], b: _Call[T2], /) -> Gather[T1, T2]: ...
+def gather(a: PendingCall[T1], b: PendingCall[T2], /) -> Gather[T1, T2]: ...
 @overload
-def gather(a: _Call[T1], b: _Call[T2], c: _Call[T3], /) -> Gather[T1, T2, T3]: ...
-@overload
-def gather(a: _Call[T1], b: _Call[T2], c: _Call[T3], d: _Call[T4], /) -> Gather[T1, T2, T3, T4]: ...
+def gather(a: PendingCall[T1], b: PendingCall[T2], c: PendingCall[T3], /) -> Gather[T1, T2, T3]: ...
 @overload
 def gather(
-    a: _Call[T1], b: _Call[T2], c: _Call[T3], d: _Call[T4], e: _Call[T5], /
+    a: PendingCall[T1], b: PendingCall[T2], c: PendingCall[T3], d: PendingCall[T4], /
+) -> Gather[T1, T2, T3, T4]: ...
+@overload
+def gather(
+    a: PendingCall[T1],
+    b: PendingCall[T2],
+    c: PendingCall[T3],
+    d: PendingCall[T4],
+    e: PendingCall[T5],
+    /,
 ) -> Gather[T1, T2, T3, T4, T5]: ...
 @overload
 def gather(
-    a: _Call[T1], b: _Call[T2], c: _Call[T3], d: _Call[T4], e: _Call[T5], f: _Call[T6], /
+    a: PendingCall[T1],
+    b: PendingCall[T2],
+    c: PendingCall[T3],
+    d: PendingCall[T4],
+    e: PendingCall[T5],
+    f: PendingCall[T6],
+    /,
 ) -> Gather[T1, T2, T3, T4, T5, T6]: ...
 @overload
 def gather(*calls: PendingCall[Any]) -> Gather[*tuple[Any, ...]]: ...

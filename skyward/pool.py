@@ -24,14 +24,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import cloudpickle
 
-from skyward import failures
 from skyward.checkpoints import Checkpoints
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console import Console, duration
 from skyward.data import Data, Placement, location
 from skyward.dispatch import Dispatch
 from skyward.errors import (
-    BootstrapError,
     ConfigError,
     DataError,
     PoolClosedError,
@@ -341,22 +339,16 @@ class ComputePool:
             )
             for node, stream in zip(cluster.nodes, streams, strict=True)
         ]
-        try:
-            self.infos = await asyncio.wait_for(
-                handshake(
-                    self._sessions,
-                    cluster.nodes,
-                    self.spec,
-                    self.plugins,
-                    self._plugins_blob,
-                    [self.provider.node_output_dir(cluster, node) for node in cluster.nodes],
-                    self.heartbeat_timeout,
-                ),
-                self.startup_timeout,
-            )
-        except TimeoutError:
-            late = f"the pool did not become ready within startup_timeout={self.startup_timeout:g}"
-            raise BootstrapError(failures.stuck_report(f"{late} s", self._sessions)) from None
+        self.infos = await handshake(
+            self._sessions,
+            cluster.nodes,
+            self.spec,
+            self.plugins,
+            self._plugins_blob,
+            [self.provider.node_output_dir(cluster, node) for node in cluster.nodes],
+            self.heartbeat_timeout,
+            startup_timeout=self.startup_timeout,
+        )
 
     def replace(self, node: int) -> None:
         """Put a fresh node in place of node `node`, which died, and restart every agent.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from skyward import failures
 from skyward.cluster import ClusterSpec
 from skyward.errors import BootstrapError
 from skyward.info import InstanceInfo
@@ -26,9 +27,31 @@ async def handshake(
     plugins_blob: bytes,
     output_dirs: Sequence[str] = (),
     silence_timeout: float = 0.0,
+    *,
+    startup_timeout: float,
 ) -> list[InstanceInfo]:
     """Take every node through the handshake; the nodes' identities, in node order. A remote
-    agent stops after `silence_timeout` s without a ping (`session.ping_agents`)."""
+    agent stops after `silence_timeout` s without a ping (`session.ping_agents`). Not done
+    within `startup_timeout` s: a `BootstrapError` that says where each node was."""
+    try:
+        return await asyncio.wait_for(
+            _handshake(sessions, nodes, spec, plugins, plugins_blob, output_dirs, silence_timeout),
+            startup_timeout,
+        )
+    except TimeoutError:
+        late = f"the pool did not become ready within startup_timeout={startup_timeout:g} s"
+        raise BootstrapError(failures.stuck_report(late, sessions)) from None
+
+
+async def _handshake(
+    sessions: Sequence[NodeSession],
+    nodes: Sequence[Node],
+    spec: ClusterSpec,
+    plugins: Sequence[Plugin],
+    plugins_blob: bytes,
+    output_dirs: Sequence[str],
+    silence_timeout: float,
+) -> list[InstanceInfo]:
     names = tuple(dict.fromkeys((HEAD_PORT, *(name for p in plugins for name in p.ports))))
     started = await asyncio.gather(*(session.open(names) for session in sessions))
     from skyward import __version__

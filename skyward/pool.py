@@ -1,10 +1,8 @@
 """`ComputePool`: provision -> build environments -> start agents -> run calls -> tear down.
 
-The pool keeps the lifecycle and the semantics of a broadcast, a gather and a failure. Each node's
-wire is its `NodeSession`'s; the provider makes and removes the nodes. A call travels pool ->
-session -> stream -> session -> pool: the caller's thread writes it, and reads the reply too
-where the stream allows it (`AgentStream.wait_replies`); otherwise the pool's event loop (see
-`loop.LoopThread`) reads it and resolves the call's future.
+The pool keeps the lifecycle and hands the rest to a part each: what is settled before launch
+(`plan`), the calls (`Dispatch`), files in and out (`Transfers`), what the nodes do and print
+(`activity`), the end (`teardown`). docs/architecture.md follows a call from here to a node.
 """
 
 from __future__ import annotations
@@ -12,32 +10,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import os
-import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-import cloudpickle
-
-from skyward import failures
-from skyward.checkpoints import Checkpoints
-from skyward.cluster import Accelerator, ClusterSpec
-from skyward.console import Console, duration
-from skyward.data import Data, Placement, location
+from skyward import activity, plan, teardown
+from skyward.console import Console
+from skyward.data import Data
 from skyward.dispatch import Dispatch
-from skyward.errors import (
-    BootstrapError,
-    ConfigError,
-    DataError,
-    PoolClosedError,
-    SerializationError,
-    SkywardError,
-)
+from skyward.errors import ConfigError, PoolClosedError
 from skyward.handshake import handshake
 from skyward.image import Image
 from skyward.info import InstanceInfo
@@ -47,13 +31,14 @@ from skyward.plugins.base import Plugin
 from skyward.progress import Phase
 from skyward.providers.base import Cluster, Node, Provider
 from skyward.reports import Report
-from skyward.session import NodeSession, Stage, ping_agents, watch_heartbeats
-from skyward.transport import frames
+from skyward.session import NodeSession, ping_agents, watch_heartbeats
+from skyward.transfers import Transfers
 
 if TYPE_CHECKING:
     from skyward.compute import PendingCall
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class ComputePool:
@@ -104,40 +89,11 @@ class ComputePool:
         name: str = "pool",
         on_report: Callable[[Report], object] | None = None,
     ) -> None:
-        if provider is None:
-            from skyward.providers.local import Local
-
-            provider = Local()
-        if not isinstance(provider, Provider):
-            raise ConfigError(f"provider must be e.g. sky.Local() or sky.SSH([...]): {provider!r}")
-        if nodes is not None and (
-            isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1
-        ):
-            raise ConfigError(f"nodes must be a whole number >= 1, got {nodes!r}")
-        if image is not None and not isinstance(image, Image):
-            raise ConfigError(f"image must be a sky.Image, got {type(image).__name__}")
-        for plugin in plugins:
-            if not isinstance(plugin, Plugin):
-                raise ConfigError(
-                    f"plugins must be sky.Plugin objects (e.g. sky.plugins.jax()), got {plugin!r}"
-                )
-        self.provider = provider
+        self.provider = plan.checked(provider, nodes, image, plugins)
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
         self.env: dict[str, str] = dict(env or {})
         self.pool_id = f"{name}-{uuid.uuid4().hex[:8]}"
-        # e.g. sky.AWS(instance_type="p4d.24xlarge"): plugins must see its GPUs
-        implied = None if accelerator else provider.implied_accelerator()
-        chosen = Accelerator.parse(accelerator) if accelerator else implied
-        # A TPU slice has one node per host: the provider may fix the size.
-        nodes = provider.nodes_for(chosen, nodes)
-        self.spec = ClusterSpec(
-            nodes=nodes,
-            pool_id=self.pool_id,
-            accelerator=chosen,
-            provider=provider.name,
-            outputs=_outputs(output_dir),
-        )
-        self.provider.validate(self.spec)
+        self.spec = plan.cluster_spec(self.provider, self.pool_id, nodes, accelerator, output_dir)
         self._asked = image or Image()  # before the plugins' transforms
         self.image: Image = self._asked
         self.startup_timeout = startup_timeout
@@ -145,22 +101,23 @@ class ComputePool:
         self.broadcast_grace = broadcast_grace
         self.heartbeat_timeout = heartbeat_timeout
         self.collect_timeout = collect_timeout
-        self.console = Console(self.pool_id, nodes, provider.name, stream_output)
-        self.console.activity = self._activity
+        self.console = Console(self.pool_id, self.spec.nodes, self.provider.name, stream_output)
+        self._dispatch = Dispatch(broadcast_grace)
+        self.console.activity = functools.partial(activity.node_activity, self._dispatch)
+        self._transfers = Transfers(self.provider, self.console, self.spec.outputs, collect_timeout)
+        self._dispatch.stage = self._transfers.stage
         # What the nodes gave `sky.report`, in arrival order (appended to by skyward's threads).
         self.reports: list[Report] = []
-        self._on_report = on_report
-        self._checkpoints = Checkpoints(provider, self.console.status, self._submit)
+        self._reported = activity.report_sink(
+            self.reports, self._transfers.reported, self.console, on_report
+        )
         self.cluster: Cluster | None = None
         self.infos: list[InstanceInfo] = []
-        self._dispatch = Dispatch(broadcast_grace)
-        self._dispatch.stage = self._stage_data
         self._loop: LoopThread | None = None
         self._lifetime = contextlib.ExitStack()  # SIGTERM handling, around_client hooks
         self._closed = False
         self._plugins_blob = b""
-        self._heartbeats: asyncio.Task[None] | None = None
-        self._pings: asyncio.Task[None] | None = None
+        self._watchers: list[asyncio.Task[None]] = []  # the loop holds its tasks weakly
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -180,13 +137,11 @@ class ComputePool:
         """Provision the nodes, build their environments, start the agents, run plugin setup."""
         if self._loop is not None:
             raise PoolClosedError("this pool was already started; create a new ComputePool")
-        self._plan(self.spec)  # a plugin's failure costs nothing yet: nothing is launched
-        try:
-            self._plugins_blob = cloudpickle.dumps(list(self.plugins), frames.PROTOCOL)
-        except Exception as exc:
-            raise SerializationError(f"a plugin could not be pickled for the nodes: {exc}") from exc
+        # A plugin's failure costs nothing yet: nothing is launched.
+        self.image, self.spec = plan.plan(self.plugins, self._asked, self.spec)
+        self._plugins_blob = plan.pickled(self.plugins)
         self._lifetime.enter_context(sigterm_unwinds())
-        self._loop = LoopThread(f"skyward-{self.pool_id}")
+        self._loop = self._transfers.loop = LoopThread(f"skyward-{self.pool_id}")
         try:
             self.console.start()
             with self.console.calling():
@@ -203,72 +158,26 @@ class ComputePool:
         self._close(graceful, None)
 
     def _close(self, graceful: bool, failure: BaseException | None) -> None:
-        """`close`; when `failure` is what ended the pool, it stays the error the user sees and
-        a teardown problem is added to it as a note instead of replacing it."""
+        """`close`; `failure` is what ended the pool, if anything did (see `teardown`)."""
         if self._closed:
             return
         self._closed = True
         with self.console.calling():
-            self._teardown(graceful, failure)
-
-    def _teardown(self, graceful: bool, failure: BaseException | None) -> None:
-        began = time.monotonic()
-        summary: str | None = None
-        try:
-            if self._loop is not None:
-                self.console.phase(None, Phase.STOPPING)
-                busy = any(session.pending for session in self._sessions)
-                timeout = self.shutdown_timeout if graceful and not busy else 0.5
-                with contextlib.suppress(Exception):
-                    self._loop.run(self._stop_agents(timeout))
-                self._checkpoints.close()  # no copy may list a directory being removed
-                collected = self._collect_at_close()
-                summary = f"removing the pool failed after {duration(time.monotonic() - began)} s"
-                try:
-                    self._loop.run(self._terminate())
-                except SkywardError as problem:
-                    if failure is None:
-                        raise
-                    failure.add_note(f"and removing the pool then failed too: {problem}")
-                else:
-                    summary = self._removed(time.monotonic() - began)
-                if collected is not None:
-                    if failure is None or isinstance(collected, KeyboardInterrupt):
-                        raise collected
-                    failure.add_note(f"and collecting the outputs failed: {collected}")
-        finally:
-            if self._loop is not None:
-                self._loop.stop()
-                self.console.finish(summary)
-            self._lifetime.close()
-
-    def _removed(self, seconds: float) -> str:
-        """The teardown's last line: ``removed 4 instances in 38.2 s``."""
-        if self.cluster is None:
-            return f"nothing was left to remove ({duration(seconds)} s)"
-        return f"{self.provider.teardown_summary(self.cluster)} in {duration(seconds)} s"
-
-    def _collect_at_close(self) -> BaseException | None:
-        """Bring every node's outputs back before the nodes go; what went wrong, if anything
-        (even Ctrl-C: the nodes are removed first, then it is raised)."""
-        if self.spec.outputs is None or self.cluster is None or self._loop is None:
-            return None
-        try:
-            self._loop.run(asyncio.wait_for(self._collect(), self.collect_timeout))
-        except TimeoutError:
-            return DataError(
-                f"collecting the outputs to {self.spec.outputs} took longer than "
-                f"collect_timeout={self.collect_timeout:g} s; what arrived is there",
-                path=self.spec.outputs,
-            )
-        except BaseException as exc:
-            return exc
-        return None
-
-    async def _collect(self) -> None:
-        cluster = self.cluster
-        assert cluster is not None, "launched first"
-        await self._checkpoints.collect(cluster, [node.index for node in cluster.nodes])
+            try:
+                if self._loop is not None:
+                    teardown.tear_down(
+                        loop=self._loop,
+                        console=self.console,
+                        provider=self.provider,
+                        cluster=self.cluster,
+                        sessions=self._sessions,
+                        transfers=self._transfers,
+                        shutdown_timeout=self.shutdown_timeout,
+                        graceful=graceful,
+                        failure=failure,
+                    )
+            finally:
+                self._lifetime.close()
 
     def collect_outputs(self) -> None:
         """Bring every node's `sky.output_dir()` to the pool's ``output_dir`` now (only what
@@ -278,48 +187,25 @@ class ComputePool:
         if self._closed or self._loop is None:
             raise PoolClosedError("the pool is not running")
         with self.console.calling():
-            self._loop.run(self._collect())
-
-    def _stage_data(self, found: list[Data]) -> bool:
-        """Sync each `sky.Data` of a call to the nodes; whether any placement changed."""
-        if self._loop is None or self.cluster is None:
-            raise PoolClosedError("the pool is not running")
-        unique = list({id(d): d for d in found}.values())
-        placements = self._loop.run(self._stage(unique))
-        changed = [d.place(p) for d, p in zip(unique, placements, strict=True)]
-        return any(changed)
-
-    async def _stage(self, datas: list[Data]) -> list[Placement]:
-        cluster = self.cluster
-        assert cluster is not None, "launched first"
-        return list(
-            await asyncio.gather(
-                *(self.provider.stage_data(cluster, d, self.console) for d in datas)
-            )
-        )
+            self._transfers.collect()
 
     async def _start(self) -> None:
-        self.cluster = await self.provider.launch(self.spec, self.console)
+        self.cluster = self._transfers.cluster = await self.provider.launch(self.spec, self.console)
         # Remote agents stop when the client goes quiet (cut off by the network): keep them
         # hearing from it from their Hello on.
-        self._pings = asyncio.get_running_loop().create_task(
-            ping_agents(lambda: self._sessions, self.heartbeat_timeout)
+        self._watchers.append(
+            asyncio.create_task(ping_agents(lambda: self._sessions, self.heartbeat_timeout))
         )
         hardware = await self.provider.survey(self.cluster, self.image, self.console)
         if (seen := self.spec.seen(hardware)) is not self.spec:
-            self._plan(seen)  # e.g. CUDA 13 drivers: the plugins choose their wheels again
+            # e.g. CUDA 13 drivers: the plugins choose their wheels again
+            self.image, self.spec = plan.plan(self.plugins, self._asked, seen)
         await self.provider.prepare(self.cluster, self.image, self.console)
         await self._start_agents()
-        self._heartbeats = asyncio.get_running_loop().create_task(
-            watch_heartbeats(lambda: self._sessions, self.heartbeat_timeout)
+        self._watchers.append(
+            asyncio.create_task(watch_heartbeats(lambda: self._sessions, self.heartbeat_timeout))
         )
         self.console.phase(None, Phase.READY)
-
-    def _plan(self, spec: ClusterSpec) -> None:
-        """The nodes' image for `spec`: the plugins' transforms over the pool's own image. Run
-        before launch, then again if what the nodes turn out to have changes the spec."""
-        self.image = hooks.transform(self.plugins, self._asked, spec)
-        self.spec = replace(spec, image_hash=self.image.content_hash)
 
     async def _start_agents(self) -> None:
         """Start an agent on every node and take each through the handshake and the plugins."""
@@ -341,22 +227,16 @@ class ComputePool:
             )
             for node, stream in zip(cluster.nodes, streams, strict=True)
         ]
-        try:
-            self.infos = await asyncio.wait_for(
-                handshake(
-                    self._sessions,
-                    cluster.nodes,
-                    self.spec,
-                    self.plugins,
-                    self._plugins_blob,
-                    [self.provider.node_output_dir(cluster, node) for node in cluster.nodes],
-                    self.heartbeat_timeout,
-                ),
-                self.startup_timeout,
-            )
-        except TimeoutError:
-            late = f"the pool did not become ready within startup_timeout={self.startup_timeout:g}"
-            raise BootstrapError(failures.stuck_report(f"{late} s", self._sessions)) from None
+        self.infos = await handshake(
+            self._sessions,
+            cluster.nodes,
+            self.spec,
+            self.plugins,
+            self._plugins_blob,
+            [self.provider.node_output_dir(cluster, node) for node in cluster.nodes],
+            self.heartbeat_timeout,
+            startup_timeout=self.startup_timeout,
+        )
 
     def replace(self, node: int) -> None:
         """Put a fresh node in place of node `node`, which died, and restart every agent.
@@ -367,9 +247,8 @@ class ComputePool:
         """
         if self._closed or self._loop is None:
             raise PoolClosedError("the pool is not running")
-        session = self._dispatch.session(node)
-        if session.dead is None or session.dead.stopped:
-            lost = [s.node for s in self._sessions if s.dead is not None and not s.dead.stopped]
+        self._dispatch.session(node)  # one of the pool's nodes
+        if node not in (lost := activity.lost(self._sessions)):
             raise ConfigError(
                 f"node {node} is not lost (it is alive, or was stopped because another node "
                 f"failed); replace() takes a node that died: {lost or 'none did'}"
@@ -385,19 +264,10 @@ class ComputePool:
         await self.provider.replace(cluster, index)
         # The whole cluster: the others' environments are there, so that costs a check each.
         await self.provider.prepare(cluster, self.image, self.console)
-        await self._stop_agents(self.shutdown_timeout)
+        await teardown.stop_agents(self._sessions, self.shutdown_timeout)
         await self._start_agents()
         self._dispatch.broken = None
         self.console.phase(None, Phase.READY)
-
-    async def _stop_agents(self, timeout: float) -> None:
-        await asyncio.gather(*(session.close(timeout) for session in self._sessions))
-
-    async def _terminate(self) -> None:
-        for session in self._sessions:
-            session.stream.kill()
-        if self.cluster is not None:
-            await self.provider.terminate(self.cluster)
 
     @property
     def nodes(self) -> list[Node]:
@@ -407,22 +277,6 @@ class ComputePool:
     @property
     def _sessions(self) -> list[NodeSession]:
         return self._dispatch.sessions
-
-    def _activity(self, node: int) -> tuple[Phase, str] | None:
-        """What the console sees of node `node` beyond its phase, read when it draws (so a call
-        pays nothing for it): a call in flight, a plugin hook, a dead agent."""
-        sessions = self._sessions
-        if node >= len(sessions):
-            return None
-        session = sessions[node]
-        if session.dead is not None and not session.dead.stopped:
-            return Phase.LOST, str(session.dead).splitlines()[0]
-        if session.pending:
-            calls = len(session.pending)
-            return Phase.RUNNING, f"{calls} calls" if calls > 1 else ""
-        if session.stage is Stage.IN_PLUGIN:
-            return Phase.STARTING, session.where
-        return None
 
     # -- calls -----------------------------------------------------------------------------
 
@@ -441,11 +295,7 @@ class ComputePool:
 
     def run(self, call: PendingCall[T], node: int | None = None) -> T:
         """Run `call` on one node and return its result (what ``call >> pool`` does)."""
-        dispatch = self._check_open()
-        if self.console.notebook is None:  # the common case pays one attribute read
-            return dispatch.run(call, node)
-        with self.console.notebook.calling(self._drain_output):
-            return dispatch.run(call, node)
+        return self._calling(self._check_open().run, call, node)
 
     def broadcast(self, call: PendingCall[T]) -> list[T]:
         """Run `call` on every node; results in node order (what ``call @ pool`` does).
@@ -454,11 +304,7 @@ class ComputePool:
         is then stopped (an SPMD program cannot go on without a rank) and the pool is closed.
         A node that dies stops the others at once.
         """
-        dispatch = self._check_open()
-        if self.console.notebook is None:
-            return dispatch.broadcast(call)
-        with self.console.notebook.calling(self._drain_output):
-            return dispatch.broadcast(call)
+        return self._calling(self._check_open().broadcast, call)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
         """Run several calls at once, spread over the nodes; results in call order.
@@ -466,25 +312,22 @@ class ComputePool:
         The calls are independent: one failing does not stop the others. Once all have ended,
         the first failure is raised (a node's death before a user exception).
         """
-        dispatch = self._check_open()
-        if self.console.notebook is None:
-            return dispatch.gather(calls)
-        with self.console.notebook.calling(self._drain_output):
-            return dispatch.gather(calls)
+        return self._calling(self._check_open().gather, calls)
+
+    def _calling(self, method: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`method(*args)`; in a notebook, with what the nodes print meanwhile in the cell."""
+        notebook = self.console.notebook
+        if notebook is None:  # the common case pays one attribute read
+            return method(*args, **kwargs)
+        with notebook.calling(self._drain_output):
+            return method(*args, **kwargs)
 
     # -- output ----------------------------------------------------------------------------
 
     def _drain_output(self) -> None:
-        """Have the loop read what the nodes' output pipes hold now: a call's last lines, written
-        before its reply but read apart from it, so that they show with the call."""
+        """Show a call's last lines with it (see `activity.drain_output`)."""
         if self._loop is not None and not self._closed:
-            self._loop.run(_a_few_turns())
-
-    def _submit(self, coro: Coroutine[Any, Any, None]) -> Future[None]:
-        if self._loop is None:
-            coro.close()
-            raise PoolClosedError("the pool is not running")
-        return self._loop.submit(coro)
+            activity.drain_output(self._loop)
 
     def latest_checkpoint(self, timeout: float = 300.0) -> Data | None:
         """The newest checkpoint a node reported (``sky.report(..., checkpoint=path)``) as a
@@ -495,40 +338,12 @@ class ComputePool:
         the checkpoint outlives the node. Waits up to `timeout` s for that copy; a checkpoint
         whose copy failed (its node died first) is skipped for the one before it.
         """
-        return self._checkpoints.latest(timeout)
-
-    def _reported(self, report: Report) -> None:
-        self.reports.append(report)
-        if report.checkpoint is not None:
-            self._checkpoints.reported(report, self.cluster)
-        self.console.report(report)
-        if self._on_report is not None:
-            try:
-                self._on_report(report)
-            except Exception:  # the user's callback must not break the stream it runs on
-                logging.getLogger("skyward").exception(
-                    "on_report raised on a report from node %d", report.node
-                )
+        return self._transfers.latest_checkpoint(timeout)
 
     def logs(self, node: int | None = None) -> list[str]:
         """What the nodes printed: one node's lines, or every node's prefixed with its index."""
-        if node is not None:
-            return list(self._sessions[node].lines)  # list() copies atomically under the GIL
-        return [f"(node {s.node}) {line}" for s in self._sessions for line in list(s.lines)]
+        return activity.logs(self._sessions, node)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._sessions else "new"
         return f"<ComputePool {self.pool_id} {self.spec.provider} nodes={self.spec.nodes} {state}>"
-
-
-async def _a_few_turns() -> None:
-    # Each turn of the loop polls its readers once and runs what they have read.
-    for _ in range(3):
-        await asyncio.sleep(0)
-
-
-def _outputs(output_dir: str | os.PathLike[str] | None) -> str | None:
-    """The pool's `output_dir` as the provider takes it: an s3:// URI or an absolute path."""
-    if output_dir is None:
-        return None
-    return location(output_dir, "output_dir").rstrip("/")

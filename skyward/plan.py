@@ -1,0 +1,91 @@
+"""What a pool asks for, settled before anything is launched or paid for.
+
+The arguments checked, the `ClusterSpec` the provider gets, the nodes' image after the plugins'
+transforms, and the plugins pickled for the nodes: bad input fails here, at no cost.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+
+import cloudpickle
+
+from skyward.cluster import Accelerator, ClusterSpec
+from skyward.data import location
+from skyward.errors import ConfigError, SerializationError
+from skyward.image import Image
+from skyward.plugins import hooks
+from skyward.plugins.base import Plugin
+from skyward.providers.base import Provider
+from skyward.transport import frames
+
+
+def checked(
+    provider: Provider | None, nodes: int | None, image: Image | None, plugins: Sequence[Plugin]
+) -> Provider:
+    """The pool's provider (`sky.Local()` by default), once its arguments are of the right kinds."""
+    if provider is None:
+        from skyward.providers.local import Local
+
+        provider = Local()
+    if not isinstance(provider, Provider):
+        raise ConfigError(f"provider must be e.g. sky.Local() or sky.SSH([...]): {provider!r}")
+    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
+        raise ConfigError(f"nodes must be a whole number >= 1, got {nodes!r}")
+    if image is not None and not isinstance(image, Image):
+        raise ConfigError(f"image must be a sky.Image, got {type(image).__name__}")
+    for plugin in plugins:
+        if not isinstance(plugin, Plugin):
+            raise ConfigError(
+                f"plugins must be sky.Plugin objects (e.g. sky.plugins.jax()), got {plugin!r}"
+            )
+    return provider
+
+
+def cluster_spec(
+    provider: Provider,
+    pool_id: str,
+    nodes: int | None,
+    accelerator: str | None,
+    output_dir: str | os.PathLike[str] | None,
+) -> ClusterSpec:
+    """What the pool asks `provider` for, which the provider has validated."""
+    # e.g. sky.AWS(instance_type="p4d.24xlarge"): plugins must see its GPUs
+    implied = None if accelerator else provider.implied_accelerator()
+    chosen = Accelerator.parse(accelerator) if accelerator else implied
+    spec = ClusterSpec(
+        # A TPU slice has one node per host: the provider may fix the size.
+        nodes=provider.nodes_for(chosen, nodes),
+        pool_id=pool_id,
+        accelerator=chosen,
+        provider=provider.name,
+        outputs=_outputs(output_dir),
+    )
+    provider.validate(spec)
+    return spec
+
+
+def plan(plugins: Sequence[Plugin], asked: Image, spec: ClusterSpec) -> tuple[Image, ClusterSpec]:
+    """The nodes' image for `spec` (the plugins' transforms over the pool's own image `asked`)
+    and `spec` with its hash. Run before launch, then again if what the nodes turn out to have
+    changes the spec."""
+    image = hooks.transform(plugins, asked, spec)
+    return image, replace(spec, image_hash=image.content_hash)
+
+
+def pickled(plugins: Sequence[Plugin]) -> bytes:
+    """The plugins as every node's `Hello` carries them."""
+    try:
+        blob: bytes = cloudpickle.dumps(list(plugins), frames.PROTOCOL)
+    except Exception as exc:
+        raise SerializationError(f"a plugin could not be pickled for the nodes: {exc}") from exc
+    return blob
+
+
+def _outputs(output_dir: str | os.PathLike[str] | None) -> str | None:
+    """The pool's `output_dir` as the provider takes it: an s3:// URI or an absolute path."""
+    if output_dir is None:
+        return None
+    return location(output_dir, "output_dir").rstrip("/")

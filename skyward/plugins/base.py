@@ -40,10 +40,10 @@ class Plugin:
         self,
         name: str | None = None,
         *,
-        ports: tuple[str, ...] = (),
         transform: Transform | None = None,
         around_app: AroundApp | None = None,
         around_client: AroundClient | None = None,
+        ports: tuple[str, ...] = (),
     ) -> None:
         if name is not None:
             self.name = name

@@ -49,8 +49,8 @@ import asyncssh
 from skyward.errors import DataError
 from skyward.providers.remote import RemoteNode, module_command
 from skyward.transport.ssh import RemoteProcess
-from skyward.worker import treestore
-from skyward.worker.treestore import CHUNK, DIR, END, FAILED, FILE, GONE, LINK, Entry, Manifest
+from skyward.worker.treemanifest import DIR, FILE, LINK, Entry, Manifest, unchanged
+from skyward.worker.treestore import CHUNK, END, FAILED, GONE
 
 MODULE = "skyward.worker.treestore"
 _LENGTH = struct.Struct("!I")
@@ -334,14 +334,14 @@ async def _stream_file(path: Path, entry: Entry, peers: list[_Peer]) -> None:
                 p.write(frame)
                 p.write(data)
             await _drain(peers)
-        unchanged = treestore.unchanged(path, entry, os.fstat(fh.fileno()), total)
+        same = unchanged(path, entry, os.fstat(fh.fileno()), total)
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror}", path=str(path)) from None
     finally:
         with contextlib.suppress(BaseException):
             await pending
         fh.close()
-    if not unchanged:
+    if not same:
         raise DataError(
             f"{path} changed while it was being sent; send it again once it is written",
             path=str(path),

@@ -25,7 +25,7 @@ pytest.importorskip("moto")
 
 import skyward as sky  # noqa: E402
 from skyward.errors import DataError  # noqa: E402
-from skyward.worker import s3sync  # noqa: E402
+from skyward.worker import s3cache, s3sync  # noqa: E402
 from tests.support import sshd  # noqa: E402
 from tests.support.motos3 import MotoS3, moto_s3, s3_env  # noqa: E402
 
@@ -136,7 +136,7 @@ def test_single_object(s3: Any, moto: MotoS3, tmp_path: Path) -> None:
 def test_large_object_in_ranged_parts(
     s3: Any, moto: MotoS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(s3sync, "PART_SIZE", 100_000)
+    monkeypatch.setattr(s3cache, "PART_SIZE", 100_000)
     put_tree(s3, "ds", FILES)
     mark = moto.mark()
     path = Path(s3sync.download(f"s3://{BUCKET}/ds", tmp_path))
@@ -280,7 +280,7 @@ def test_full_disk(s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         assert not leftovers(cache)
         # Space that vanishes during the download (the check is fooled): the same error.
         fooled = shutil._ntuple_diskusage(2**40, 0, 2**40)  # type: ignore[attr-defined]
-        monkeypatch.setattr(s3sync.shutil, "disk_usage", lambda _: fooled)
+        monkeypatch.setattr(s3cache.shutil, "disk_usage", lambda _: fooled)
         with pytest.raises(DataError, match="No space left on device"):
             s3sync.download(uri, cache)
         assert not leftovers(cache)

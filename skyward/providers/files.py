@@ -13,11 +13,10 @@ of its input), and the next push opens new ones. A kept receiver that died since
 (killed on the host) is reopened once, transparently, when its first reply fails.
 
 Push, per node: the tree's digest (a node that has the tree answers at once: one small round
-trip), then the manifest, to which the node answers the contents it lacks; only those are sent.
-Each local file is read once, in a thread, and the same chunks are written to every node that
-lacks it, waiting for the slowest node's flow control before the next chunk (bounded memory).
-A file is checked against its scan after it was read (size, mtime, ctime, inode), so a file
-that changed in between fails the push instead of poisoning a node's store.
+trip), then the manifest, to which the node answers the contents it lacks; only those are sent
+(`treepush`: each file read once for every node that lacks it). Pull: the node lists its
+directory, and only what differs from the local copy is sent (`treepull`). The node's process,
+for either, is a `treepeer.Peer`.
 
 Why an exec channel and not SFTP (benchmarks/bench_data.py, 3 namespace hosts on one loaded
 2-core machine, asyncssh with skyward's ciphers, medians of 3): 1,000 files of 1 MiB to 3 hosts
@@ -34,26 +33,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import secrets
-import shutil
-import stat
-import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
 
-import asyncssh
-
-from skyward.errors import DataError
-from skyward.providers.remote import RemoteNode, module_command
-from skyward.transport.ssh import RemoteProcess
-from skyward.worker import treestore
-from skyward.worker.treestore import CHUNK, DIR, END, FAILED, FILE, GONE, LINK, Entry, Manifest
-
-MODULE = "skyward.worker.treestore"
-_LENGTH = struct.Struct("!I")
+from skyward.providers.remote import RemoteNode
+from skyward.providers.treepeer import LENGTH, Peer
+from skyward.providers.treepull import forget, plan, receive_files, set_dirs
+from skyward.providers.treepush import gather, offer, send_contents
+from skyward.worker.treemanifest import Entry, Manifest
 
 
 @dataclass
@@ -79,109 +67,13 @@ class PullStats:
     paths: frozenset[str] = frozenset()
 
 
-class _Peer:
-    """One node's treestore process, its replies, and what one transfer wrote to it."""
-
-    def __init__(self, node: RemoteNode, proc: RemoteProcess, what: str, *args: str) -> None:
-        self.node, self.proc, self.what, self.args = node, proc, what, args
-        self.kept = False  # a push finished on this process: it is reused, and may have died
-        self.reset()
-
-    def reset(self) -> None:
-        self.sent = 0
-        self.files = 0
-        self.need: set[str] = set()
-        self.final: asyncio.Task[dict[str, Any]] | None = None
-
-    @classmethod
-    async def start(cls, node: RemoteNode, what: str, *args: str) -> _Peer:
-        return cls(node, await _launch(node, what, *args), what, *args)
-
-    async def reopen(self) -> None:
-        """Replace a broken process with a new one."""
-        await self.close(abort=True)
-        self.proc = await _launch(self.node, self.what, *self.args)
-        self.kept = False
-        self.reset()
-
-    def error(self, message: str, path: str = "") -> DataError:
-        where = f" ({path})" if path and path not in message else ""
-        return DataError(
-            f"{self.what} on node {self.node.index} ({self.node.host}) failed: {message}{where}",
-            node=self.node.index,
-            path=path,
-        )
-
-    def write(self, data: bytes) -> None:
-        self.proc.process.stdin.write(data)
-        self.sent += len(data)
-
-    async def drain(self) -> None:
-        await self.proc.process.stdin.drain()
-
-    async def reply(self) -> dict[str, Any]:
-        """The node's next message; its error (or a broken channel) as a `DataError`."""
-        try:
-            size = _LENGTH.unpack(await self.proc.process.stdout.readexactly(4))[0]
-            message: dict[str, Any] = json.loads(await self.proc.process.stdout.readexactly(size))
-        except asyncio.IncompleteReadError:
-            raise self.error(await self._ended()) from None
-        except (OSError, asyncssh.Error) as exc:
-            raise self.error(f"the connection broke ({exc})") from None
-        if "error" in message:
-            raise self.error(str(message["error"]), str(message.get("path") or ""))
-        return message
-
-    async def _ended(self) -> str:
-        """Why the node's process stopped talking: its stderr's last lines, its status."""
-        with contextlib.suppress(Exception):
-            tail = (await asyncio.wait_for(self.proc.process.stderr.read(), 5)).decode(
-                errors="replace"
-            )
-            status = await asyncio.wait_for(self.proc.exit_status(), 5)
-            lines = "\n".join(tail.strip().splitlines()[-10:])
-            return f"the node's process ended (exit status {status})" + (
-                f":\n{lines}" if lines else ""
-            )
-        return "the node's process ended"
-
-    async def close(self, abort: bool = False) -> None:
-        """End the input (before b"E": the node drops its temp dir) and wait for the exit."""
-        with contextlib.suppress(Exception):
-            self.proc.process.stdin.write_eof()
-        if self.final is not None:
-            self.final.cancel()
-            with contextlib.suppress(BaseException):
-                await self.final  # its error was raised already, or is moot now
-        try:
-            await asyncio.wait_for(self.proc.exit_status(), 10 if abort else 30)
-        except TimeoutError:
-            await self.node.host.kill_groups([self.proc.pid])
-        self.node.host.groups.discard(self.proc.pid)
-
-
-async def _launch(node: RemoteNode, what: str, *args: str) -> RemoteProcess:
-    """Start the treestore module on the node, in a process group the host adopts."""
-    if node.python is None:
-        raise DataError(
-            f"{what} on {node.host}: the node was not prepared (no interpreter yet)",
-            node=node.index,
-        )
-    # -S: the module needs only the stdlib, and a site with many .pth files costs ~50 ms.
-    command = module_command(node.python, MODULE, *args, site=False)
-    try:
-        return await node.host.start(command)
-    except (OSError, asyncssh.Error) as exc:
-        raise DataError(f"{what} on {node.host} failed: {exc}", node=node.index) from None
-
-
 class Receiver:
     """A node's ``treestore receive`` process (`peer`, None until a push opens one), kept for
     its later pushes, which take turns on `lock`."""
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
-        self.peer: _Peer | None = None
+        self.peer: Peer | None = None
 
 
 async def push_tree(
@@ -209,12 +101,12 @@ async def push_tree(
             await held.enter_async_context(receiver.lock)
         peers = await _open(nodes, receivers)
         try:
-            paths = dict(await _gather(*(_offer(p, manifest, say) for p in peers)))
-            await _send_contents(Path(root), manifest, [p for p in peers if p.need])
+            paths = dict(await gather(*(offer(p, manifest, say) for p in peers)))
+            await send_contents(Path(root), manifest, [p for p in peers if p.need])
             waiting = [p for p in peers if p.final is not None]
             for p in waiting:
                 p.write(b"E")
-            finals = await _gather(*(p.final for p in waiting if p.final is not None))
+            finals = await gather(*(p.final for p in waiting if p.final is not None))
             for peer, final in zip(waiting, finals, strict=True):
                 paths[peer.node.index] = str(final["done"])
         except BaseException:
@@ -240,13 +132,13 @@ def _receiver(node: RemoteNode) -> Receiver:
     return node.receiver
 
 
-async def _open(nodes: Sequence[RemoteNode], receivers: Sequence[Receiver]) -> list[_Peer]:
+async def _open(nodes: Sequence[RemoteNode], receivers: Sequence[Receiver]) -> list[Peer]:
     """Each node's receiver process, started where there is none (those that start are kept
     when another fails)."""
 
-    async def one(node: RemoteNode, receiver: Receiver) -> _Peer:
+    async def one(node: RemoteNode, receiver: Receiver) -> Peer:
         if receiver.peer is None:
-            receiver.peer = await _Peer.start(node, "sending data", "receive")
+            receiver.peer = await Peer.start(node, "sending data", "receive")
         return receiver.peer
 
     started = await asyncio.gather(
@@ -255,113 +147,7 @@ async def _open(nodes: Sequence[RemoteNode], receivers: Sequence[Receiver]) -> l
     for failure in started:
         if isinstance(failure, BaseException):
             raise failure
-    return [p for p in started if isinstance(p, _Peer)]
-
-
-async def _gather(*aws: Any) -> list[Any]:
-    """All results, or the first failure once every other task was cancelled and awaited."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-async def _offer(peer: _Peer, manifest: Manifest, say: Callable[[str], None]) -> tuple[int, str]:
-    """Digest, then (if the node lacks the tree) manifest; sets `peer.need`."""
-    digest = b"D" + bytes.fromhex(manifest.digest)
-    try:
-        peer.write(digest)
-        answer = await peer.reply()
-    except (DataError, OSError, asyncssh.Error):
-        if not peer.kept:
-            raise
-        # The kept process died since its last push (killed on the host): a new one, once.
-        await peer.reopen()
-        peer.write(digest)
-        answer = await peer.reply()
-    if "have" in answer:
-        say(f"[{peer.node.host}] the data is already there")
-        return peer.node.index, str(answer["have"])
-    peer.write(b"M" + struct.pack("!Q", len(manifest.encoded)) + manifest.encoded)
-    need = list((await peer.reply())["need"])
-    peer.need = set(need)
-    sizes = {e.sha256: e.size for e in manifest.files}
-    size = sum(sizes[s] for s in peer.need)
-    say(f"[{peer.node.host}] sending {len(need)} of {len(sizes)} files ({size / 2**20:.1f} MiB)")
-    peer.final = asyncio.ensure_future(peer.reply())
-    return peer.node.index, ""
-
-
-async def _send_contents(root: Path, manifest: Manifest, peers: list[_Peer]) -> None:
-    """Each needed content read once and written to every peer that lacks it."""
-    if not peers:
-        return
-    sent: set[str] = set()
-    for entry in manifest.files:
-        targets = [p for p in peers if entry.sha256 in p.need]
-        if entry.sha256 in sent or not targets:
-            continue
-        sent.add(entry.sha256)
-        path = root if manifest.single else root / entry.path
-        await _stream_file(path, entry, targets)
-
-
-async def _stream_file(path: Path, entry: Entry, peers: list[_Peer]) -> None:
-    loop = asyncio.get_running_loop()
-    for p in peers:
-        p.write(b"C" + bytes.fromhex(entry.sha256))
-        p.files += 1
-    try:
-        fh = open(path, "rb", buffering=0)  # noqa: SIM115 (closed below, after the last read)
-    except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc.strerror}", path=str(path)) from None
-    try:
-        # One read ahead, in a thread: the disk works while the loop encrypts.
-        pending = loop.run_in_executor(None, fh.read, CHUNK)
-        total = 0
-        while True:
-            data: bytes = await pending
-            if not data:
-                break
-            pending = loop.run_in_executor(None, fh.read, CHUNK)
-            total += len(data)
-            frame = _LENGTH.pack(len(data))
-            for p in peers:
-                p.write(frame)
-                p.write(data)
-            await _drain(peers)
-        unchanged = treestore.unchanged(path, entry, os.fstat(fh.fileno()), total)
-    except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc.strerror}", path=str(path)) from None
-    finally:
-        with contextlib.suppress(BaseException):
-            await pending
-        fh.close()
-    if not unchanged:
-        raise DataError(
-            f"{path} changed while it was being sent; send it again once it is written",
-            path=str(path),
-        )
-    for p in peers:
-        p.write(_LENGTH.pack(0))
-
-
-async def _drain(peers: list[_Peer]) -> None:
-    """Wait for every peer's flow control; a peer that reported an error fails the push."""
-    for p in peers:
-        if p.final is not None and p.final.done():
-            p.final.result()  # its DataError
-    try:
-        await asyncio.gather(*(p.drain() for p in peers))
-    except (OSError, asyncssh.Error) as exc:
-        for p in peers:
-            if p.final is not None and p.final.done():
-                p.final.result()
-        raise DataError(f"sending data failed: the connection broke ({exc})") from None
+    return [p for p in started if isinstance(p, Peer)]
 
 
 async def pull_tree(
@@ -380,7 +166,7 @@ async def pull_tree(
     pull fetches it again.
     """
     local_dir = Path(local_dir)
-    peer = await _Peer.start(node, "pulling data", "send", remote_dir)
+    peer = await Peer.start(node, "pulling data", "send", remote_dir)
     stats = PullStats()
     try:
         listing = await peer.reply()
@@ -388,111 +174,13 @@ async def pull_tree(
             return stats
         entries = [Entry(p, k, m, t, s, "", g) for p, k, m, t, s, g in listing["entries"]]
         stats.paths = frozenset(e.path for e in entries)
-        _forget(local_dir, pulled - stats.paths)
-        want = _plan(local_dir, entries)
-        body = json.dumps({"want": want}).encode()
-        peer.write(_LENGTH.pack(len(body)) + body)
-        await _receive_files(peer, local_dir, entries, stats)
-        for e in reversed(entries):  # deepest first: a parent's mtime is set last
-            if e.kind == DIR:
-                target = local_dir / e.path
-                os.chmod(target, e.mode)
-                os.utime(target, ns=(e.mtime_ns, e.mtime_ns))
+        forget(local_dir, pulled - stats.paths)
+        body = json.dumps({"want": plan(local_dir, entries)}).encode()
+        peer.write(LENGTH.pack(len(body)) + body)
+        stats.files, stats.bytes = await receive_files(peer, local_dir, entries)
+        set_dirs(local_dir, entries)
     except OSError as exc:
         raise peer.error(f"writing {exc.filename or local_dir}: {exc.strerror}") from None
     finally:
         await peer.close()
     return stats
-
-
-def _forget(local_dir: Path, gone: Iterable[str]) -> None:
-    """Remove the local copies of entries the node no longer has (deepest first)."""
-    for rel in sorted(gone, key=lambda p: p.count("/"), reverse=True):
-        target = local_dir / rel
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                target.unlink()
-
-
-def _plan(local_dir: Path, entries: list[Entry]) -> list[int]:
-    """Make directories and symlinks; the indices of the files to fetch."""
-    want = []
-    for i, e in enumerate(entries):
-        target = local_dir / e.path
-        try:
-            st: os.stat_result | None = target.lstat()
-        except FileNotFoundError:
-            st = None
-        if e.kind == DIR:
-            if st is not None and not stat.S_ISDIR(st.st_mode):
-                target.unlink()
-            target.mkdir(parents=True, exist_ok=True)
-        elif e.kind == LINK:
-            if st is not None and stat.S_ISLNK(st.st_mode) and os.readlink(target) == e.target:
-                continue
-            temp = _temp_name(target)
-            os.symlink(e.target, temp)
-            os.utime(temp, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
-            _replace(temp, target, st)
-        elif e.kind == FILE:
-            current = (st.st_size, st.st_mtime_ns) if st and stat.S_ISREG(st.st_mode) else None
-            if current != (e.size, e.mtime_ns):
-                want.append(i)
-    return want
-
-
-async def _receive_files(
-    peer: _Peer, local_dir: Path, entries: list[Entry], stats: PullStats
-) -> None:
-    stdout = peer.proc.process.stdout
-    read = stdout.readexactly
-    try:
-        while (index := _LENGTH.unpack(await read(4))[0]) != END:
-            status = (await read(1))[0]
-            if status == GONE:
-                continue
-            if status == FAILED:
-                await peer.reply()  # raises its error
-            mtime_ns, mode = struct.unpack("!qI", await read(12))
-            target = local_dir / entries[index].path
-            temp = _temp_name(target)
-            try:
-                with open(temp, "wb") as out:
-                    size = await _copy_chunks(read, out)
-                os.chmod(temp, mode)
-                os.utime(temp, ns=(mtime_ns, mtime_ns))
-                _replace(temp, target)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    temp.unlink()
-                raise
-            stats.files += 1
-            stats.bytes += size
-    except asyncio.IncompleteReadError:
-        raise peer.error(await peer._ended()) from None
-    except (asyncssh.Error, ConnectionError) as exc:
-        raise peer.error(f"the connection broke ({exc})") from None
-
-
-async def _copy_chunks(read: Callable[[int], Any], out: IO[bytes]) -> int:
-    total = 0
-    while n := _LENGTH.unpack(await read(4))[0]:
-        out.write(await read(n))
-        total += n
-    return total
-
-
-def _temp_name(target: Path) -> Path:
-    return target.with_name(f".{target.name}.skyward-{secrets.token_hex(4)}")
-
-
-def _replace(temp: Path, target: Path, st: os.stat_result | None = None) -> None:
-    """Rename `temp` over `target`, first removing a directory in the way."""
-    if st is None:
-        with contextlib.suppress(FileNotFoundError):
-            st = target.lstat()
-    if st is not None and stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(target)
-    os.replace(temp, target)

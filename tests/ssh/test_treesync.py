@@ -32,7 +32,9 @@ from skyward.errors import DataError
 from skyward.progress import Progress
 from skyward.providers.files import PullStats, PushStats, pull_tree, push_tree
 from skyward.providers.remote import RemoteNode, close_hosts, remote_nodes
-from skyward.worker import treestore
+from skyward.worker import treemanifest, treestore
+from skyward.worker.objectstore import Store
+from skyward.worker.treemanifest import Manifest
 from skyward.worker.treestore import scan
 from tests.ssh.conftest import processes_with, wait_until
 from tests.support import sshd
@@ -327,7 +329,7 @@ def test_closing_the_hosts_ends_the_receivers(
                 os.kill(pid, signal.SIGKILL)
 
 
-def node_side(*pushes: bytes, store: treestore.Store) -> list[dict[str, Any]]:
+def node_side(*pushes: bytes, store: Store) -> list[dict[str, Any]]:
     """`treestore.receive` in this process over `pushes`; the replies it wrote."""
     out = io.BytesIO()
     treestore.receive(io.BytesIO(b"".join(pushes)), out, store)
@@ -339,7 +341,7 @@ def node_side(*pushes: bytes, store: treestore.Store) -> list[dict[str, Any]]:
     return replies
 
 
-def frames(root: Path, manifest: treestore.Manifest, send: set[str] | None = None) -> bytes:
+def frames(root: Path, manifest: Manifest, send: set[str] | None = None) -> bytes:
     """A whole push of `manifest` from `root`, with the contents `send` (None: all)."""
     wire = b"D" + bytes.fromhex(manifest.digest)
     wire += b"M" + struct.pack("!Q", len(manifest.encoded)) + manifest.encoded
@@ -363,7 +365,7 @@ def test_one_receive_serves_pushes_in_turn_until_an_error(tmp_path: Path) -> Non
     (root / "b").write_bytes(b"B" * 1000)
     second = scan(root)
     changed = {e.sha256 for e in second.files} - {e.sha256 for e in first.files}
-    store = treestore.Store(tmp_path / "data")
+    store = Store(tmp_path / "data")
     replies = node_side(
         first_push, b"D" + bytes.fromhex(first.digest), frames(root, second, changed), store=store
     )
@@ -503,8 +505,8 @@ def test_rescan_hashes_only_what_changed(tmp_path: Path, monkeypatch: pytest.Mon
     root = make_tree(tmp_path / "src")
     scan(root)
     hashed: list[Path] = []
-    real = treestore._hash_file
-    monkeypatch.setattr(treestore, "_hash_file", lambda p: hashed.append(p) or real(p))
+    real = treemanifest._hash_file
+    monkeypatch.setattr(treemanifest, "_hash_file", lambda p: hashed.append(p) or real(p))
     scan(root)
     assert hashed == []
     (root / "copy.bin").write_bytes(b"y" * 10)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import shutil
 import threading
@@ -23,7 +24,13 @@ from skyward.progress import Progress
 from skyward.providers.base import Cluster, Node, Provider
 from skyward.providers.bootscript import HostKey
 from skyward.providers.connect import BootWait, ConnectOptions, connect_all
-from skyward.providers.remote import Bootstrap, close_hosts, prepare_nodes, survey_nodes
+from skyward.providers.remote import (
+    Bootstrap,
+    close_hosts,
+    prepare_nodes,
+    remote_nodes,
+    survey_nodes,
+)
 from skyward.providers.remote_data import RemoteData
 from skyward.providers.threads import in_thread
 from skyward.transport.ssh import Endpoint, SSHHost, load_known_hosts
@@ -109,6 +116,31 @@ class CloudProvider(RemoteData, Provider):
                 exc.add_note(str(cleanup))
             raise
 
+    async def replaced(
+        self,
+        pool: CloudCluster,
+        index: int,
+        make: Callable[[str], list[Any]],
+        connect: Callable[[list[Any]], Awaitable[list[Node]]],
+        failures: tuple[type[BaseException], ...],
+        describe: Callable[[BaseException], str] = str,
+    ) -> Node:
+        """Node `index` of `pool` on a fresh machine: `make` (the cloud calls, given the lost
+        machine) runs in a thread, then `connect` reaches the one machine it made. A failure
+        of `make` among `failures` is a `ProvisionError` (its words from `describe`)."""
+        await remote_nodes(pool)[index].host.close()
+        lost = pool.node_instances[index]
+        made = in_thread(lambda: make(lost), f"skyward-{self.name}-replace-{pool.pool_id}")
+        try:
+            found = await asyncio.shield(asyncio.wrap_future(made))
+        except failures as exc:
+            raise ProvisionError(
+                f"launching a replacement for node {index}: {describe(exc)}"
+            ) from None
+        (node,) = await connect(found)
+        pool.nodes[index] = node
+        return node
+
     async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
         return await survey_nodes(cluster, image, self.bootstrap, progress)
 
@@ -158,3 +190,26 @@ class CloudProvider(RemoteData, Provider):
             f"boot_timeout={self.boot_timeout:g} s",
         )
         return await connect_all([Endpoint(a, 22, user) for a in addresses], options, wait, labels)
+
+
+def remove_pools(pool_ids: Sequence[str], remove: Callable[[str], list[str]]) -> list[str]:
+    """`remove` each pool (what it found, as lines) and go on past a failure; what was removed,
+    each line prefixed with its pool, or one `ProvisionError` naming every pool that remains."""
+    removed: list[str] = []
+    problems: list[str] = []
+    for pool_id in pool_ids:
+        try:
+            removed += [f"{pool_id}: {line}" for line in remove(pool_id)]
+        except ProvisionError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ProvisionError("\n".join(problems))
+    return removed
+
+
+def check_cidr(cidr: str) -> str:
+    """`cidr` normalised; `ConfigError` when it is not one."""
+    try:
+        return str(ipaddress.ip_network(cidr, strict=False))
+    except ValueError:
+        raise ConfigError(f"ssh_cidr {cidr!r} is not a CIDR such as '203.0.113.7/32'") from None

@@ -13,6 +13,7 @@ from typing import Any
 
 from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
+from skyward.providers.sizes import Sizes
 
 # (instance type, GPUs per instance), smallest first. A100/H200 come only in 8-GPU sizes.
 GPU_TYPES: Mapping[str, tuple[tuple[str, int], ...]] = {
@@ -49,42 +50,19 @@ class Choice:
         return self.gpu is not None
 
 
-def known() -> str:
-    """The accelerator names this provider maps, for error messages."""
-    return ", ".join(GPU_TYPES)
+SIZES = Sizes(GPU_TYPES, "AWS", "EC2 instance type", "instance_type")
+known = SIZES.known
+accelerator_of = SIZES.accelerator_of
 
 
 def choose(accelerator: Accelerator | None, instance_type: str | None) -> Choice:
     """Pick the instance type for `accelerator` (or check `instance_type` names one); offline."""
     if accelerator is None:
         return Choice(instance_type or CPU_TYPE)
-    sizes = GPU_TYPES.get(accelerator.name)
-    if sizes is None:
-        raise ConfigError(
-            f"accelerator {accelerator.name!r} is not known to the AWS provider; known ones: "
-            f"{known()} (optionally NAME:COUNT), or pass instance_type= to sky.AWS"
-        )
+    # The user's type wins; `check` verifies against EC2 that it has these GPUs.
+    name, count = SIZES.fit(accelerator, instance_type)
     gpu, memory = _EC2_GPU.get(accelerator.name, (accelerator.name, 0))
-    if instance_type is not None:
-        # The user's type wins; `check` verifies against EC2 that it has these GPUs.
-        return Choice(instance_type, gpu, accelerator.count, memory)
-    for name, count in sizes:
-        if count >= accelerator.count:
-            return Choice(name, gpu, count, memory)
-    largest = sizes[-1]
-    raise ConfigError(
-        f"no EC2 instance type has {accelerator.count} {accelerator.name} GPUs (the largest, "
-        f"{largest[0]}, has {largest[1]}); ask for fewer per node and more nodes"
-    )
-
-
-def accelerator_of(instance_type: str) -> Accelerator | None:
-    """The accelerator an instance type of the table carries (None: a CPU or unknown type)."""
-    for name, sizes in GPU_TYPES.items():
-        for candidate, count in sizes:
-            if candidate == instance_type:
-                return Accelerator(name, count)
-    return None
+    return Choice(name, gpu, count, memory)
 
 
 def check(choice: Choice, info: Mapping[str, Any]) -> None:

@@ -17,7 +17,6 @@ teardown (`teardown.remove_pool`) removes it even when a listing by tags fails.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 import urllib.request
@@ -34,6 +33,7 @@ from skyward.cluster import ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.aws import instance_types, resources, teardown, userdata
 from skyward.providers.base import NodeLoss
+from skyward.providers.cloud import check_cidr
 
 GPU_AMI_PARAMETER = (
     "/aws/service/deeplearning/ami/{arch}/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
@@ -282,14 +282,6 @@ def launch_error(exc: ClientError, spec: ClusterSpec, choice: instance_types.Cho
     if code in ("AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId"):
         return f"AWS refused the request ({code}: {message}); check the credentials' permissions"
     return f"EC2 call failed while launching {what} ({code}: {message}); nothing was left running"
-
-
-def check_cidr(cidr: str) -> str:
-    """`cidr` normalised; `ConfigError` when it is not one."""
-    try:
-        return str(ipaddress.ip_network(cidr, strict=False))
-    except ValueError:
-        raise ConfigError(f"ssh_cidr {cidr!r} is not a CIDR such as '203.0.113.7/32'") from None
 
 
 def write_key_pair(path: Path) -> None:

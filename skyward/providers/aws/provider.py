@@ -43,12 +43,10 @@ from skyward.progress import Phase, Progress
 from skyward.providers.aws import instance_types, instances, resources, teardown, userdata
 from skyward.providers.aws.instances import logger
 from skyward.providers.base import Cluster, Node, NodeLoss, count
-from skyward.providers.cloud import CloudCluster, CloudProvider
+from skyward.providers.cloud import CloudCluster, CloudProvider, check_cidr, remove_pools
 from skyward.providers.remote import (
     RemoteNode,
-    remote_nodes,
 )
-from skyward.providers.threads import in_thread
 
 T = TypeVar("T")
 
@@ -134,7 +132,7 @@ class AWS(CloudProvider):
             teardown_timeout=teardown_timeout,
         )
         if ssh_cidr is not None:
-            instances.check_cidr(ssh_cidr)
+            check_cidr(ssh_cidr)
         self.region = region
         self.instance_type = instance_type
         self.placement = instances.Placement(
@@ -222,24 +220,17 @@ class AWS(CloudProvider):
     async def replace(self, cluster: Cluster, index: int) -> Node:
         """A new instance, launched as the pool's were, in place of a lost one."""
         pool = _aws(cluster)
-        await remote_nodes(pool)[index].host.close()
-        lost = pool.node_instances[index]
 
-        def provision() -> list[dict[str, Any]]:
+        def make(lost: str) -> list[dict[str, Any]]:
             ec2 = self.client("ec2")
             fresh = instances.replace(ec2, pool.run_params, lost, pool.pool_id)
             pool.instance_ids += fresh
             pool.made.add(teardown.INSTANCE, *fresh)
             return self._wait_running(ec2, pool, fresh)
 
-        launched = in_thread(provision, f"skyward-aws-replace-{pool.pool_id}")
-        try:
-            found = await asyncio.shield(asyncio.wrap_future(launched))
-        except ClientError as exc:
-            raise ProvisionError(f"launching a replacement for node {index}: {exc}") from None
-        (node,) = await self._connect(pool, found, [index])
-        pool.nodes[index] = node
-        return node
+        return await self.replaced(
+            pool, index, make, lambda found: self._connect(pool, found, [index]), (ClientError,)
+        )
 
     def teardown_summary(self, cluster: Cluster) -> str:
         return f"removed {count(len(cluster.nodes), 'instance')}"
@@ -275,16 +266,7 @@ class AWS(CloudProvider):
                 raise ProvisionError(f"listing skyward's resources failed: {exc}") from None
             # Resources without a readable created-at tag were still made by skyward: old.
             pools = [p.pool_id for p in found if p.created_at is None or p.created_at <= cutoff]
-        removed: list[str] = []
-        problems: list[str] = []
-        for pool_id in pools:
-            try:
-                removed += [f"{pool_id}: {line}" for line in self._remove_pool(ec2, pool_id)]
-            except ProvisionError as exc:
-                problems.append(str(exc))
-        if problems:
-            raise ProvisionError("\n".join(problems))
-        return removed
+        return remove_pools(pools, lambda pool_id: self._remove_pool(ec2, pool_id))
 
     # -- launch and replace: the EC2 half runs in a thread ---------------------------------
 

@@ -8,7 +8,8 @@ others. What the client knows it made (`Made`: instance ids, key pair and group 
 removed too, so a listing that fails cannot hide it. Rounds repeat, `poll` apart while EC2 is
 merely slow and with growing, jittered backoff while calls fail, until a successful listing of
 every kind shows nothing, or `timeout` runs out: then ONE `ProvisionError` lists what remains
-and ends with the command that retries.
+and ends with the command that retries. That loop is `skyward.providers.reconcile`'s; this module
+brings the EC2 round.
 
 Retrying what is retryable (throttling, 5xx, dropped connections) is botocore's job (the
 provider's clients use its adaptive retry mode); what still fails becomes a problem in one place,
@@ -17,19 +18,15 @@ provider's clients use its adaptive retry mode); what still fails becomes a prob
 
 from __future__ import annotations
 
-import random
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 from botocore.parsers import ResponseParserError
 
-from skyward.errors import ProvisionError
 from skyward.providers.aws.resources import LIVE_STATES, POOL_TAG
-
-Log = Callable[[str], None]
+from skyward.providers.reconcile import Log, Step, Words, reconcile
 
 INSTANCE = "instance"
 PLACEMENT_GROUP = "placement group"
@@ -38,7 +35,7 @@ KEY_PAIR = "key pair"
 KINDS = (INSTANCE, PLACEMENT_GROUP, SECURITY_GROUP, KEY_PAIR)  # the order of removal
 _AFTER_INSTANCES = (PLACEMENT_GROUP, SECURITY_GROUP)
 _NOT_YET = ("DependencyViolation", "InvalidPlacementGroup.InUse")
-_MAX_BACKOFF = 30.0
+_WORDS = Words("EC2", "removing", "")
 
 
 @dataclass
@@ -104,24 +101,21 @@ def remove_pool(
     Returns once a successful listing shows nothing of the pool. Raises `ProvisionError` naming
     what remains, and ``skyward down <pool_id>``, when `timeout` seconds were not enough.
     """
-    deadline = time.monotonic() + timeout
     suspects = {kind: set((made or Made()).ids[kind]) for kind in KINDS}
     seen: dict[str, set[str]] = {kind: set() for kind in KINDS}
     done: set[str] = set()  # kinds a successful listing showed none of: nothing brings them back
-    failing_rounds = 0
-    while True:
-        problems: list[str] = []
+
+    def one_round(problems: list[str]) -> Step:
         waiting = _round(ec2, pool_id, suspects, seen, done, problems, log)
         if len(done) == len(KINDS):
-            return [f"{kind} {name}" for kind in KINDS for name in sorted(seen[kind])]
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ProvisionError(_remains(pool_id, suspects, problems, timeout))
-        failing_rounds = failing_rounds + 1 if problems else 0
-        for problem in problems:
-            log(f"teardown of {pool_id}: {problem}; trying again")
-        # Straight on when the round only removed things: the next listing confirms it.
-        time.sleep(min(left, _delay(poll, failing_rounds) if waiting or problems else 0.0))
+            return Step.DONE
+        return Step.WAIT if waiting else Step.AGAIN
+
+    def remaining() -> list[str]:
+        return [f"{kind} {name}" for kind in KINDS for name in sorted(suspects[kind])]
+
+    reconcile(pool_id, one_round, remaining, _WORDS, timeout=timeout, poll=poll, log=log)
+    return [f"{kind} {name}" for kind in KINDS for name in sorted(seen[kind])]
 
 
 def _round(
@@ -242,29 +236,3 @@ def _states(reply: dict[str, Any]) -> dict[str, str]:
         for reservation in reply.get("Reservations", [])
         for instance in reservation["Instances"]
     }
-
-
-def _delay(poll: float, failing_rounds: int) -> float:
-    """`poll` while EC2 is only slow; after failures, exponential backoff with full jitter."""
-    if not failing_rounds:
-        return poll
-    return random.uniform(poll, max(poll, min(_MAX_BACKOFF, poll * 2**failing_rounds)))
-
-
-def _remains(
-    pool_id: str, suspects: dict[str, set[str]], problems: list[str], timeout: float
-) -> str:
-    lines = [f"  {kind} {name}" for kind in KINDS for name in sorted(suspects[kind])]
-    if not lines:
-        lines = ["  (nothing known, but EC2 could not confirm the pool is gone)"]
-    why = [f"  {p}" for p in problems] or ["  (EC2 was still removing them)"]
-    return "\n".join(
-        [
-            f"pool {pool_id} was not fully removed within teardown_timeout={timeout:g} s; "
-            "still there (or not confirmed gone):",
-            *lines,
-            "the last round's failures:",
-            *why,
-            f"Remove the rest with: skyward down {pool_id}",
-        ]
-    )

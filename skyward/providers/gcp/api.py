@@ -7,8 +7,10 @@ which would hide a broken endpoint from a teardown that has its own deadline. Mu
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from google.api_core import exceptions as gexc
@@ -37,6 +39,13 @@ def retry(deadline: float = 30.0) -> Retry:
 
 def request_id() -> str:
     return str(uuid.uuid4())
+
+
+def ask_delete(method: Callable[..., object], request: object) -> None:
+    """Ask for one deletion with `method` (not waited for, not retried here: the teardown's
+    loop retries with its own deadline); "not found" is done."""
+    with contextlib.suppress(gexc.NotFound):
+        method(request=request, retry=None, timeout=CALL_TIMEOUT)
 
 
 def is_done(operation: Any) -> bool:

@@ -15,8 +15,6 @@ records what it makes in the pool's `teardown.Made` before or as GCE makes it:
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import logging
 import time
 import urllib.request
@@ -30,6 +28,7 @@ from google.cloud import compute_v1
 from skyward.cluster import ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.base import NodeLoss
+from skyward.providers.cloud import check_cidr
 from skyward.providers.gcp import api, resources, teardown
 from skyward.providers.gcp.machine_types import Choice
 from skyward.providers.gcp.resources import network_url, subnetwork_url
@@ -267,18 +266,6 @@ def wait_running(
         time.sleep(poll)
 
 
-def delete(clients: Clients, project: str, zone: str, name: str) -> None:
-    """Ask GCE to delete one VM (not waited for); "not found" is done."""
-    with contextlib.suppress(gexc.NotFound):
-        clients.instances.delete_unary(
-            request=compute_v1.DeleteInstanceRequest(
-                project=project, zone=zone, instance=name, request_id=api.request_id()
-            ),
-            retry=None,  # the teardown's loop retries, with its own deadline
-            timeout=api.CALL_TIMEOUT,
-        )
-
-
 def loss_of(clients: Clients, access: Access, zone: str, name: str) -> NodeLoss | None:
     """Why VM `name` went away (a preemption named as such), or None while it runs."""
     try:
@@ -325,14 +312,6 @@ def describe_loss(instance: Any, preempted: bool | None) -> NodeLoss | None:
             preempted=True,
         )
     return NodeLoss(f"VM {instance.name} is {status}{stopped}")
-
-
-def check_cidr(cidr: str) -> str:
-    """`cidr` normalised; `ConfigError` when it is not one."""
-    try:
-        return str(ipaddress.ip_network(cidr, strict=False))
-    except ValueError:
-        raise ConfigError(f"ssh_cidr {cidr!r} is not a CIDR such as '203.0.113.7/32'") from None
 
 
 def _client_cidrs(placement: Placement) -> list[str]:

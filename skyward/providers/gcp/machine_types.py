@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
+from skyward.providers.sizes import Sizes
 
 # (machine type, GPUs per VM), smallest first.
 GPU_TYPES: Mapping[str, tuple[tuple[str, int], ...]] = {
@@ -71,9 +72,9 @@ class Choice:
         return GPU_IMAGE if self.is_gpu else CPU_IMAGE
 
 
-def known() -> str:
-    """The accelerator names this provider maps, for error messages."""
-    return ", ".join(GPU_TYPES)
+SIZES = Sizes(GPU_TYPES, "GCP", "Compute Engine machine type", "machine_type")
+known = SIZES.known
+accelerator_of = SIZES.accelerator_of
 
 
 def choose(accelerator: Accelerator | None, machine_type: str | None = None) -> Choice:
@@ -88,28 +89,5 @@ def choose(accelerator: Accelerator | None, machine_type: str | None = None) -> 
             f"accelerator {accelerator} is a TPU: TPU VMs are not supported by sky.GCP yet "
             f"(GPU VMs are: {known()})"
         )
-    sizes = GPU_TYPES.get(accelerator.name)
-    if sizes is None:
-        raise ConfigError(
-            f"accelerator {accelerator.name!r} is not known to the GCP provider; known ones: "
-            f"{known()} (optionally NAME:COUNT), or pass machine_type= to sky.GCP"
-        )
-    if machine_type is not None:
-        return Choice(machine_type, accelerator.name, accelerator.count)
-    for name, count in sizes:
-        if count >= accelerator.count:
-            return Choice(name, accelerator.name, count)
-    largest = sizes[-1]
-    raise ConfigError(
-        f"no Compute Engine machine type has {accelerator.count} {accelerator.name} GPUs (the "
-        f"largest, {largest[0]}, has {largest[1]}); ask for fewer per node and more nodes"
-    )
-
-
-def accelerator_of(machine_type: str) -> Accelerator | None:
-    """The accelerator a machine type of the table carries (None: a CPU or unknown type)."""
-    for name, sizes in GPU_TYPES.items():
-        for candidate, count in sizes:
-            if candidate == machine_type:
-                return Accelerator(name, count)
-    return None
+    name, count = SIZES.fit(accelerator, machine_type)
+    return Choice(name, accelerator.name, count)

@@ -1,8 +1,8 @@
 """`sky.GCP`: a pool's nodes as Compute Engine VMs, reached over verified SSH.
 
-launch, for the whole pool at once (the API calls do not grow with N); the GCE steps are the
-plain functions of `instances`, the SSH steps those of `skyward.providers.connect` and
-`skyward.providers.remote`:
+launch, for the whole pool at once (the API calls do not grow with N); the GCE steps are
+`provision`'s (over the plain functions of `instances` and `tpus`), run in a thread, the SSH steps
+those of `skyward.providers.connect` and `skyward.providers.remote`:
 
 1. resolve project, zone and credentials and pick the machine type (offline, in `validate`);
 2. create the pool's firewall rules and a fresh login key; the VMs' metadata carries the key
@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,43 +34,22 @@ from skyward.cluster import Accelerator, ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
 from skyward.progress import Phase, Progress
 from skyward.providers.base import Cluster, Node, NodeLoss, count
-from skyward.providers.bootscript import HostKey, write_login_key
-from skyward.providers.cloud import CloudCluster, CloudProvider
+from skyward.providers.bootscript import HostKey
+from skyward.providers.cloud import CloudCluster, CloudProvider, check_cidr, remove_pools
 from skyward.providers.gcp import (
     api,
     instances,
     machine_types,
+    provision,
     resources,
-    startup,
     teardown,
     tpu_types,
     tpus,
 )
 from skyward.providers.gcp.instances import logger
+from skyward.providers.gcp.provision import GCPCluster
 from skyward.providers.gcp.settings import Access, Clients, endpoint_of, resolve
-from skyward.providers.remote import (
-    RemoteNode,
-    remote_nodes,
-)
-from skyward.providers.threads import in_thread
-
-
-@dataclass(frozen=True)
-class _Host:
-    """One machine to connect to: a VM, or one host (worker) of a TPU slice."""
-
-    name: str
-    address: str  # how the client reaches it
-    private: str  # how the other nodes reach it
-
-
-@dataclass
-class GCPCluster(CloudCluster):
-    """What one pool has made so far (the labels are the durable record)."""
-
-    body: Any = None  # the bulkInsert request: replace() asks for the same
-    made: teardown.Made = field(default_factory=teardown.Made)
-    tpu: tpu_types.TpuType | None = None  # the pool is this TPU slice
+from skyward.providers.remote import RemoteNode
 
 
 class GCP(CloudProvider):
@@ -147,7 +123,7 @@ class GCP(CloudProvider):
             teardown_timeout=teardown_timeout,
         )
         if ssh_cidr is not None:
-            ssh_cidr = instances.check_cidr(ssh_cidr)
+            ssh_cidr = check_cidr(ssh_cidr)
         self.project = project
         self.zone = zone
         self.machine_type = machine_type
@@ -238,9 +214,11 @@ class GCP(CloudProvider):
         progress.phase(None, Phase.BOOTING, what)
         return await self.launched(
             cluster,
-            partial(self._provision, cluster, choice)
-            if tpu is None
-            else partial(self._provision_tpu, cluster, tpu),
+            lambda: (
+                provision.vms(self._calls(), cluster, choice)
+                if tpu is None
+                else provision.tpu_slice(self._calls(), cluster, tpu, self.runtime_version)
+            ),
             lambda found: self._connect(cluster, found, range(len(found)), progress),
         )
 
@@ -252,30 +230,14 @@ class GCP(CloudProvider):
                 f"node {index} is a host of TPU slice {tpus.node_name(pool.pool_id)}: a slice's "
                 "hosts cannot be replaced one by one; start a new pool"
             )
-        await remote_nodes(pool)[index].host.close()
-        lost = pool.node_instances[index]
-
-        def provision() -> list[Any]:
-            access, clients = self.access(), self.clients()
-            deadline = self._deadline()
-            try:
-                instances.delete(clients, access.project, access.zone, lost)
-            except api.ApiError as exc:  # the teardown deletes it in the end
-                logger.info("deleting lost VM %s: %s", lost, api.describe(exc))
-            known = set(pool.made.instances)
-            instances.run(clients, access, pool.body, 1, deadline)
-            return self._wait_running(pool, 1, known, deadline)
-
-        launched = in_thread(provision, f"skyward-gcp-replace-{pool.pool_id}")
-        try:
-            found = await asyncio.shield(asyncio.wrap_future(launched))
-        except api.ApiError as exc:
-            raise ProvisionError(
-                f"launching a replacement for node {index}: {api.describe(exc)}"
-            ) from None
-        (node,) = await self._connect(pool, found, [index])
-        pool.nodes[index] = node
-        return node
+        return await self.replaced(
+            pool,
+            index,
+            lambda lost: provision.replacement(self._calls(), pool, lost),
+            lambda found: self._connect(pool, found, [index]),
+            api.ApiError,
+            api.describe,
+        )
 
     def teardown_summary(self, cluster: Cluster) -> str:
         tpu = _gcp(cluster).tpu
@@ -309,17 +271,9 @@ class GCP(CloudProvider):
                 pools = sorted(self.find())
             except api.ApiError as exc:
                 raise ProvisionError(f"listing skyward's resources failed: {exc}") from None
-        removed: list[str] = []
-        problems: list[str] = []
-        for pool_id in pools:
-            try:
-                found = self._remove_pool(pool_id, tpu_zone=tpus.ALL_LOCATIONS)
-                removed += [f"{pool_id}: {line}" for line in found]
-            except ProvisionError as exc:
-                problems.append(str(exc))
-        if problems:
-            raise ProvisionError("\n".join(problems))
-        return removed
+        return remove_pools(
+            pools, lambda pool_id: self._remove_pool(pool_id, tpu_zone=tpus.ALL_LOCATIONS)
+        )
 
     def find(self, pool: str | None = None) -> dict[str, resources.PoolResources]:
         """Everything of skyward in the project, in every zone (VMs, firewall rules, TPU nodes
@@ -332,150 +286,33 @@ class GCP(CloudProvider):
             tpus.found(clients, access.project, tpus.ALL_LOCATIONS, pool),
         )
 
-    # -- launch: the GCE half runs in a thread ---------------------------------------------
+    # -- launch: the API half runs in a thread (`provision`), then SSH ----------------------
 
-    def _deadline(self) -> float:
-        return time.monotonic() + self.boot_timeout
-
-    def _provision(self, pool: GCPCluster, choice: machine_types.Choice) -> list[Any]:
-        access, clients = self.access(), self.clients()
-        deadline = self._deadline()
-        try:
-            login = write_login_key(pool.key_path)
-            metadata = startup.metadata(
-                pool.pool_id,
-                pool.host_key,
-                self.placement.idle_timeout,
-                self.placement.user,
-                login,
-            )
-            pool.body = instances.set_up(
-                clients,
-                access,
-                self.placement,
-                pool.spec,
-                choice,
-                metadata,
-                pool.made,
-                deadline,
-                pool.check_cancel,
-            )
-            pool.check_cancel()
-            instances.run(clients, access, pool.body, pool.spec.nodes, deadline)
-            return self._wait_running(pool, pool.spec.nodes, set(), deadline)
-        except (*api.ApiError, TimeoutError) as exc:
-            raise ProvisionError(
-                f"launching pool {pool.pool_id} failed: {api.describe(exc)}; nothing was left "
-                "running"
-            ) from None
-
-    def _provision_tpu(self, pool: GCPCluster, tpu: tpu_types.TpuType) -> list[Any]:
-        """Firewall rules, then the slice (a node, or a queued resource for spot on v5e+), until
-        every host has an address and the slice is READY; its hosts in worker order."""
-        access, clients = self.access(), self.clients()
-        deadline = self._deadline()
-        try:
-            login = write_login_key(pool.key_path)
-            metadata = startup.metadata(
-                pool.pool_id,
-                pool.host_key,
-                self.placement.idle_timeout,
-                self.placement.user,
-                login,
-            )
-            instances.create_firewalls(
-                clients,
-                access,
-                self.placement,
-                pool.pool_id,
-                pool.made,
-                deadline,
-                pool.check_cancel,
-            )
-            body = tpus.node_body(
-                access, self.placement, pool.pool_id, tpu, metadata, self.runtime_version
-            )
-            operation = tpus.create(
-                clients, access, pool.pool_id, body, tpu, self.placement.spot, pool.made.add
-            )
-            node = tpus.wait_ready(
-                clients,
-                access,
-                pool.pool_id,
-                tpu,
-                operation,
-                deadline=deadline,
-                poll=self.poll_interval,
-                check_cancel=pool.check_cancel,
-            )
-        except (*api.ApiError, TimeoutError) as exc:
-            raise ProvisionError(
-                f"launching pool {pool.pool_id} failed: {api.describe(exc)}; nothing was left "
-                "running"
-            ) from None
-        name = tpus.node_name(pool.pool_id)
-        private = self.placement.use_private_ips
-        return [
-            _Host(f"{name} worker {i}", tpus.address(e, private), str(e.ip_address))
-            for i, e in enumerate(tpus.endpoints(node))
-        ]
-
-    def _wait_running(
-        self, pool: GCPCluster, count: int, exclude: set[str], deadline: float
-    ) -> list[Any]:
-        access = self.access()
-        found = instances.wait_running(
-            self.clients(),
-            access,
-            pool.pool_id,
-            count,
-            exclude,
-            deadline=deadline,
-            poll=self.poll_interval,
-            check_cancel=pool.check_cancel,
+    def _calls(self) -> provision.Calls:
+        return provision.Calls.start(
+            self.clients(), self.access(), self.placement, self.poll_interval, self.boot_timeout
         )
-        for instance in found:
-            pool.made.add(teardown.INSTANCE, str(instance.name), access.zone)
-        return found
-
-    # -- the SSH half ----------------------------------------------------------------------
 
     async def _connect(
         self,
         pool: GCPCluster,
-        found: list[Any],
+        found: list[provision.Host],
         indexes: Sequence[int],
         progress: Progress | None = None,
     ) -> list[Node]:
         """Connect to the VMs (or TPU hosts) `found` (as nodes `indexes`), trusting only the
         pool's host key."""
-        targets = [h if isinstance(h, _Host) else self._vm_host(h) for h in found]
-        addresses = [t.address for t in targets]
+        addresses = [h.address for h in found]
         if progress is not None:
-            for index, target in zip(indexes, targets, strict=True):
-                progress.phase(index, Phase.CONNECTING, f"{target.name} {target.address}")
-        labels = [f"{'TPU' if pool.tpu else 'VM'} {t.name} ({t.address})" for t in targets]
-        hosts = await self.connect_hosts(pool, addresses, self.placement.user, labels)
+            for index, host in zip(indexes, found, strict=True):
+                progress.phase(index, Phase.CONNECTING, f"{host.name} {host.address}")
+        labels = [f"{'TPU' if pool.tpu else 'VM'} {h.name} ({h.address})" for h in found]
+        connected = await self.connect_hosts(pool, addresses, self.placement.user, labels)
         nodes: list[Node] = []
-        for index, host, target in zip(indexes, hosts, targets, strict=True):
-            pool.node_instances[index] = target.name
-            nodes.append(RemoteNode(index, host, target.private or None))
+        for index, ssh, host in zip(indexes, connected, found, strict=True):
+            pool.node_instances[index] = host.name
+            nodes.append(RemoteNode(index, ssh, host.private or None))
         return nodes
-
-    def _vm_host(self, instance: Any) -> _Host:
-        """A VM's name and the address to reach it at (private or external)."""
-        interface = instance.network_interfaces[0]
-        if self.placement.use_private_ips:
-            address = str(interface.network_i_p)
-        else:
-            nat = [c.nat_i_p for c in interface.access_configs if c.nat_i_p]
-            address = str(nat[0]) if nat else ""
-        if not address:
-            raise ProvisionError(
-                f"VM {instance.name} has no external address: use_private_ips=True from "
-                "inside the VPC, or a network that allows external addresses"
-            )
-        return _Host(str(instance.name), address, str(interface.network_i_p))
 
     # -- teardown --------------------------------------------------------------------------
 

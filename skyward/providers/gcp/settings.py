@@ -104,6 +104,17 @@ def resolve(project: str | None, zone: str | None, credentials: Any | None) -> A
     return Access(str(project), str(zone), credentials)
 
 
+class _Client:
+    """A `Clients` attribute: the named client class of ``compute_v1`` (or ``tpu_v2``), made on
+    first use."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, clients: Clients | None, owner: type[Clients] | None = None) -> Any:
+        return self if clients is None else clients._client(self.name)
+
+
 class Clients:
     """The Compute API clients of one provider, made on first use (thread-safe)."""
 
@@ -135,23 +146,8 @@ class Clients:
                 )
             return self._made[name]
 
-    @property
-    def instances(self) -> Any:
-        return self._client("InstancesClient")
-
-    @property
-    def firewalls(self) -> Any:
-        return self._client("FirewallsClient")
-
-    @property
-    def zone_operations(self) -> Any:
-        return self._client("ZoneOperationsClient")
-
-    @property
-    def global_operations(self) -> Any:
-        return self._client("GlobalOperationsClient")
-
-    @property
-    def tpu(self) -> Any:
-        """The TPU v2 API (google-cloud-tpu), REST transport as for Compute."""
-        return self._client("TpuClient")
+    instances = _Client("InstancesClient")
+    firewalls = _Client("FirewallsClient")
+    zone_operations = _Client("ZoneOperationsClient")
+    global_operations = _Client("GlobalOperationsClient")
+    tpu = _Client("TpuClient")  # the TPU v2 API (google-cloud-tpu), REST as for Compute

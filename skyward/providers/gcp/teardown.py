@@ -10,12 +10,12 @@ still pending is asked again only after `REDELETE` seconds. Every step is idempo
 found" is success) and one failing call never stops the others. What the client knows it made
 (`Made`) is deleted even when a listing fails. Rounds repeat `poll` apart while GCE is only
 slow, with jittered exponential backoff (up to 30 s) while calls fail, until `timeout`: then one
-`ProvisionError` names what remains and ``skyward down <pool>``.
+`ProvisionError` names what remains and ``skyward down <pool>``. That loop is
+`skyward.providers.reconcile`'s; this module brings the GCE (and TPU) round.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,8 +25,8 @@ from typing import Any
 from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
 
-from skyward.errors import ProvisionError
 from skyward.providers.gcp import api, resources, tpus
+from skyward.providers.reconcile import Log, Step, Words, reconcile
 
 INSTANCE = "instance"
 FIREWALL = "firewall rule"
@@ -34,9 +34,7 @@ TPU = tpus.TPU
 QUEUED = tpus.QUEUED
 KINDS = (INSTANCE, FIREWALL, TPU, QUEUED)
 REDELETE = 60.0
-_MAX_BACKOFF = 30.0
-
-Log = Callable[[str], None]
+_WORDS = Words("GCE", "deleting", " --cloud gcp")
 
 
 @dataclass
@@ -96,21 +94,16 @@ def remove_pool(
         {f"{where}/queuedResources/{n}" for n in made.queued},
     )
     tpu = _TpuScope(tpu_zone, strict=bool(made.tpus or made.queued)) if tpu_zone else None
-    deadline = time.monotonic() + timeout
-    failing_rounds = 0
-    while True:
-        problems: list[str] = []
+
+    def one_round(problems: list[str]) -> Step:
         clear = _round(clients, project, pool_id, state, problems, log)
         clear = _tpu_round(clients, project, pool_id, tpu, state, problems, log) and clear
-        if clear:
-            return sorted(state.seen)
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ProvisionError(_remains(pool_id, state, problems, timeout))
-        failing_rounds = failing_rounds + 1 if problems else 0
-        for problem in problems:
-            log(f"teardown of {pool_id}: {problem}; trying again")
-        time.sleep(min(left, _delay(poll, failing_rounds)))
+        return Step.DONE if clear else Step.WAIT
+
+    reconcile(
+        pool_id, one_round, partial(_remaining, state), _WORDS, timeout=timeout, poll=poll, log=log
+    )
+    return sorted(state.seen)
 
 
 def _round(
@@ -136,39 +129,11 @@ def _round(
         return True
     now = time.monotonic()
     for name, zone in sorted(state.instances.items()):
-        if _due(state, f"{INSTANCE} {name}", now):
-            _delete(
-                problems,
-                f"deleting VM {name}",
-                partial(
-                    clients.instances.delete_unary,
-                    request=compute_v1.DeleteInstanceRequest(
-                        project=project, zone=zone, instance=name, request_id=api.request_id()
-                    ),
-                    retry=None,
-                    timeout=api.CALL_TIMEOUT,
-                ),
-                state,
-                f"{INSTANCE} {name}",
-                now,
-            )
+        call = partial(delete_vm, clients, project, zone, name)
+        _ask(state, problems, now, f"{INSTANCE} {name}", f"deleting VM {name}", call)
     for name in sorted(state.firewalls):
-        if _due(state, f"{FIREWALL} {name}", now):
-            _delete(
-                problems,
-                f"deleting firewall rule {name}",
-                partial(
-                    clients.firewalls.delete_unary,
-                    request=compute_v1.DeleteFirewallRequest(
-                        project=project, firewall=name, request_id=api.request_id()
-                    ),
-                    retry=None,
-                    timeout=api.CALL_TIMEOUT,
-                ),
-                state,
-                f"{FIREWALL} {name}",
-                now,
-            )
+        call = partial(delete_firewall, clients, project, name)
+        _ask(state, problems, now, f"{FIREWALL} {name}", f"deleting firewall rule {name}", call)
     asked = [k for k in state.asked if state.asked[k] == now]
     if asked:
         log(f"teardown of {pool_id}: deleting {', '.join(sorted(asked))}")
@@ -211,73 +176,48 @@ def _tpu_round(
         return True
     now = time.monotonic()
     for name in sorted(state.queued):  # force: deletes the node it holds too
-        if _due(state, f"{QUEUED} {name}", now):
-            _delete(
-                problems,
-                f"deleting queued resource {name}",
-                partial(tpus.delete_queued, clients, name),
-                state,
-                f"{QUEUED} {name}",
-                now,
-            )
+        call = partial(tpus.delete_queued, clients, name)
+        _ask(state, problems, now, f"{QUEUED} {name}", f"deleting queued resource {name}", call)
     for name in sorted(state.tpus):
-        if _due(state, f"{TPU} {name}", now):
-            _delete(
-                problems,
-                f"deleting TPU {name}",
-                partial(tpus.delete_node, clients, name),
-                state,
-                f"{TPU} {name}",
-                now,
-            )
+        call = partial(tpus.delete_node, clients, name)
+        _ask(state, problems, now, f"{TPU} {name}", f"deleting TPU {name}", call)
     return False
 
 
-def _due(state: _State, key: str, now: float) -> bool:
-    """Not asked yet, or asked long enough ago that the deletion must have been lost."""
-    return key not in state.asked or now - state.asked[key] > REDELETE
-
-
-def _delete(
-    problems: list[str],
-    what: str,
-    call: Callable[[], object],
-    state: _State,
-    key: str,
-    now: float,
+def _ask(
+    state: _State, problems: list[str], now: float, key: str, what: str, call: Callable[[], None]
 ) -> None:
+    """Ask for one deletion, unless it was asked for less than `REDELETE` seconds ago (a
+    deletion still pending is not lost yet)."""
+    if key in state.asked and now - state.asked[key] <= REDELETE:
+        return
     try:
         call()
-    except gexc.NotFound:
-        pass  # already gone: the next listing confirms it
     except api.ApiError as exc:
         problems.append(f"{what} failed: {api.describe(exc)}")
         return
     state.asked[key] = now
 
 
-def _delay(poll: float, failing_rounds: int) -> float:
-    """`poll` while GCE is only slow; after failures, exponential backoff with full jitter."""
-    if not failing_rounds:
-        return poll
-    return random.uniform(poll, max(poll, min(_MAX_BACKOFF, poll * 2**failing_rounds)))
-
-
-def _remains(pool_id: str, state: _State, problems: list[str], timeout: float) -> str:
-    lines = [f"  {INSTANCE} {name} ({zone})" for name, zone in sorted(state.instances.items())]
-    lines += [f"  {FIREWALL} {name}" for name in sorted(state.firewalls)]
-    lines += [f"  TPU {name.rsplit('/', 1)[-1]}" for name in sorted(state.tpus)]
-    lines += [f"  queued resource {name.rsplit('/', 1)[-1]}" for name in sorted(state.queued)]
-    if not lines:
-        lines = ["  (nothing known, but GCE could not confirm the pool is gone)"]
-    why = [f"  {p}" for p in problems] or ["  (GCE was still deleting them)"]
-    return "\n".join(
-        [
-            f"pool {pool_id} was not fully removed within teardown_timeout={timeout:g} s; "
-            "still there (or not confirmed gone):",
-            *lines,
-            "the last round's failures:",
-            *why,
-            f"Remove the rest with: skyward down {pool_id} --cloud gcp",
-        ]
+def delete_vm(clients: Any, project: str, zone: str, name: str) -> None:
+    """Ask GCE to delete one VM (not waited for); "not found" is done."""
+    request = compute_v1.DeleteInstanceRequest(
+        project=project, zone=zone, instance=name, request_id=api.request_id()
     )
+    api.ask_delete(clients.instances.delete_unary, request)
+
+
+def delete_firewall(clients: Any, project: str, name: str) -> None:
+    """Ask GCE to delete one firewall rule (not waited for); "not found" is done."""
+    request = compute_v1.DeleteFirewallRequest(
+        project=project, firewall=name, request_id=api.request_id()
+    )
+    api.ask_delete(clients.firewalls.delete_unary, request)
+
+
+def _remaining(state: _State) -> list[str]:
+    lines = [f"{INSTANCE} {name} ({zone})" for name, zone in sorted(state.instances.items())]
+    lines += [f"{FIREWALL} {name}" for name in sorted(state.firewalls)]
+    lines += [f"TPU {name.rsplit('/', 1)[-1]}" for name in sorted(state.tpus)]
+    lines += [f"queued resource {name.rsplit('/', 1)[-1]}" for name in sorted(state.queued)]
+    return lines

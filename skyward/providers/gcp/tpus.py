@@ -240,20 +240,13 @@ def list_queued(clients: Any, project: str, zone: str, pool_id: str | None) -> l
 
 def delete_node(clients: Any, name: str) -> None:
     """Ask for a node's deletion (not waited for); "not found" is done."""
-    with contextlib.suppress(gexc.NotFound):
-        clients.tpu.delete_node(name=name, retry=None, timeout=api.CALL_TIMEOUT)
+    api.ask_delete(clients.tpu.delete_node, tpu_v2.DeleteNodeRequest(name=name))
 
 
 def delete_queued(clients: Any, name: str) -> None:
     """Delete a queued resource and (``force``) the node it made; "not found" is done."""
-    with contextlib.suppress(gexc.NotFound):
-        clients.tpu.delete_queued_resource(
-            request=tpu_v2.DeleteQueuedResourceRequest(
-                name=name, force=True, request_id=api.request_id()
-            ),
-            retry=None,
-            timeout=api.CALL_TIMEOUT,
-        )
+    request = tpu_v2.DeleteQueuedResourceRequest(name=name, force=True, request_id=api.request_id())
+    api.ask_delete(clients.tpu.delete_queued_resource, request)
 
 
 def loss_of(clients: Clients, access: Access, pool_id: str, worker: int) -> NodeLoss | None:

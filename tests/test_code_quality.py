@@ -28,3 +28,19 @@ def test_mypy_strict_on_the_package() -> None:
     pytest.importorskip("mypy")
     result = _run(sys.executable, "-m", "mypy")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Small modules with one job each (docs/architecture.md): past these sizes a module is doing
+# more than one job and wants splitting, and the pool keeps its lifecycle only.
+MAX_MODULE_LINES = 450
+MAX_POOL_LINES = 350
+
+
+def test_no_module_is_too_long() -> None:
+    sizes = {
+        path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
+        for path in (ROOT / "skyward").rglob("*.py")
+    }
+    too_long = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
+    assert sizes["skyward/pool.py"] <= MAX_POOL_LINES, sizes["skyward/pool.py"]

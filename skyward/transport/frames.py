@@ -47,6 +47,10 @@ class FrameError(Exception):
 def encode(message: Message, segments: Segments = ()) -> list[Buffer]:
     """The byte strings to write, in order, for one frame (small segments coalesced)."""
     blob = pickle.dumps(to_wire(message), PROTOCOL)
+    if len(segments) == 1 and type(segments[0]) is bytes and len(segments[0]) < _COALESCE_LIMIT:
+        # a small result or call: one struct and one bytes object (each small call's path)
+        only = segments[0]
+        return [_ONE_SEGMENT.pack(len(blob), 1, len(only)) + blob + only]
     head = bytearray(HEADER.pack(len(blob), len(segments)))
     for segment in segments:
         head += LENGTH.pack(memoryview(segment).nbytes)
@@ -235,15 +239,6 @@ class SyncChannel:
 
     def write(self, message: Message, segments: Segments = ()) -> None:
         """Write one frame. Not thread-safe: callers serialize writes."""
-        if len(segments) == 1 and type(segments[0]) is bytes and len(segments[0]) < _COALESCE_LIMIT:
-            # a small result: one struct, one write (the agent's path for every small call)
-            segment = segments[0]
-            blob = pickle.dumps(to_wire(message), PROTOCOL)
-            frame = _ONE_SEGMENT.pack(len(blob), 1, len(segment)) + blob + segment
-            written = os.write(self._out_fd, frame)
-            if written < len(frame):  # a signal can cut a write of more than PIPE_BUF short
-                write_all(self._out_fd, memoryview(frame)[written:])
-            return
         for chunk in encode(message, segments):
             write_all(self._out_fd, chunk)
 
@@ -258,7 +253,11 @@ def spin_until(ready: Callable[[], bool], seconds: float) -> None:
 
 def write_all(fd: int, data: Buffer) -> None:
     """Write all of `data` to a blocking file descriptor."""
-    view = memoryview(data).cast("B")
+    # One write is the common case (a small frame); a signal or a large frame cuts it short.
+    written = os.write(fd, data)
+    if written == (data.nbytes if type(data) is memoryview else len(data)):
+        return
+    view = memoryview(data).cast("B")[written:]
     while view:
         view = view[os.write(fd, view) :]
 

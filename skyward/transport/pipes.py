@@ -119,11 +119,7 @@ class SubprocessStream:
         fd = self._stdin_fd
         with self._write_lock:
             for chunk in chunks:
-                # A small call's frame goes in one write; only a short one needs the loop.
-                written = os.write(fd, chunk)
-                size = chunk.nbytes if type(chunk) is memoryview else len(chunk)
-                if written < size:
-                    write_all(fd, memoryview(chunk).cast("B")[written:])
+                write_all(fd, chunk)
 
     def close_input(self) -> None:
         with self._write_lock, contextlib.suppress(OSError):

@@ -10,9 +10,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.support.typecheck import MypyReport
 
 
 def alive(pid: int) -> bool:
@@ -130,3 +133,12 @@ def sigint_raises() -> Iterable[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture(scope="session")
+def mypy_report(tmp_path_factory: pytest.TempPathFactory) -> MypyReport:
+    """One mypy run over the package, the scripts and the examples (tests/support/typecheck.py)."""
+    pytest.importorskip("mypy")
+    from tests.support.typecheck import check
+
+    return check(tmp_path_factory.mktemp("typed"))

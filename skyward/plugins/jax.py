@@ -133,7 +133,7 @@ class JaxPlugin(Plugin):
             with _pool_owns_initialization(coordinator, info.total_nodes, info.node):
                 yield
         finally:
-            jax.distributed.shutdown()  # type: ignore[no-untyped-call]
+            jax.distributed.shutdown()
 
 
 class LauncherEnv(Plugin):

@@ -14,19 +14,18 @@ Layout of the cache directory::
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from skyward.info import from_json
+from skyward.worker.filelock import locked
 from skyward.worker.hostcheck import READY_MARKER as READY_MARKER
 
 OUTPUT_TAIL_LINES = 40
@@ -81,7 +80,7 @@ def build(
     env_dir = envs / spec.hash
     if (env_dir / READY_MARKER).exists():
         return env_python(env_dir)
-    with _locked(envs / f"{spec.hash}.lock"):
+    with locked(envs / f"{spec.hash}.lock"):
         if (env_dir / READY_MARKER).exists():  # another pool built it while we waited
             return env_python(env_dir)
         shutil.rmtree(env_dir, ignore_errors=True)
@@ -101,7 +100,7 @@ def run_setup_once(spec: EnvSpec, cache: Path, log: Callable[[str], None]) -> No
     marks = cache / "setup"
     marks.mkdir(parents=True, exist_ok=True)
     done = marks / f"{spec.hash}.done"
-    with _locked(marks / f"{spec.hash}.lock"):
+    with locked(marks / f"{spec.hash}.lock"):
         if done.exists():
             return
         _run_setup(spec, log)
@@ -181,16 +180,6 @@ def _run(
         status = proc.wait()
     if status != 0:
         raise BuildFailed(f"{what} failed with exit status {status}", "\n".join(tail))
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _to_stderr(line: str) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from skyward.info import cache_root
+from skyward.worker.filelock import locked
 from skyward.worker.treemanifest import DIR, LINK, Entry, Manifest
 
 
@@ -178,8 +179,7 @@ class Build:
                 os.utime(tree / e.path, ns=(e.mtime_ns, e.mtime_ns))
         (final / "manifest.json").write_bytes(manifest.encoded)
         target = self.store.trees / manifest.digest
-        with open(self.store.root / "lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(self.store.root / "lock"):
             if not target.exists():
                 os.rename(final, target)
         self.close()

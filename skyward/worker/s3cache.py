@@ -11,14 +11,12 @@ Layout, under ``<cache>/data/s3/<bucket>/<hash of the key>/`` (`s3sync.cache_roo
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -85,17 +83,6 @@ def _check_paths(loc: S3Location, objects: Sequence[S3Object]) -> None:
 
 def _entry(obj: S3Object) -> list[Any]:
     return [obj.rel, obj.size, obj.etag]
-
-
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `path` (created if missing)."""
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def build(

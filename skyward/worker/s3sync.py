@@ -26,6 +26,7 @@ from typing import Any
 from skyward.errors import DataError
 from skyward.info import cache_root as cache_root_dir
 from skyward.worker import s3cache
+from skyward.worker.filelock import locked
 from skyward.worker.s3client import (
     RETRY_CODES,
     WORKERS,
@@ -94,7 +95,7 @@ def fetch(uri: str, cache: Path | None = None) -> DownloadStats:
             if path.is_dir():  # renamed into place only when complete
                 return DownloadStats(str(result), len(objects), 0, 0, 0, cached=True)
             root.mkdir(parents=True, exist_ok=True)
-            with s3cache.locked(root / ".lock"):
+            with locked(root / ".lock"):
                 try:
                     built = s3cache.build(s3, loc, root, version, objects)
                 except Exception as exc:

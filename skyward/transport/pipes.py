@@ -150,7 +150,7 @@ class _ControlReader:
     BUSY_POLL = 0.05
 
     def __init__(self, fd: int, receiver: Receiver) -> None:
-        self._fd = fd
+        self.fd = fd  # the pipe (read by `_Group` to poll it)
         self._receiver = receiver
         self._read_size = _SMALL_READ
         self._poller = select.poll()
@@ -172,7 +172,7 @@ class _ControlReader:
         """Read what is there and deliver it (the lock is held)."""
         size = self._read_size
         try:
-            data = os.read(self._fd, size)
+            data = os.read(self.fd, size)
         except OSError:
             data = b""
         self._read_size = _BIG_READ if len(data) == size else _SMALL_READ
@@ -202,13 +202,13 @@ class _ControlReader:
             with self._lock:
                 if self._ended:
                     return
-                ready, _, _ = select.select([self._fd, self._kick_r], [], [])
+                ready, _, _ = select.select([self.fd, self._kick_r], [], [])
                 with self._state:
                     self._selecting = False
                 if self._kick_r in ready:
                     with contextlib.suppress(OSError):
                         os.read(self._kick_r, 4096)
-                if self._fd in ready:
+                if self.fd in ready:
                     self._read_once()
 
     def _enter(self) -> None:
@@ -282,9 +282,9 @@ class _Group:
     poll set registered once, not on every broadcast."""
 
     def __init__(self, readers: Sequence[_ControlReader]) -> None:
-        self.readers = sorted(set(readers), key=lambda r: r._fd)  # one lock order: no deadlock
+        self.readers = sorted(set(readers), key=lambda r: r.fd)  # one lock order: no deadlock
         self.broken = False  # a pipe ended: the next caller builds a fresh poll set
-        self._by_fd = {r._fd: r for r in self.readers}
+        self._by_fd = {r.fd: r for r in self.readers}
         self._poller = select.poll()
         for fd in self._by_fd:
             self._poller.register(fd, select.POLLIN)
@@ -306,7 +306,7 @@ class _Group:
         if len(live) == len(self.readers):
             return dict(self._by_fd), self._poller
         self.broken = True
-        by_fd = {r._fd: r for r in live}
+        by_fd = {r.fd: r for r in live}
         poller = select.poll()
         for fd in by_fd:
             poller.register(fd, select.POLLIN)

@@ -33,7 +33,7 @@ from typing import Any, TypeAlias
 
 import cloudpickle
 
-from skyward.compute import compute, gather
+from skyward.calls import compute, gather
 from skyward.plugins import Plugin
 from skyward.plugins import jax as jax_plugin
 from skyward.pool import ComputePool

@@ -21,11 +21,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "ComputePool": "skyward.pool",
-    "compute": "skyward.compute",
-    "gather": "skyward.compute",
-    "Compute": "skyward.compute",
-    "PendingCall": "skyward.compute",
-    "Gather": "skyward.compute",
+    "compute": "skyward.calls",
+    "gather": "skyward.calls",
+    "Compute": "skyward.calls",
+    "PendingCall": "skyward.calls",
+    "Gather": "skyward.calls",
     "Data": "skyward.data",
     "Image": "skyward.image",
     "Index": "skyward.image",
@@ -59,8 +59,8 @@ _EXTRAS = {"SSH": "ssh", "AWS": "aws", "GCP": "gcp"}
 
 if TYPE_CHECKING:
     from skyward import plugins
+    from skyward.calls import Compute, Gather, PendingCall, compute, gather
     from skyward.cluster import ClusterSpec
-    from skyward.compute import Compute, Gather, PendingCall, compute, gather
     from skyward.data import Data
     from skyward.errors import (
         BootstrapError,

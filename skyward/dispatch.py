@@ -19,7 +19,7 @@ from skyward.session import CallFrames, Calls, NodeSession
 from skyward.transport import frames
 
 if TYPE_CHECKING:
-    from skyward.compute import PendingCall, Stage
+    from skyward.calls import PendingCall, Stage
 
 T = TypeVar("T")
 _call_ids = itertools.count(1)

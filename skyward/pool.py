@@ -35,7 +35,7 @@ from skyward.session import NodeSession, ping_agents, watch_heartbeats
 from skyward.transfers import Transfers
 
 if TYPE_CHECKING:
-    from skyward.compute import PendingCall
+    from skyward.calls import PendingCall
 
 T = TypeVar("T")
 P = ParamSpec("P")

@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
-from skyward import compute  # the decorator (the package binds it over the module)
+from skyward.calls import compute
 from skyward.data import Data
 from skyward.errors import ConfigError
 from skyward.plugins.base import Plugin

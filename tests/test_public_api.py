@@ -33,6 +33,24 @@ def test_every_public_name_resolves() -> None:
     assert issubclass(sky.ConfigError, ValueError)
 
 
+def test_no_public_name_is_shadowed_by_a_submodule_of_the_same_name() -> None:
+    """Importing a submodule binds it on the package: were `sky.compute` the name of a module
+    too, a user's `from skyward.<module> import PendingCall` before the first `sky.compute`
+    would make `@sky.compute` the module, and every decorated function a TypeError."""
+    import pkgutil
+
+    modules = {info.name for info in pkgutil.iter_modules(sky.__path__)}
+    assert {name for name in sky.__all__ if name in modules} == {"plugins"}  # sky.plugins is one
+    script = (
+        "from skyward.calls import PendingCall\nimport skyward as sky\n"
+        "@sky.compute\ndef f() -> int:\n    return 1\nprint(type(f).__name__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "Compute"
+
+
 def test_all_lists_exactly_the_lazy_exports() -> None:
     from skyward import _EXPORTS
 

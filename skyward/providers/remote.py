@@ -13,12 +13,13 @@ Plain functions, used by `sky.SSH`, `sky.AWS` and `sky.GCP` once their hosts are
   planned (else one more check), then only the missing pieces are built:
 
   - skyward itself (`skyward.providers.source`), unpacked once to
-    ``~/.cache/skyward/src/<hash>/skyward`` (PYTHONPATH points there for envbuild and the agent);
+    ``<cache>/src/<hash>/skyward`` (PYTHONPATH points there for envbuild and the agent), where
+    ``<cache>`` is the host's (`CACHE`);
   - apt packages (``sudo -n`` when not root);
   - uv, only when an environment must be built: ``python3 -m venv`` +
-    ``pip install uv==<client's uv>`` under ``~/.cache/skyward/bootstrap``;
+    ``pip install uv==<client's uv>`` under ``<cache>/bootstrap``;
   - the image's environment with `skyward.worker.envbuild`, once per hash under
-    ``~/.cache/skyward``, or only the image's setup commands when the host's interpreter
+    ``<cache>/envs``, or only the image's setup commands when the host's interpreter
     already satisfies the image (`hostcheck.decide`);
 
 - `RemoteNode`: a node on one `SSHHost`; it starts the agent in the prepared interpreter.
@@ -56,8 +57,10 @@ from skyward.worker.gpus import Inventory, visible_env
 if TYPE_CHECKING:
     from skyward.providers.files import Receiver
 
-CACHE = "$HOME/.cache/skyward"  # expanded by the remote shell
-_CHECK_CACHE = "~/.cache/skyward"  # expanded by the check itself
+# skyward's cache directory on a host as its shell spells it, by the rule of
+# `skyward.info.cache_root` (which the agent follows there): $SKYWARD_CACHE_DIR in the host's
+# environment, else $XDG_CACHE_HOME/skyward, else ~/.cache/skyward. Valid inside double quotes.
+CACHE = "${SKYWARD_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/skyward}"
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,7 @@ async def prepare_host(
                 node,
                 bootstrap,
                 f"cd && {_pythonpath()} exec {base} -m skyward.worker.hostcheck "
-                f"{shlex.quote(_query(image, bootstrap, gpus=False).to_json())}",
+                f'{shlex.quote(_query(image, bootstrap, gpus=False).to_json())} "{CACHE}"',
                 "checking the host's packages",
                 host_log,
             )
@@ -249,7 +252,7 @@ async def prepare_host(
 def _query(image: Image, bootstrap: Bootstrap, gpus: bool) -> hostcheck.Query:
     spec = env_spec(image)
     return hostcheck.Query(
-        cache=_CHECK_CACHE,
+        cache="",  # the host's, which the check command passes (see `_check`)
         env=spec.hash,
         src=source_hash(),
         uv=bootstrap.uv_version,
@@ -272,7 +275,8 @@ async def _check(
             bootstrap,
             f"P=$(command -v {shlex.quote(python)}) || "
             f"{{ echo 'python {python} was not found on this host' >&2; exit 127; }}; "
-            f'exec "$P" -c {shlex.quote(_check_program())} {shlex.quote(query.to_json())}',
+            f'exec "$P" -c {shlex.quote(_check_program())} {shlex.quote(query.to_json())} '
+            f'"{CACHE}"',
             "checking the host",
             log,
         )

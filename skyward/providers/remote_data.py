@@ -22,12 +22,11 @@ from skyward.data import S3_SCHEME, Data, Placement
 from skyward.errors import DataError
 from skyward.providers import files
 from skyward.providers.base import Cluster, Log, Provider, local_outputs, output_path
-from skyward.providers.remote import RemoteNode, module_command, remote_nodes
+from skyward.providers.remote import CACHE, RemoteNode, module_command, remote_nodes
 from skyward.transport.ssh import shell_env
 from skyward.worker import treestore
 
-# skyward's cache directory on a host, as its shell spells it (`skyward.info.cache_root`).
-HOST_CACHE = '"${SKYWARD_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/skyward}"'
+HOST_CACHE = f'"{CACHE}"'  # as a shell word
 
 
 class RemoteData(Provider):

@@ -37,7 +37,9 @@ READY_MARKER = ".skyward-ready"  # as in skyward.worker.envbuild (not imported: 
 class Query:
     """What to look for: paths under `cache`, the image's requirements and apt packages."""
 
-    cache: str  # skyward's cache directory; ``~`` is expanded where the check runs
+    # skyward's cache directory, ``~`` expanded where the check runs; on a remote host, ""
+    # and `main`'s second argument, as the host's shell resolved it
+    cache: str
     env: str  # the environment's hash (`EnvSpec.hash`)
     src: str = ""  # the hash of skyward's shipped source, "" when not shipped
     uv: str = ""  # the uv version looked for under bootstrap/, "" for none
@@ -169,11 +171,14 @@ def program() -> str:
 
 
 def main(find_gpus: Callable[[], Inventory] | None = None) -> None:
-    """``python -c PROGRAM QUERY_JSON`` (or ``-m skyward.worker.hostcheck``): print the report.
+    """``python -c PROGRAM QUERY_JSON [CACHE]`` (or ``-m skyward.worker.hostcheck``): print the
+    report. CACHE, when given, is the cache directory (the query's is then unused).
 
     skyward's shipped source, when there, comes first on the path, so the probe is the client's.
     """
     data = json.loads(sys.argv[1])
+    if len(sys.argv) > 2:
+        data["cache"] = sys.argv[2]
     query = Query(
         **{**data, "apt": tuple(data["apt"]), "requirements": tuple(data["requirements"])}
     )

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
+from skyward.providers.source import source_hash
 from skyward.transport.ssh import SSHHost
 from tests.ssh.conftest import Hosts, Server
+from tests.support import sshd
 
 pytestmark = [pytest.mark.ssh]
 
@@ -129,3 +131,41 @@ def interpreter() -> str:
     import six  # noqa: F401  (installed by the image)
 
     return sys.executable
+
+
+@sky.compute
+def first_line(data: str) -> tuple[str, str]:
+    return data, (Path(data) / "a.txt").read_text()
+
+
+def test_the_hosts_skyward_cache_dir_holds_what_skyward_keeps_there(
+    keys: sshd.KeyPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$SKYWARD_CACHE_DIR in a host's environment (here from sshd's SetEnv, as /etc/environment
+    would give it) is where skyward's copy of itself and the sky.Data store go, and where the
+    next pool's check finds them."""
+    cache = tmp_path / "host-cache"
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    (dataset / "a.txt").write_text("hello")
+    commands: list[str] = []
+    real_run = SSHHost.run
+
+    async def counting_run(self: SSHHost, command: str, *args: object, **kw: object) -> object:
+        commands.append(command)
+        return await real_run(self, command, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SSHHost, "run", counting_run)
+    server = sshd.SshdServer(
+        authorized_keys=[keys], extra_config=[f"SetEnv SKYWARD_CACHE_DIR={cache}"]
+    )
+    with server:
+        host = Server(server, keys, server.write_known_hosts(tmp_path / "known_hosts"))
+        for _ in range(2):
+            commands.clear()
+            with sky.ComputePool(provider=host.provider(), nodes=1, stream_output=False) as pool:
+                where, text = first_line(sky.Data(str(dataset))) >> pool
+    assert (cache / "src" / source_hash() / "skyward" / "__init__.py").is_file()
+    assert where.startswith(f"{cache}/data/") and text == "hello", where
+    # The second pool found skyward's copy where the first left it: it shipped nothing.
+    assert not [c for c in commands if "tar -xzf" in c], commands

@@ -85,7 +85,13 @@ def cache_link(base: Path, name: str) -> Path:
 
 
 def repoint(link: Path, target: Path) -> Path:
+    """Point the node's cache at `target`, a fresh store; skyward's copy of itself, which the
+    node's preparation put in the first cache (`cache_link`'s), comes along (the node runs
+    from it)."""
     target.mkdir(parents=True, exist_ok=True)
+    src = link.with_name(f"{link.name}-0") / "src"
+    if src.is_dir() and not (target / "src").exists():
+        (target / "src").symlink_to(src)
     temp = link.with_name(link.name + ".new")
     temp.symlink_to(target)
     os.replace(temp, link)

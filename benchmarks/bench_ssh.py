@@ -12,6 +12,10 @@ tests do. A MISS is printed, never an exit status.
 - rtt: no-op ``call >> pool`` over SSH vs an echo round trip over an open asyncssh channel
   with the same ciphers (timed inside an event loop run by the same thread), sampled in
   alternating blocks; an echo over asyncssh's default ciphers is printed for scale.
+- bulk: a large ``bytes`` result back (``make(n) >> pool``) and argument out over SSH vs the
+  same bytes through an open asyncssh channel with the same ciphers (``head -c`` read back,
+  ``cat > /dev/null`` written), as MB/s. No target: it shows what the agent's framing and
+  pickling add to asyncssh, which bounds both.
 - bootstrap: pool start (connect, check, agent) on 3 hosts at once vs on 1 host.
 - restart: a second pool with the environment already there, split into connect / check /
   agent start + handshake.
@@ -43,6 +47,16 @@ from tests.support import sshd, wheels
 @sky.compute
 def noop() -> None:
     return None
+
+
+@sky.compute
+def make(n: int) -> bytes:
+    return bytes(n)
+
+
+@sky.compute
+def size(data: bytes) -> int:
+    return len(data)
 
 
 def report(name: str, value: float, baseline: float, target: float, unit: str = "ms") -> None:
@@ -151,7 +165,7 @@ def pool_start(provider: SSH, nodes: int) -> tuple[float, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
-    parser.add_argument("--only", choices=("rtt", "bootstrap"), help="run one part (default: both)")
+    parser.add_argument("--only", choices=("rtt", "bulk", "bootstrap"), help="run one part")
     args = parser.parse_args()
     if not sshd.is_root():
         sys.exit("bench_ssh needs root (it starts sshd and network namespaces)")
@@ -167,9 +181,11 @@ def main() -> None:
 def run(work: Path, runs: int, starts: int, only: str | None) -> None:
     work.chmod(0o755)  # skyward-test's bootstrap reads the wheelhouse inside
     key = sshd.KeyPair.generate(work)
-    if only != "bootstrap":
+    if only in (None, "rtt"):
         rtt(key, runs)
-    if only != "rtt":
+    if only in (None, "bulk"):
+        bulk(key, 64 << 20 if runs < 1000 else 256 << 20)
+    if only in (None, "bootstrap"):
         bootstrap(work, key, starts)
 
 
@@ -199,6 +215,59 @@ def rtt(key: sshd.KeyPair, runs: int) -> None:
                 echo.close()
         report("rtt: noop >> pool", call, floor, 1.5)
         print(f"    for scale, an echo over asyncssh's default ciphers: {default * 1000:.3f} ms")
+
+
+async def raw_bulk(server: sshd.SshdServer, key: str, n: int) -> tuple[float, float]:
+    """Seconds to read `n` bytes from ``head -c`` and to write them to ``cat``, over one
+    asyncssh connection with skyward's ciphers."""
+    known = asyncssh.import_known_hosts(server.known_hosts_line() + "\n")
+    async with asyncssh.connect(
+        server.host, server.port, username="root", client_keys=[key], known_hosts=known,
+        encryption_algs=list(ENCRYPTION_ALGS),
+    ) as conn:  # fmt: skip
+        began = time.perf_counter()
+        reader = await conn.create_process(f"head -c {n} /dev/zero", encoding=None)
+        got = 0
+        while chunk := await reader.stdout.read(1 << 22):
+            got += len(chunk)
+        down = time.perf_counter() - began
+        assert got == n
+        began = time.perf_counter()
+        writer = await conn.create_process("cat > /dev/null", encoding=None)
+        writer.stdin.write(bytes(n))
+        writer.stdin.write_eof()
+        await writer.wait_closed()
+        return down, time.perf_counter() - began
+
+
+def bulk(key: sshd.KeyPair, n: int) -> None:
+    with sshd.SshdServer(authorized_keys=[key]) as server:
+        provider = SSH(
+            [f"root@127.0.0.1:{server.port}"],
+            key=str(key.private_path),
+            known_hosts=[server.known_hosts_line()],
+            python=sys.executable,
+        )
+        downs, ups, raw_downs, raw_ups = [], [], [], []
+        with sky.ComputePool(provider=provider, nodes=1, stream_output=False) as pool:
+            for _ in range(3):
+                began = time.perf_counter()
+                data = make(n) >> pool
+                downs.append(time.perf_counter() - began)
+                began = time.perf_counter()
+                assert size(data) >> pool == n
+                ups.append(time.perf_counter() - began)
+                del data
+                down, up = asyncio.run(raw_bulk(server, str(key.private_path), n))
+                raw_downs.append(down)
+                raw_ups.append(up)
+    mb = n / 1e6
+    for name, sky_s, raw_s in (("back", downs, raw_downs), ("out", ups, raw_ups)):
+        ours, floor = mb / statistics.median(sky_s), mb / statistics.median(raw_s)
+        print(
+            f"bulk {name:<4} {n >> 20} MiB over SSH: {ours:6.0f} MB/s  asyncssh channel "
+            f"{floor:6.0f} MB/s  ({floor / ours:4.2f}x the time)"
+        )
 
 
 def bootstrap(work: Path, key: sshd.KeyPair, starts: int) -> None:

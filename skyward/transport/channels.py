@@ -138,7 +138,6 @@ class AgentChannel(asyncssh.SSHClientSession[bytes]):
             self._lender.drive(done)
 
     def write(self, chunks: Sequence[Buffer]) -> None:
-        data = [bytes(chunk) for chunk in chunks]
         lender = self._lender
         with self._write_lock:
             # asyncssh's channels belong to whoever runs the loop. When nobody does (a caller
@@ -146,15 +145,18 @@ class AgentChannel(asyncssh.SSHClientSession[bytes]):
             # writes after one that waits there, to keep each thread's writes in order.
             if not self._queued and lender is not None:
                 if lender.holds():
-                    self._write_now(data)
+                    self._write_now(chunks)
                     return
                 if lender.borrow():
                     try:
-                        self._write_now(data)
+                        self._write_now(chunks)
                     finally:
                         lender.give_back()
                     return
             self._queued += 1
+        # A write done now is copied by asyncssh at once; a queued one is copied here, since
+        # the caller may change its buffers (a numpy argument) before the loop writes them.
+        data = [bytes(chunk) for chunk in chunks]
         self._loop.call_soon_threadsafe(self._write_queued, data)
 
     def _write_queued(self, data: list[bytes] | None) -> None:
@@ -165,7 +167,7 @@ class AgentChannel(asyncssh.SSHClientSession[bytes]):
         with self._write_lock:
             self._queued -= 1
 
-    def _write_now(self, data: list[bytes]) -> None:
+    def _write_now(self, data: Sequence[Buffer]) -> None:
         if self._channel is None:
             return
         with contextlib.suppress(OSError, asyncssh.Error):

@@ -24,13 +24,8 @@ from skyward.progress import Progress
 from skyward.providers.base import Cluster, Node, Provider
 from skyward.providers.bootscript import HostKey
 from skyward.providers.connect import BootWait, ConnectOptions, connect_all
-from skyward.providers.remote import (
-    Bootstrap,
-    close_hosts,
-    prepare_nodes,
-    remote_nodes,
-    survey_nodes,
-)
+from skyward.providers.hoststeps import Bootstrap
+from skyward.providers.remote import close_hosts, prepare_nodes, remote_nodes, survey_nodes
 from skyward.providers.remote_data import RemoteData
 from skyward.providers.threads import in_thread
 from skyward.transport.ssh import Endpoint, SSHHost, load_known_hosts

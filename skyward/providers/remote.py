@@ -31,13 +31,11 @@ per host (two check commands when what the hosts have changes the image: see `su
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata as metadata
 import json
 import shlex
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import asyncssh
 
@@ -45,35 +43,19 @@ from skyward.cluster import Accelerator, Hardware
 from skyward.errors import BootstrapError
 from skyward.image import Image
 from skyward.progress import Phase, Progress
+from skyward.providers import hoststeps
 from skyward.providers.base import Cluster, Log, Node
 from skyward.providers.environment import env_spec
+from skyward.providers.hoststeps import CACHE, Bootstrap
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.base import AgentStream
 from skyward.transport.channels import open_agent
-from skyward.transport.ssh import Completed, SSHHost, shell_env
+from skyward.transport.ssh import SSHHost, shell_env
 from skyward.worker import hostcheck
 from skyward.worker.gpus import Inventory, visible_env
 
 if TYPE_CHECKING:
     from skyward.providers.files import Receiver
-
-# skyward's cache directory on a host as its shell spells it, by the rule of
-# `skyward.info.cache_root` (which the agent follows there): $SKYWARD_CACHE_DIR in the host's
-# environment, else $XDG_CACHE_HOME/skyward, else ~/.cache/skyward. Valid inside double quotes.
-CACHE = "${SKYWARD_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/skyward}"
-
-
-@dataclass(frozen=True)
-class Bootstrap:
-    """How hosts are prepared: their interpreter, the uv to install, the build steps' env."""
-
-    python: str | None = None  # default python3
-    uv_version: str = field(default_factory=lambda: metadata.version("uv"))
-    build_env: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def prefix(self) -> str:
-        return f"export {shell_env(self.build_env)}; " if self.build_env else ""
 
 
 class RemoteNode(Node):
@@ -202,7 +184,7 @@ async def prepare_host(
         report = await _check(node, image, bootstrap, host_log, gpus=False)
     base = shlex.quote(report.python)
     if not report.src:
-        await _run(
+        await hoststeps.run_step(
             node,
             bootstrap,
             unpack_command(f"{CACHE}/src"),
@@ -211,10 +193,10 @@ async def prepare_host(
             source_tarball(),
         )
     if report.apt_missing:
-        await _apt(node, bootstrap, report.apt_missing, report.uid, host_log)
+        await hoststeps.apt_install(node, bootstrap, report.apt_missing, report.uid, host_log)
     if report.env is None and report.satisfied is None:  # first contact: skyward is there now
         report = hostcheck.Report.from_json(
-            await _json(
+            await hoststeps.json_step(
                 node,
                 bootstrap,
                 f"cd && {_pythonpath()} exec {base} -m skyward.worker.hostcheck "
@@ -225,8 +207,8 @@ async def prepare_host(
         )
     decision = hostcheck.decide(report, image.python, bool(spec.setup))
     if decision.python is None:
-        uv = report.uv or await _install_uv(node, bootstrap, report.python, host_log)
-        built = await _json(
+        uv = report.uv or await hoststeps.install_uv(node, bootstrap, report.python, host_log)
+        built = await hoststeps.json_step(
             node,
             bootstrap,
             f"cd && {_pythonpath()} exec {base} -m skyward.worker.envbuild "
@@ -237,7 +219,7 @@ async def prepare_host(
         )
         decision = hostcheck.Decision(str(json.loads(built)["python"]))
     elif decision.setup:
-        await _json(
+        await hoststeps.json_step(
             node,
             bootstrap,
             f'cd && {_pythonpath()} exec {base} -m skyward.worker.envbuild "{CACHE}" --setup-only',
@@ -270,7 +252,7 @@ async def _check(
     python = bootstrap.python or "python3"
     query = _query(image, bootstrap, gpus)
     return hostcheck.Report.from_json(
-        await _json(
+        await hoststeps.json_step(
             node,
             bootstrap,
             f"P=$(command -v {shlex.quote(python)}) || "
@@ -325,100 +307,3 @@ def module_command(
     words = " ".join(shlex.quote(a) for a in args)
     flags = "" if site else "-S "
     return f"cd {cwd} && {_pythonpath()} exec {shlex.quote(python)} {flags}-m {module} {words}"
-
-
-async def _install_uv(node: RemoteNode, bootstrap: Bootstrap, python: str, log: Log) -> str:
-    version = bootstrap.uv_version
-    root = f"{CACHE}/bootstrap"
-    venv = f"{root}/uv-{version}"
-    # flock: hosts sharing a home (NFS, or our test namespaces) install once.
-    done = await _run(
-        node,
-        bootstrap,
-        f'set -e; mkdir -p "{root}"; exec 9>"{venv}.lock"; flock 9; '
-        f'if [ ! -x "{venv}/bin/uv" ]; then rm -rf "{venv}"; '
-        f'{shlex.quote(python)} -m venv "{venv}"; '
-        f'"{venv}/bin/python" -m pip install --disable-pip-version-check -q '
-        f'{shlex.quote(f"uv=={version}")} || {{ rm -rf "{venv}"; exit 1; }}; fi; '
-        f'echo "{venv}/bin/uv"',
-        f"installing uv=={version} (python -m venv + pip install)",
-        log,
-        merge=True,
-    )
-    return done.stdout.decode(errors="replace").strip().splitlines()[-1]
-
-
-async def _apt(
-    node: RemoteNode, bootstrap: Bootstrap, packages: Sequence[str], uid: int, log: Log
-) -> None:
-    sudo = "" if uid == 0 else "sudo -n "
-    names = " ".join(shlex.quote(p) for p in packages)
-    await _run(
-        node,
-        bootstrap,
-        f"export DEBIAN_FRONTEND=noninteractive; {sudo}apt-get update -q 2>&1 && "
-        f"{sudo}apt-get install -y -q --no-install-recommends {names} 2>&1",
-        f"installing apt packages {', '.join(packages)}",
-        log,
-        merge=True,
-    )
-
-
-async def _send(
-    node: RemoteNode, bootstrap: Bootstrap, command: str, what: str, log: Log, input: bytes
-) -> Completed:
-    log(what)  # the step's name, then its output lines: the node's detail as it builds
-    try:
-        return await node.host.run(bootstrap.prefix + command, input, log)
-    except (OSError, asyncssh.Error) as exc:
-        raise BootstrapError(
-            f"{what} on {node.host} failed: the connection broke ({exc})", node=node.index
-        ) from None
-
-
-async def _run(
-    node: RemoteNode,
-    bootstrap: Bootstrap,
-    command: str,
-    what: str,
-    log: Log,
-    input: bytes = b"",
-    merge: bool = False,
-) -> Completed:
-    """Run one bootstrap command; a failure becomes a `BootstrapError` with its output."""
-    command = f"exec 2>&1; {command}" if merge else command
-    done = await _send(node, bootstrap, command, what, log, input)
-    if done.status != 0:
-        output = done.tail or done.stdout.decode(errors="replace")[-4000:]
-        if merge:  # merged commands print to stdout: show its tail
-            output = "\n".join(done.stdout.decode(errors="replace").splitlines()[-40:])
-        raise BootstrapError(
-            f"{what} on {node.host} failed (exit status {done.status})\n"
-            f"--- last lines ---\n{output}",
-            node=node.index,
-            output=output,
-        )
-    return done
-
-
-async def _json(
-    node: RemoteNode, bootstrap: Bootstrap, command: str, what: str, log: Log, input: bytes = b""
-) -> str:
-    """Run a command that prints one JSON object (or ``{"error", "output"}``) last; its text."""
-    done = await _send(node, bootstrap, command, what, log, input)
-    lines = done.stdout.decode(errors="replace").strip().splitlines()
-    result: dict[str, Any] = {}
-    if lines:
-        try:
-            result = json.loads(lines[-1])
-        except ValueError:
-            result = {}
-    if done.status != 0 or "error" in result or not result:
-        output = str(result.get("output") or done.tail)
-        reason = result.get("error") or f"exit status {done.status}"
-        raise BootstrapError(
-            f"{what} on {node.host} failed: {reason}\n--- last lines ---\n{output}",
-            node=node.index,
-            output=output,
-        )
-    return lines[-1]

@@ -22,7 +22,8 @@ from skyward.data import S3_SCHEME, Data, Placement
 from skyward.errors import DataError
 from skyward.providers import files
 from skyward.providers.base import Cluster, Log, Provider, local_outputs, output_path
-from skyward.providers.remote import CACHE, RemoteNode, module_command, remote_nodes
+from skyward.providers.hoststeps import CACHE
+from skyward.providers.remote import RemoteNode, module_command, remote_nodes
 from skyward.transport.ssh import shell_env
 from skyward.worker import treestore
 

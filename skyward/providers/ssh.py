@@ -20,7 +20,7 @@ from skyward.cluster import ClusterSpec, Hardware
 from skyward.errors import ConfigError
 from skyward.image import Image
 from skyward.progress import Phase, Progress
-from skyward.providers import connect, remote
+from skyward.providers import connect, hoststeps, remote
 from skyward.providers.base import Cluster, Node, Provider, count
 from skyward.providers.remote_data import RemoteData, remove_outputs
 from skyward.transport.ssh import Endpoint, KnownHosts, load_known_hosts
@@ -80,7 +80,7 @@ class SSH(RemoteData, Provider):
             timeout=connect_timeout,
             keepalive=keepalive,
         )
-        self.bootstrap = remote.Bootstrap(
+        self.bootstrap = hoststeps.Bootstrap(
             python, uv_version or metadata.version("uv"), dict(build_env or {})
         )
 

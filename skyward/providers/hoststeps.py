@@ -1,0 +1,166 @@
+"""One bootstrap step on a host reached over SSH, and the steps every remote provider shares.
+
+A step is a shell command run through the host's connection with the pool's build environment
+(`Bootstrap`); its name and output lines go to the node's log as it runs, and a failure becomes
+a `BootstrapError` naming the host, with the command's last lines and, when the host's cache is
+nearly full, a word on that (the tools that fail do not always say ENOSPC). `CACHE` is where
+everything skyward keeps on a host lives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata as metadata
+import json
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import asyncssh
+
+from skyward.errors import BootstrapError
+from skyward.providers.base import Log
+from skyward.transport.ssh import Completed, shell_env
+
+if TYPE_CHECKING:
+    from skyward.providers.remote import RemoteNode
+
+# skyward's cache directory on a host as its shell spells it, by the rule of
+# `skyward.info.cache_root` (which the agent follows there): $SKYWARD_CACHE_DIR in the host's
+# environment, else $XDG_CACHE_HOME/skyward, else ~/.cache/skyward. Valid inside double quotes.
+CACHE = "${SKYWARD_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/skyward}"
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """How hosts are prepared: their interpreter, the uv to install, the build steps' env."""
+
+    python: str | None = None  # default python3
+    uv_version: str = field(default_factory=lambda: metadata.version("uv"))
+    build_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def prefix(self) -> str:
+        return f"export {shell_env(self.build_env)}; " if self.build_env else ""
+
+
+async def install_uv(node: RemoteNode, bootstrap: Bootstrap, python: str, log: Log) -> str:
+    version = bootstrap.uv_version
+    root = f"{CACHE}/bootstrap"
+    venv = f"{root}/uv-{version}"
+    # flock: hosts sharing a home (NFS, or our test namespaces) install once.
+    done = await run_step(
+        node,
+        bootstrap,
+        f'set -e; mkdir -p "{root}"; exec 9>"{venv}.lock"; flock 9; '
+        f'if [ ! -x "{venv}/bin/uv" ]; then rm -rf "{venv}"; '
+        f'{{ {shlex.quote(python)} -m venv "{venv}" && '
+        f'"{venv}/bin/python" -m pip install --disable-pip-version-check -q '
+        f'{shlex.quote(f"uv=={version}")}; }} || {{ rm -rf "{venv}"; exit 1; }}; fi; '
+        f'echo "{venv}/bin/uv"',
+        f"installing uv=={version} (python -m venv + pip install)",
+        log,
+        merge=True,
+    )
+    return done.stdout.decode(errors="replace").strip().splitlines()[-1]
+
+
+async def apt_install(
+    node: RemoteNode, bootstrap: Bootstrap, packages: Sequence[str], uid: int, log: Log
+) -> None:
+    sudo = "" if uid == 0 else "sudo -n "
+    names = " ".join(shlex.quote(p) for p in packages)
+    await run_step(
+        node,
+        bootstrap,
+        f"export DEBIAN_FRONTEND=noninteractive; {sudo}apt-get update -q 2>&1 && "
+        f"{sudo}apt-get install -y -q --no-install-recommends {names} 2>&1",
+        f"installing apt packages {', '.join(packages)}",
+        log,
+        merge=True,
+    )
+
+
+async def send_step(
+    node: RemoteNode, bootstrap: Bootstrap, command: str, what: str, log: Log, input: bytes
+) -> Completed:
+    log(what)  # the step's name, then its output lines: the node's detail as it builds
+    try:
+        return await node.host.run(bootstrap.prefix + command, input, log)
+    except (OSError, asyncssh.Error) as exc:
+        raise BootstrapError(
+            f"{what} on {node.host} failed: the connection broke ({exc})", node=node.index
+        ) from None
+
+
+async def run_step(
+    node: RemoteNode,
+    bootstrap: Bootstrap,
+    command: str,
+    what: str,
+    log: Log,
+    input: bytes = b"",
+    merge: bool = False,
+) -> Completed:
+    """Run one bootstrap command; a failure becomes a `BootstrapError` with its output."""
+    command = f"exec 2>&1; {command}" if merge else command
+    done = await send_step(node, bootstrap, command, what, log, input)
+    if done.status != 0:
+        output = done.tail or done.stdout.decode(errors="replace")[-4000:]
+        if merge:  # merged commands print to stdout: show its tail
+            output = "\n".join(done.stdout.decode(errors="replace").splitlines()[-40:])
+        raise BootstrapError(
+            f"{what} on {node.host} failed (exit status {done.status})"
+            f"{await low_disk(node)}\n--- last lines ---\n{output}",
+            node=node.index,
+            output=output,
+        )
+    return done
+
+
+# Below this much free space in the host's cache, a failed step says so: the tools that fail
+# (python -m venv, pip, uv) do not always print ENOSPC themselves.
+LOW_DISK_BYTES = 512 << 20
+
+
+async def low_disk(node: RemoteNode) -> str:
+    """A sentence for a failed step when the host's cache is nearly full; "" otherwise."""
+    probe = f'C="{CACHE}"; mkdir -p "$C" 2>/dev/null; echo "$C"; df -Pk "$C" | tail -n 1'
+    try:
+        done = await asyncio.wait_for(node.host.run(probe), 10)
+        where, line = done.stdout.decode(errors="replace").strip().splitlines()[-2:]
+        free = int(line.split()[3]) * 1024
+    except Exception:  # only a hint: no df, a broken connection, odd output
+        return ""
+    if free >= LOW_DISK_BYTES:
+        return ""
+    return (
+        f"; the host's skyward cache {where} has only {free / 2**20:.1f} MiB free: the disk is "
+        "probably full. Free space there, or point SKYWARD_CACHE_DIR at a larger disk in the "
+        "host's environment (docs/ssh.md)"
+    )
+
+
+async def json_step(
+    node: RemoteNode, bootstrap: Bootstrap, command: str, what: str, log: Log, input: bytes = b""
+) -> str:
+    """Run a command that prints one JSON object (or ``{"error", "output"}``) last; its text."""
+    done = await send_step(node, bootstrap, command, what, log, input)
+    lines = done.stdout.decode(errors="replace").strip().splitlines()
+    result: dict[str, Any] = {}
+    if lines:
+        try:
+            result = json.loads(lines[-1])
+        except ValueError:
+            result = {}
+    if done.status != 0 or "error" in result or not result:
+        output = str(result.get("output") or done.tail)
+        reason = result.get("error") or f"exit status {done.status}"
+        raise BootstrapError(
+            f"{what} on {node.host} failed: {reason}{await low_disk(node)}\n"
+            f"--- last lines ---\n{output}",
+            node=node.index,
+            output=output,
+        )
+    return lines[-1]

@@ -189,14 +189,19 @@ def run(work: Path, runs: int, starts: int, only: str | None) -> None:
         bootstrap(work, key, starts)
 
 
+def as_root(server: sshd.SshdServer, key: sshd.KeyPair) -> SSH:
+    """The provider for `server` logged in as root, running this interpreter directly."""
+    return SSH(
+        [f"root@127.0.0.1:{server.port}"],
+        key=str(key.private_path),
+        known_hosts=[server.known_hosts_line()],
+        python=sys.executable,
+    )
+
+
 def rtt(key: sshd.KeyPair, runs: int) -> None:
     with sshd.SshdServer(authorized_keys=[key]) as server:
-        provider = SSH(
-            [f"root@127.0.0.1:{server.port}"],
-            key=str(key.private_path),
-            known_hosts=[server.known_hosts_line()],
-            python=sys.executable,
-        )
+        provider = as_root(server, key)
         # The floor talks over the same ciphers as skyward's connections; asyncssh's default
         # (ChaCha20-Poly1305 first) is shown for scale.
         echoes = [
@@ -242,12 +247,7 @@ async def raw_bulk(server: sshd.SshdServer, key: str, n: int) -> tuple[float, fl
 
 def bulk(key: sshd.KeyPair, n: int) -> None:
     with sshd.SshdServer(authorized_keys=[key]) as server:
-        provider = SSH(
-            [f"root@127.0.0.1:{server.port}"],
-            key=str(key.private_path),
-            known_hosts=[server.known_hosts_line()],
-            python=sys.executable,
-        )
+        provider = as_root(server, key)
         downs, ups, raw_downs, raw_ups = [], [], [], []
         with sky.ComputePool(provider=provider, nodes=1, stream_output=False) as pool:
             for _ in range(3):

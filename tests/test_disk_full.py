@@ -3,8 +3,6 @@ is built, and as the pool's output directory while the function writes. Needs ro
 
 from __future__ import annotations
 
-import os
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,26 +12,15 @@ import pytest
 import skyward as sky
 from tests.contract import offline_image
 from tests.support import sshd
+from tests.support.disks import fill, tmpfs
 
 pytestmark = pytest.mark.skipif(not sshd.is_root(), reason="mounting a tmpfs needs root")
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], check=True)
-    try:
+    with tmpfs(tmp_path / "small-disk", "8m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def fill(disk: Path, leave: int) -> None:
-    """Fill `disk` until only about `leave` bytes are free."""
-    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-    with (disk / "filler").open("wb") as out:
-        out.write(b"\0" * max(0, free - leave))
 
 
 @sky.compute

@@ -4,8 +4,6 @@ small tmpfs, named by `SKYWARD_CACHE_DIR` in its login environment (sshd's SetEn
 
 from __future__ import annotations
 
-import os
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,29 +14,16 @@ import skyward as sky
 from tests.contract import offline_image
 from tests.ssh.conftest import Server
 from tests.support import sshd, wheels
+from tests.support.disks import fill, tmpfs
 
 pytestmark = pytest.mark.ssh
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
     # room for skyward's copy of itself, uv and a small environment; no more
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(mount)], check=True)
-    try:
+    with tmpfs(tmp_path / "small-disk", "160m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def fill(disk: Path, leave: int) -> Path:
-    """Fill `disk` until only about `leave` bytes are free; the file that does it."""
-    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-    filler = disk / "filler"
-    with filler.open("wb") as out:
-        out.write(b"\0" * max(0, free - leave))
-    return filler
 
 
 @sky.compute

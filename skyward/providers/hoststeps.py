@@ -110,13 +110,18 @@ async def run_step(
         output = done.tail or done.stdout.decode(errors="replace")[-4000:]
         if merge:  # merged commands print to stdout: show its tail
             output = "\n".join(done.stdout.decode(errors="replace").splitlines()[-40:])
-        raise BootstrapError(
-            f"{what} on {node.host} failed (exit status {done.status})"
-            f"{await low_disk(node)}\n--- last lines ---\n{output}",
-            node=node.index,
-            output=output,
-        )
+        raise await _failed(node, what, f" (exit status {done.status})", output)
     return done
+
+
+async def _failed(node: RemoteNode, what: str, how: str, output: str) -> BootstrapError:
+    """The error of a failed step: `how` it failed, a word on a nearly full cache, its last
+    lines."""
+    return BootstrapError(
+        f"{what} on {node.host} failed{how}{await _low_disk(node)}\n--- last lines ---\n{output}",
+        node=node.index,
+        output=output,
+    )
 
 
 # Below this much free space in the host's cache, a failed step says so: the tools that fail
@@ -124,7 +129,7 @@ async def run_step(
 LOW_DISK_BYTES = 512 << 20
 
 
-async def low_disk(node: RemoteNode) -> str:
+async def _low_disk(node: RemoteNode) -> str:
     """A sentence for a failed step when the host's cache is nearly full; "" otherwise."""
     probe = f'C="{CACHE}"; mkdir -p "$C" 2>/dev/null; echo "$C"; df -Pk "$C" | tail -n 1'
     try:
@@ -157,10 +162,5 @@ async def json_step(
     if done.status != 0 or "error" in result or not result:
         output = str(result.get("output") or done.tail)
         reason = result.get("error") or f"exit status {done.status}"
-        raise BootstrapError(
-            f"{what} on {node.host} failed: {reason}{await low_disk(node)}\n"
-            f"--- last lines ---\n{output}",
-            node=node.index,
-            output=output,
-        )
+        raise await _failed(node, what, f": {reason}", output)
     return lines[-1]

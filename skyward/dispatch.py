@@ -69,7 +69,7 @@ class Dispatch:
         payload = call.serialized_args(self.stage)
         session = self._pick(node)
         tally = Tally(1)
-        reply = Reply(tally)
+        reply = _reply(tally)
         session.submit([(self._frames(call, payload), reply)])
         session.stream.wait_replies((session.stream,), reply.done)
         tally.wait(reply.done)
@@ -88,14 +88,18 @@ class Dispatch:
         sessions = list(self.sessions)
         tally = Tally(len(sessions))
         replies: list[Reply] = []
-        writes: list[tuple[NodeSession, Calls, list[frames.Buffer]]] = []
+        writes: list[tuple[NodeSession, Reply, list[frames.Buffer]]] = []
         for session in sessions:
-            reply = Reply(tally)
+            reply = Reply()  # `_reply`, written out
+            reply.tally = tally
             replies.append(reply)
-            batch: Calls = [(frames_, reply)]
-            writes.append((session, batch, session.enqueue(batch)))
-        for session, batch, chunks in writes:
-            session.flush(batch, chunks)  # back to back: each write wakes a node
+            writes.append((session, reply, session.enqueue_one(frames_, reply)))
+        for session, reply, chunks in writes:  # back to back: each write wakes a node
+            if chunks:
+                try:
+                    session.stream.write(chunks)
+                except OSError as exc:
+                    session.write_failed(exc, [(frames_, reply)])
         return self._collect(tally, replies, sessions, spmd=True)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
@@ -106,7 +110,7 @@ class Dispatch:
         start = next(self._cursor)
         owners = [live[(start + i) % len(live)] for i in range(len(calls))]
         tally = Tally(len(calls))
-        replies = [Reply(tally) for _ in calls]
+        replies = [_reply(tally) for _ in calls]
         batches: dict[int, Calls] = {}
         for session, call, payload, reply in zip(owners, calls, payloads, replies, strict=True):
             batches.setdefault(session.node, []).append((self._frames(call, payload), reply))
@@ -167,52 +171,52 @@ class Tally:
     """The replies of one dispatch, counted as they settle (on any thread), so that waiting
     for them costs no lock per reply; a waiter that must sleep is woken as they settle."""
 
-    __slots__ = ("_cond", "_settled", "_waiting", "failures", "total")
+    __slots__ = ("cond", "failures", "settled", "total", "waiting")
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.failures: list[Reply] = []  # in the order they failed
-        self._settled: list[Reply] = []  # list.append is atomic under the GIL
-        self._waiting = False
-        self._cond: threading.Condition | None = None  # made by the first waiter that sleeps
+        self.settled: list[Reply] = []  # list.append is atomic under the GIL
+        self.waiting = False
+        self.cond: threading.Condition | None = None  # made by the first waiter that sleeps
 
     def settle(self, reply: Reply) -> None:
         if reply.error is not None:
             self.failures.append(reply)
-        self._settled.append(reply)
-        if self._waiting and self._cond is not None:  # read after the append: see `wait`
-            with self._cond:
-                self._cond.notify_all()
+        self.settled.append(reply)
+        if self.waiting and self.cond is not None:  # read after the append: see `wait`
+            with self.cond:
+                self.cond.notify_all()
 
     def all_done(self) -> bool:
-        return len(self._settled) == self.total
+        return len(self.settled) == self.total
 
     def all_done_or_failed(self) -> bool:
-        return len(self._settled) == self.total or bool(self.failures)
+        return len(self.settled) == self.total or bool(self.failures)
 
     def wait(self, enough: Callable[[], bool], timeout: float | None = None) -> bool:
         """Sleep until `enough()` or `timeout`; whether it is enough."""
         if enough():
             return True
-        if self._cond is None:
-            self._cond = threading.Condition(threading.Lock())
-        with self._cond:
+        if self.cond is None:
+            self.cond = threading.Condition(threading.Lock())
+        with self.cond:
             # Set before `enough()` is checked again under the lock: a reply that settles after
             # that check sees the flag and notifies; one that settled before, the check sees.
-            self._waiting = True
-            return self._cond.wait_for(enough, timeout)
+            self.waiting = True
+            return self.cond.wait_for(enough, timeout)
 
 
 class Reply:
-    """One call's outcome in a `Tally`: lighter than a `Future` (no lock, set exactly once)."""
+    """One call's outcome in a `Tally`: lighter than a `Future` (no lock, set exactly once).
 
-    __slots__ = ("_done", "_tally", "error", "value")
+    Made without an ``__init__`` (its fields start as class defaults): a broadcast makes one
+    per node on every call."""
 
-    def __init__(self, tally: Tally) -> None:
-        self._tally = tally
-        self._done = False
-        self.value: Any = None
-        self.error: BaseException | None = None
+    tally: Tally
+    value: Any = None
+    error: BaseException | None = None
+    _done = False
 
     def set_running_or_notify_cancel(self) -> bool:
         return True
@@ -220,15 +224,25 @@ class Reply:
     def set_result(self, result: Any) -> None:
         if not self._done:  # counted once, whatever happens
             self.value, self._done = result, True
-            self._tally.settle(self)
+            tally = self.tally  # `Tally.settle`, written out: every reply passes here
+            tally.settled.append(self)
+            if tally.waiting and tally.cond is not None:
+                with tally.cond:
+                    tally.cond.notify_all()
 
     def set_exception(self, exception: BaseException | None) -> None:
         if not self._done:
             self.error, self._done = exception, True
-            self._tally.settle(self)
+            self.tally.settle(self)
 
     def done(self) -> bool:
         return self._done
+
+
+def _reply(tally: Tally) -> Reply:
+    reply = Reply()
+    reply.tally = tally
+    return reply
 
 
 def _blame_rank(error: BaseException | None) -> int:

@@ -161,13 +161,13 @@ class Outbox:
 
     def __init__(self, send: Callable[[list[Entry]], None]) -> None:
         self._send = send
-        self._queue: collections.deque[Entry] = collections.deque()
+        self.queue: collections.deque[Entry] = collections.deque()
         self._wake = threading.Event()
-        self._sending = threading.Lock()  # held from taking a batch to having written it
+        self.sending = threading.Lock()  # held from taking a batch to having written it
         self._closed = False
 
     def put(self, entry: Entry) -> None:
-        self._queue.append(entry)  # atomic under the GIL: no lock on the call's path
+        self.queue.append(entry)  # atomic under the GIL: no lock on the call's path
         if not self._wake.is_set():
             self._wake.set()
 
@@ -178,18 +178,18 @@ class Outbox:
         """Send everything queued so far; OSError when the client is gone."""
         # Nothing queued and no batch being written (one taken is written under the lock):
         # nothing to wait for. The common case after a call, so it takes no lock.
-        if not self._queue and not self._sending.locked():
+        if not self.queue and not self.sending.locked():
             return
-        with self._sending:
+        with self.sending:
             # Only what is queued now: a thread that keeps reporting must not keep us here.
-            left = len(self._queue)
+            left = len(self.queue)
             while left and not self._closed:
                 size = min(left, BATCH)
                 self._send_batch(size)
                 left -= size
 
     def _send_batch(self, size: int) -> None:
-        queue = self._queue
+        queue = self.queue
         batch = [queue.popleft() for _ in range(size)]
         for i, (stamp, metrics, path) in enumerate(batch):
             if any(type(v) is _Later for v in metrics.values()):

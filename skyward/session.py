@@ -215,19 +215,8 @@ class NodeSession:
 
         Split from the write so a broadcast writes to every node back to back: a write wakes
         that node's agent, which then competes for the cores with the rest of the loop."""
-        if len(calls) == 1:  # one call (a broadcast's, a `>>`): no list to build and join
-            call, future = calls[0]
-            with self._lock:
-                if self.dead is not None:
-                    future.set_exception(self.dead)
-                    return []
-                if not future.set_running_or_notify_cancel():
-                    return []
-                first_time = call.fn_id not in self._sent_functions
-                if first_time:
-                    self._sent_functions.add(call.fn_id)
-                self.pending[call.call_id] = future
-            return call.chunks(first_time)
+        if len(calls) == 1:  # one call (a `>>`): no list to build and join
+            return self.enqueue_one(*calls[0])
         chunks: list[frames.Buffer] = []
         with self._lock:
             for call, future in calls:
@@ -242,6 +231,20 @@ class NodeSession:
                 chunks += call.chunks(first_time)
         return chunks if len(chunks) == 1 else frames.coalesce(chunks)
 
+    def enqueue_one(self, call: CallFrames, future: Outcome) -> list[frames.Buffer]:
+        """`enqueue` for one call (each node's part of a broadcast)."""
+        with self._lock:
+            if self.dead is not None:
+                future.set_exception(self.dead)
+                return []
+            if not future.set_running_or_notify_cancel():
+                return []
+            first_time = call.fn_id not in self._sent_functions
+            if first_time:
+                self._sent_functions.add(call.fn_id)
+            self.pending[call.call_id] = future
+        return call.chunks(first_time)
+
     def flush(self, calls: Calls, chunks: list[frames.Buffer]) -> None:
         """Write what `enqueue` returned for `calls`; a failed write fails those calls."""
         if not chunks:
@@ -249,11 +252,15 @@ class NodeSession:
         try:
             self.stream.write(chunks)
         except OSError as exc:
-            error = self._error(f"could not send to node {self.node}: {exc}")
-            with self._lock:
-                failed = [f for c, f in calls if self.pending.pop(c.call_id, None) is f]
-            for future in failed:
-                future.set_exception(error)
+            self.write_failed(exc, calls)
+
+    def write_failed(self, exc: OSError, calls: Calls) -> None:
+        """The write of `calls` failed with `exc`: fail those of them still pending."""
+        error = self._error(f"could not send to node {self.node}: {exc}")
+        with self._lock:
+            failed = [f for c, f in calls if self.pending.pop(c.call_id, None) is f]
+        for future in failed:
+            future.set_exception(error)
 
     # -- receiving ---------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from skyward.transport import frames, messages, pickling
+from skyward.transport.agentchannel import AgentChannel
 
 
 def _stream(count: int, rng: random.Random) -> tuple[bytes, list[dict[str, object]]]:
@@ -63,7 +64,7 @@ def test_truncated_stream_is_a_frame_error() -> None:
     head, *_ = frames.encode(messages.Call(1, 2, None), [b"abc" * 10])
     os.write(write_fd, bytes(head)[:5])
     os.close(write_fd)
-    channel = frames.SyncChannel(read_fd, os.open(os.devnull, os.O_WRONLY))
+    channel = AgentChannel(read_fd, os.open(os.devnull, os.O_WRONLY))
     try:
         channel.read()
     except frames.FrameError as exc:
@@ -78,7 +79,7 @@ def test_linger_keeps_frames_and_leaves_the_stream_blocking() -> None:
     import time
 
     read_fd, write_fd = os.pipe()
-    channel = frames.SyncChannel(read_fd, os.open(os.devnull, os.O_WRONLY))
+    channel = AgentChannel(read_fd, os.open(os.devnull, os.O_WRONLY))
     # Two frames in one write: after reading the first, the second waits in the read buffer,
     # where polling the pipe alone would not see it.
     first = b"".join(bytes(c) for c in frames.encode(messages.Call(1, 2, None), [b"a"]))

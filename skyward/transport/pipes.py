@@ -119,7 +119,9 @@ class SubprocessStream:
         fd = self._stdin_fd
         with self._write_lock:
             for chunk in chunks:
-                write_all(fd, chunk)
+                written = os.write(fd, chunk)  # one write is the common case (a small frame)
+                if written < (chunk.nbytes if type(chunk) is memoryview else len(chunk)):
+                    write_all(fd, memoryview(chunk).cast("B")[written:])
 
     def close_input(self) -> None:
         with self._write_lock, contextlib.suppress(OSError):
@@ -247,8 +249,14 @@ class _ControlReader:
         """Read several pipes in this thread until `done()` (checked at least every `poll` s);
         `known` keeps their poll set for the next time."""
         group = _Group.of(readers, known)
+        # `_enter`, the locks and `_leave` for every pipe, written out: a broadcast pays them
+        # once per node on each call.
         for reader in group.readers:
-            reader._enter()
+            with reader._state:
+                reader._callers += 1
+                if reader._selecting and not reader._closed_kick:
+                    with contextlib.suppress(OSError):
+                        os.write(reader._kick_w, b"k")  # ask the background reader to step aside
         held: list[_ControlReader] = []
         try:
             for reader in group.readers:
@@ -262,10 +270,24 @@ class _ControlReader:
                 return
             by_fd, poller = group.poller(live)
             timeout_ms = poll * 1000
+            read = os.read
             while by_fd and not done():
                 for fd, _ in poller.poll(timeout_ms):
                     reader = by_fd[fd]
-                    reader._read_once()
+                    size = reader._read_size
+                    try:  # `_read_once`, written out: every reply of a broadcast comes here
+                        data = read(fd, size)
+                    except OSError:
+                        data = b""
+                    if data and len(data) < size:
+                        reader._read_size = _SMALL_READ
+                        reader._receiver(data)
+                        continue
+                    reader._read_size = _BIG_READ if data else _SMALL_READ
+                    if not data:
+                        reader._ended = True
+                        reader._finish()
+                    reader._receiver(data)
                     if reader._ended:
                         poller.unregister(fd)
                         del by_fd[fd]
@@ -273,8 +295,11 @@ class _ControlReader:
         finally:
             for reader in held:
                 reader._lock.release()
+            now = time.monotonic()
             for reader in group.readers:
-                reader._leave()
+                with reader._state:
+                    reader._callers -= 1
+                    reader._last_caller = now
 
 
 class _Group:

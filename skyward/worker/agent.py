@@ -35,11 +35,12 @@ from skyward import reports
 from skyward.errors import PluginError, SerializationError
 from skyward.plugins import hooks
 from skyward.transport import frames, messages, pickling
+from skyward.transport.agentchannel import AgentChannel
 
 HEARTBEAT_SECONDS = 2.0
 # After the client disappears, how long a graceful exit (plugin hooks unwinding) may take.
 ORPHAN_GRACE_SECONDS = 3.0
-# How long the agent polls for the next call after answering one (see SyncChannel.linger). The
+# How long the agent polls for the next call after answering one (see AgentChannel.linger). The
 # provider sets it, and only where the agent has a core to itself: polling agents that share
 # cores would slow each other down.
 LINGER_ENV = "SKYWARD_AGENT_LINGER_US"
@@ -50,16 +51,14 @@ M = TypeVar("M", messages.Open, messages.Hello)
 class Agent:
     """The agent's state: the stream and the function cache."""
 
-    def __init__(self, channel: frames.SyncChannel) -> None:
+    def __init__(self, channel: AgentChannel) -> None:
         self._channel = channel
-        self._write_lock = threading.Lock()
         self._functions: dict[int, Callable[..., Any]] = {}
         self._linger = _linger_seconds()
         self._reports = reports.Outbox(lambda entries: self.send(messages.Reported(entries)))
 
     def send(self, message: messages.Message, segments: frames.Segments = ()) -> None:
-        with self._write_lock:
-            self._channel.write(message, segments)
+        self._channel.send(message, segments)
 
     def run(self) -> int:
         first = self._expect(messages.Open)
@@ -134,45 +133,54 @@ class Agent:
 
     def _serve(self) -> None:
         """Run calls in arrival order until Shutdown or the end of the stream."""
-        while (frame := self._channel.read()) is not None:
-            message, segments = frame
-            if isinstance(message, messages.Call):
-                self._run_call(message, segments)
-                self._channel.linger(self._linger)
-            elif isinstance(message, messages.Shutdown):
-                return
+        self._channel.serve(self._run_call, _not_shutdown, self._linger)
 
-    def _run_call(self, call: messages.Call, segments: list[bytes]) -> None:
-        call_id, fn_id, fn_bytes = call.call_id, call.fn_id, call.fn_bytes
+    def _run_call(
+        self, call_id: int, fn_id: int, fn_bytes: bytes | None, segments: list[bytes]
+    ) -> frames.Segments | None:
+        """Run one call: the segments of its result, or None once it is answered with an
+        error. Every small call passes here (see `AgentChannel.serve`): written flat."""
         try:
             fn = self._functions.get(fn_id)
             if fn is None:
-                if fn_bytes is None:
-                    raise RuntimeError(f"function {fn_id} was never sent to this node")
-                fn = self._functions[fn_id] = pickle.loads(fn_bytes)
-            args, kwargs = frames.loads(segments)
-            del segments  # a large argument is freed as soon as the function lets go of it
+                fn = self._load_function(fn_id, fn_bytes)
+            args, kwargs = pickle.loads(segments[0], buffers=segments[1:])
+            segments.clear()  # a large argument is freed as soon as the function lets go of it
             value = fn(*args, **kwargs)
         except BaseException as exc:
-            # sys.exit() or KeyboardInterrupt in the user's code fails that call only; the agent
-            # keeps serving.
-            self._reports.flush()
-            self.send(messages.Raised(call_id, _report(exc)), pickling.try_dumps(exc))
-            return
-        try:
-            result = pickling.fast_dumps(value)
-        except Exception as exc:
-            error = SerializationError(
-                f"the return value ({type(value).__name__}) could not be pickled for the trip "
-                f"back to the client: {exc}; return plain data (numbers, arrays, dicts) instead"
-            )
-            # the pickler's own traceback says what in the value could not travel
-            raised = messages.Raised(call_id, _report(error, traceback.format_exc()))
-            self._reports.flush()
-            self.send(raised, pickling.try_dumps(error))
-            return
-        self._reports.flush()  # the client sees a call's reports before its result
-        self.send(messages.Result(call_id), result)
+            # sys.exit() or KeyboardInterrupt in the user's code fails that call only; the
+            # agent keeps serving.
+            self._raise(call_id, exc)
+            return None
+        if type(value) in frames.SCALARS:
+            result: frames.Segments = [pickle.dumps(value, frames.PROTOCOL)]
+        else:
+            try:
+                result = pickling.fast_dumps(value)
+            except Exception as exc:
+                error = SerializationError(
+                    f"the return value ({type(value).__name__}) could not be pickled for the "
+                    f"trip back to the client: {exc}; return plain data (numbers, arrays, "
+                    "dicts) instead"
+                )
+                # the pickler's own traceback says what in the value could not travel
+                self._raise(call_id, error, traceback.format_exc())
+                return None
+        if self._reports.queue or self._reports.sending.locked():
+            self._reports.flush()  # the client sees a call's reports before its result
+        return result
+
+    def _load_function(self, fn_id: int, fn_bytes: bytes | None) -> Callable[..., Any]:
+        if fn_bytes is None:
+            raise RuntimeError(f"function {fn_id} was never sent to this node")
+        fn: Callable[..., Any] = pickle.loads(fn_bytes)
+        self._functions[fn_id] = fn
+        return fn
+
+    def _raise(self, call_id: int, exc: BaseException, tb: str | None = None) -> None:
+        """Answer call `call_id` with `exc` (described by `tb` when given)."""
+        self._reports.flush()
+        self.send(messages.Raised(call_id, _report(exc, tb)), pickling.try_dumps(exc))
 
     def _watch(self, silence_timeout: float) -> None:
         """Heartbeats while calls run; and a hard exit when the client has gone away.
@@ -208,6 +216,10 @@ class Agent:
                 break
         time.sleep(ORPHAN_GRACE_SECONDS)
         _exit_hard(1)
+
+
+def _not_shutdown(message: messages.Message, segments: list[bytes]) -> bool:
+    return type(message) is not messages.Shutdown
 
 
 def _not_a_ping(message: messages.Message) -> bool:
@@ -260,7 +272,7 @@ def _exit_hard(status: int) -> None:
     os._exit(status)
 
 
-def _take_over_stdio() -> frames.SyncChannel:
+def _take_over_stdio() -> AgentChannel:
     """Move the control stream off fds 0/1 and send fd 1 to the output stream (fd 2)."""
     ctl_in, ctl_out = os.dup(0), os.dup(1)
     for fd in (ctl_in, ctl_out):
@@ -279,7 +291,7 @@ def _take_over_stdio() -> frames.SyncChannel:
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True
     )
-    return frames.SyncChannel(ctl_in, ctl_out)
+    return AgentChannel(ctl_in, ctl_out)
 
 
 def main() -> None:

@@ -1,0 +1,217 @@
+"""`AgentChannel`: the agent's side of the client <-> agent stream, in blocking frame I/O.
+
+The agent spends its life in `AgentChannel.serve`. With many agents sharing cores (an 8-node
+broadcast on a laptop), what a call costs on a node is mostly the memory its path touches,
+fetched again each time the agent wakes with cold caches: each Python function call on the path
+costs a few microseconds there, so the common case (a small call that returns) is read, handed
+to the agent and answered within that one loop.
+
+Shared by the client's tests and the worker agent: standard library only.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import select
+import threading
+import time
+from collections.abc import Callable
+
+from skyward.transport.frames import (
+    COALESCE_LIMIT,
+    HEADER,
+    LENGTH,
+    ONE_SEGMENT,
+    PROTOCOL,
+    FrameError,
+    Segments,
+    encode,
+    lengths_of,
+    spin_until,
+    write_all,
+)
+from skyward.transport.messages import Call, Message, Result, from_wire
+
+# What `serve` hands the agent for each call: (call_id, fn_id, fn_bytes, segments), and what
+# the agent gives back: the result's segments to send, or None when it has answered itself.
+RunCall = Callable[[int, int, "bytes | None", list[bytes]], "Segments | None"]
+_CALL, _RESULT = Call.KIND, Result.KIND
+_monotonic = time.monotonic
+
+
+class AgentChannel:
+    """Blocking frame I/O over two file descriptors.
+
+    One thread reads (`read`, `serve`); while it is busy elsewhere (running a call), another
+    may take the frames that have arrived meanwhile (`read_ahead`) and keep them for it, so that
+    the client's pings are seen and its input never piles up. `last_input` is when a frame last
+    arrived, by either way. Writes (`send`) are safe from any thread.
+    """
+
+    def __init__(self, fd_in: int, fd_out: int) -> None:
+        self._fd_in = fd_in
+        # Reads take exactly what they ask for, so nothing is ever buffered here: small parts
+        # with os.read (a BufferedReader's own refill costs several microseconds a call), a
+        # large segment with an unbuffered reader, which fills one bytes object of the
+        # segment's size in place.
+        self._whole = io.BufferedReader(io.FileIO(fd_in, "rb"), buffer_size=1)
+        self._input = select.poll()
+        self._input.register(fd_in, select.POLLIN)
+        self._out_fd = fd_out
+        self.fileno_in = fd_in
+        self._lock = threading.Lock()  # held by whoever reads the input
+        self._write_lock = threading.Lock()
+        self._early: collections.deque[tuple[Message, list[bytes]]] = collections.deque()
+        self._ended = False
+        self.last_input = time.monotonic()
+
+    def send(self, message: Message, segments: Segments = ()) -> None:
+        """Write one frame."""
+        chunks = encode(message, segments)
+        with self._write_lock:
+            for chunk in chunks:
+                write_all(self._out_fd, chunk)
+
+    def serve(
+        self, run: RunCall, other: Callable[[Message, list[bytes]], bool], linger: float = 0.0
+    ) -> None:
+        """Serve calls until the stream ends or `other` says to stop.
+
+        Each `Call` goes to `run` as its fields and segments; the segments `run` returns are
+        sent as the call's `Result`. Any other message goes to `other`, which returns False to
+        stop. After each call the channel polls for the next one for `linger` seconds.
+        """
+        fd_in, fd_out, lock, write_lock = self._fd_in, self._out_fd, self._lock, self._write_lock
+        loads, dumps, read, write = pickle.loads, pickle.dumps, os.read, os.write
+        head_size, unpack_head, pack_head = ONE_SEGMENT.size, ONE_SEGMENT.unpack, ONE_SEGMENT.pack
+        while True:
+            # The common frame, a small call, is read and decoded here: its first 16 bytes
+            # (header and segment length), then the metadata and the pickled arguments.
+            frame: tuple[Message, list[bytes]] | None = None
+            with lock:
+                if self._early or self._ended:
+                    frame = self._early.popleft() if self._early else None
+                    if frame is None:
+                        return
+                else:
+                    head = read(fd_in, head_size)
+                    meta_len = count = first = 0
+                    if len(head) == head_size:
+                        meta_len, count, first = unpack_head(head)
+                    if count != 1 or first >= COALESCE_LIMIT:
+                        frame = self._rest_of_frame(head)
+                        if frame is None:
+                            return
+                    else:
+                        body = read(fd_in, meta_len + first)
+                        if len(body) < meta_len + first:
+                            body = self._read_exactly(meta_len + first, body)
+                        self.last_input = _monotonic()
+                        meta = loads(body[:meta_len])
+                        if type(meta) is tuple and len(meta) == 4 and meta[0] == _CALL:
+                            _, call_id, fn_id, fn_bytes = meta
+                            segments = [body[meta_len:]]
+                        else:
+                            frame = from_wire(meta), [body[meta_len:]]
+            if frame is not None:
+                message, segments = frame
+                if type(message) is not Call:
+                    if not other(message, segments):
+                        return
+                    continue
+                call_id, fn_id, fn_bytes = message.call_id, message.fn_id, message.fn_bytes
+            del frame
+            result = run(call_id, fn_id, fn_bytes, segments)
+            del segments  # a large argument is freed once the call lets go of it
+            if result is not None:
+                only = result[0] if len(result) == 1 else None
+                if type(only) is bytes and len(only) < COALESCE_LIMIT:
+                    # `send(Result(call_id), result)`, written out
+                    blob = dumps((_RESULT, call_id), PROTOCOL)
+                    out = pack_head(len(blob), 1, len(only)) + blob + only
+                    with write_lock:
+                        written = write(fd_out, out)
+                        if written < len(out):  # a signal or a full pipe cut it short
+                            write_all(fd_out, memoryview(out)[written:])
+                else:
+                    self.send(Result(call_id), result)
+            if linger:
+                self.linger(linger)
+
+    def read(self) -> tuple[Message, list[bytes]] | None:
+        """Read one frame; None when the stream has closed between frames."""
+        with self._lock:
+            if self._early:
+                return self._early.popleft()
+            if self._ended:
+                return None
+            return self._rest_of_frame(os.read(self._fd_in, ONE_SEGMENT.size))
+
+    def _read_exactly(self, n: int, have: bytes = b"") -> bytes:
+        """`n` bytes of input (after `have`, the part already read)."""
+        if n >= COALESCE_LIMIT and not have:
+            data = self._whole.read(n)
+        else:
+            data = have
+            while len(data) < n:  # a frame may arrive in pieces
+                more = os.read(self._fd_in, n - len(data))
+                if not more:
+                    break
+                data += more
+        if len(data) < n:
+            raise FrameError("stream closed in the middle of a frame")
+        return data
+
+    def _rest_of_frame(self, head: bytes) -> tuple[Message, list[bytes]] | None:
+        """The frame whose first bytes, up to 16 (every frame is longer: a header and a pickle
+        of at least 12 bytes), are `head`; None if the stream ended before it."""
+        if not head:
+            self._ended = True
+            return None
+        if len(head) < ONE_SEGMENT.size:
+            head = self._read_exactly(ONE_SEGMENT.size, head)
+        meta_len, count, first = ONE_SEGMENT.unpack(head)
+        self.last_input = _monotonic()
+        if count == 1:  # `first` is the one segment's length
+            meta = self._read_exactly(meta_len)
+            # a large segment is its own bytes object: an out-of-band ``bytes`` argument is then
+            # rebuilt as that very object, with no copy
+            return from_wire(pickle.loads(meta)), [self._read_exactly(first)]
+        if count == 0:  # `first` is the metadata's first 8 bytes
+            if meta_len < LENGTH.size:
+                raise FrameError(f"a frame's metadata cannot be {meta_len} bytes long")
+            meta = self._read_exactly(meta_len, head[HEADER.size :])
+            return from_wire(pickle.loads(meta)), []
+        rest = self._read_exactly(LENGTH.size * (count - 1) + meta_len)
+        lengths = (first, *lengths_of(count - 1).unpack_from(rest))
+        message = from_wire(pickle.loads(memoryview(rest)[LENGTH.size * (count - 1) :]))
+        return message, [self._read_exactly(n) for n in lengths]
+
+    def read_ahead(self, keep: Callable[[Message], bool]) -> None:
+        """From another thread: take the frames that have arrived while the reader is busy
+        (a frame that has begun to arrive is read whole), keeping those `keep` accepts for
+        `read`. Does nothing while the reader is reading."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            while not self._ended and self._input.poll(0):
+                frame = self._rest_of_frame(os.read(self._fd_in, ONE_SEGMENT.size))
+                if frame is not None and keep(frame[0]):
+                    self._early.append(frame)
+        finally:
+            self._lock.release()
+
+    def linger(self, seconds: float) -> None:
+        """Poll for up to `seconds` for the next frame instead of letting the next read sleep.
+
+        A process asleep in read() costs a wake-up when data arrives, and on a virtual machine
+        that is often the largest part of a small call's round trip. Polling briefly after a
+        reply catches back-to-back calls awake, at the price of `seconds` of CPU when none come.
+        """
+        if seconds <= 0 or self._early:
+            return
+        poll = self._input.poll
+        spin_until(lambda: bool(poll(0)), seconds)

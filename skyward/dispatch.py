@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from skyward.errors import ConfigError, PoolClosedError, WorkerError
 from skyward.session import CallFrames, Calls, NodeSession
 from skyward.transport import frames
+from skyward.transport.base import AgentStream
 
 if TYPE_CHECKING:
     from skyward.calls import PendingCall, Stage
@@ -29,12 +30,22 @@ class Dispatch:
     """The calls of one pool over its node sessions (`sessions` is replaced on a restart)."""
 
     def __init__(self, broadcast_grace: float) -> None:
-        self.sessions: list[NodeSession] = []
+        self._sessions: list[NodeSession] = []
+        self._streams: list[AgentStream] = []  # the sessions' streams, one list per restart
         self.broken: str | None = None  # why the pool takes no more calls
         self._broadcast_grace = broadcast_grace
         self._cursor = itertools.count()
         # Syncs the `sky.Data` of a call's arguments to the nodes before it is sent.
         self.stage: Stage | None = None
+
+    @property
+    def sessions(self) -> list[NodeSession]:
+        return self._sessions
+
+    @sessions.setter
+    def sessions(self, sessions: list[NodeSession]) -> None:
+        self._sessions = sessions
+        self._streams = [session.stream for session in sessions]
 
     def session(self, node: int) -> NodeSession:
         if not 0 <= node < len(self.sessions):
@@ -100,7 +111,7 @@ class Dispatch:
                     session.stream.write(chunks)
                 except OSError as exc:
                     session.write_failed(exc, [(frames_, reply)])
-        return self._collect(tally, replies, sessions, spmd=True)
+        return self._collect(tally, replies, sessions, spmd=True, streams=self._streams)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
         """Run independent calls spread over the nodes; results in call order (see
@@ -120,14 +131,20 @@ class Dispatch:
         return tuple(self._collect(tally, replies, owners, spmd=False))
 
     def _collect(
-        self, tally: Tally, replies: list[Reply], owners: list[NodeSession], spmd: bool
+        self,
+        tally: Tally,
+        replies: list[Reply],
+        owners: list[NodeSession],
+        spmd: bool,
+        streams: list[AgentStream] | None = None,
     ) -> list[Any]:
         """Wait for every reply; return the values, or raise the root failure.
 
         `spmd` (a broadcast): the calls depend on each other, so a failure stops the rest.
         Otherwise (a gather) the calls are independent and all run to their end.
         """
-        group = list({id(s.stream): s.stream for s in owners}.values())
+        # `streams`: those of `owners`, each once, in a list kept from call to call
+        group = streams or list({id(s.stream): s.stream for s in owners}.values())
         group[0].wait_replies(group, tally.all_done if not spmd else tally.all_done_or_failed)
         if spmd:
             tally.wait(tally.all_done_or_failed)

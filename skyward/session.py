@@ -66,7 +66,7 @@ class CallFrames:
     """One call's frame, encoded at most twice (with and without the function's bytes) however
     many nodes it goes to: a broadcast writes the same bytes to every node."""
 
-    __slots__ = ("_with_fn", "_without_fn", "call_id", "fn_bytes", "fn_id", "segments")
+    __slots__ = ("_with_fn", "call_id", "fn_bytes", "fn_id", "segments", "without_fn")
 
     def __init__(
         self, call_id: int, fn_id: int, fn_bytes: bytes, segments: list[frames.Buffer]
@@ -75,19 +75,17 @@ class CallFrames:
         self.fn_id = fn_id
         self.fn_bytes = fn_bytes
         self.segments = segments
+        # what a node that has the function gets: nearly every call needs it, so it is made now
+        self.without_fn = frames.encode(messages.Call(call_id, fn_id, None), segments)
         self._with_fn: list[frames.Buffer] | None = None
-        self._without_fn: list[frames.Buffer] | None = None
 
     def chunks(self, first_time: bool) -> list[frames.Buffer]:
-        if first_time:
-            if self._with_fn is None:
-                call = messages.Call(self.call_id, self.fn_id, self.fn_bytes)
-                self._with_fn = frames.encode(call, self.segments)
-            return self._with_fn
-        if self._without_fn is None:
-            call = messages.Call(self.call_id, self.fn_id, None)
-            self._without_fn = frames.encode(call, self.segments)
-        return self._without_fn
+        if not first_time:
+            return self.without_fn
+        if self._with_fn is None:
+            call = messages.Call(self.call_id, self.fn_id, self.fn_bytes)
+            self._with_fn = frames.encode(call, self.segments)
+        return self._with_fn
 
 
 class NodeSession:
@@ -114,18 +112,19 @@ class NodeSession:
         self.plugin: str | None = None  # the plugin whose hook runs, in Stage.IN_PLUGIN
         self._hook = ""
         self._sent_functions: set[int] = set()
-        self._last_seen = time.monotonic()
         self._explain = explain
         self._on_output = on_output
         self._on_report = on_report
         self._control: asyncio.Queue[messages.Message | None] = asyncio.Queue()
         self._stopping = False
         self._lock = threading.Lock()
-        self._decoder = frames.FrameDecoder(self._on_frame)
+        self._decoder = frames.FrameDecoder(
+            self._on_frame, self._on_result, self._on_control_end, self._on_broken_stream
+        )
         self._ended_task: asyncio.Task[None] | None = None
         self._control_closed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        stream.start(self._on_control_bytes, self.output.feed)
+        stream.start(self._decoder.feed, self.output.feed)
 
     @property
     def ready(self) -> bool:
@@ -239,11 +238,11 @@ class NodeSession:
                 return []
             if not future.set_running_or_notify_cancel():
                 return []
-            first_time = call.fn_id not in self._sent_functions
-            if first_time:
-                self._sent_functions.add(call.fn_id)
             self.pending[call.call_id] = future
-        return call.chunks(first_time)
+            if call.fn_id in self._sent_functions:
+                return call.without_fn
+            self._sent_functions.add(call.fn_id)
+        return call.chunks(True)
 
     def flush(self, calls: Calls, chunks: list[frames.Buffer]) -> None:
         """Write what `enqueue` returned for `calls`; a failed write fails those calls."""
@@ -264,27 +263,26 @@ class NodeSession:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    def _on_control_bytes(self, data: bytes) -> None:
-        if not data:
-            self._loop.call_soon_threadsafe(self._control_ended)
-            return
-        self._last_seen = time.monotonic()
-        try:
-            self._decoder.feed(data)
-        except Exception as exc:
-            self.output.line(f"[skyward] broken stream from the agent of node {self.node}: {exc!r}")
-            self.stream.kill()
+    def _on_broken_stream(self, exc: Exception) -> None:
+        self.output.line(f"[skyward] broken stream from the agent of node {self.node}: {exc!r}")
+        self.stream.kill()
+
+    def _on_control_end(self) -> None:
+        self._loop.call_soon_threadsafe(self._control_ended)
+
+    def _on_result(self, call_id: int, segments: list[frames.Buffer]) -> None:
+        future = self.pending.pop(call_id, None)
+        if future is not None:
+            try:
+                value = pickle.loads(segments[0], buffers=segments[1:])
+            except Exception as exc:
+                self._unpicklable(future, exc)
+            else:
+                future.set_result(value)
 
     def _on_frame(self, message: messages.Message, segments: list[frames.Buffer]) -> None:
-        if type(message) is messages.Result:  # the hot path: written out, not a call away
-            future = self.pending.pop(message.call_id, None)
-            if future is not None:
-                try:
-                    value = pickle.loads(segments[0], buffers=segments[1:])
-                except Exception as exc:
-                    self._unpicklable(future, exc)
-                else:
-                    future.set_result(value)
+        if type(message) is messages.Result:  # a large one (small ones go to `_on_result`)
+            self._on_result(message.call_id, segments)
         elif type(message) is messages.Raised:
             self._reject(message, segments)
         elif type(message) is messages.Reported:
@@ -368,7 +366,7 @@ class NodeSession:
 
     def check_heartbeat(self, now: float, timeout: float) -> None:
         """Declare the node dead if it has sent nothing for `timeout` seconds."""
-        silent = now - self._last_seen
+        silent = now - self._decoder.last_fed
         if self.dead is None and silent > timeout:
             self.mark_dead(
                 self._error(

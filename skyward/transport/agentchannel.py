@@ -3,8 +3,9 @@
 The agent spends its life in `AgentChannel.serve`. With many agents sharing cores (an 8-node
 broadcast on a laptop), what a call costs on a node is mostly the memory its path touches,
 fetched again each time the agent wakes with cold caches: each Python function call on the path
-costs a few microseconds there, so the common case (a small call that returns) is read, handed
-to the agent and answered within that one loop.
+costs several microseconds there (measured: one more call per node made an 8-node broadcast
+20% slower on 2 cores), so the common case, a small call that returns, is read, run and
+answered within the one loop of `serve`, with the agent's functions (`CallHost`).
 
 Shared by the client's tests and the worker agent: standard library only.
 """
@@ -18,7 +19,8 @@ import pickle
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
+from typing import Any, Protocol
 
 from skyward.transport.frames import (
     COALESCE_LIMIT,
@@ -26,6 +28,7 @@ from skyward.transport.frames import (
     LENGTH,
     ONE_SEGMENT,
     PROTOCOL,
+    SCALARS,
     FrameError,
     Segments,
     encode,
@@ -35,9 +38,53 @@ from skyward.transport.frames import (
 )
 from skyward.transport.messages import Call, Message, Result, from_wire
 
-# What `serve` hands the agent for each call: (call_id, fn_id, fn_bytes, segments), and what
-# the agent gives back: the result's segments to send, or None when it has answered itself.
-RunCall = Callable[[int, int, "bytes | None", list[bytes]], "Segments | None"]
+
+class _Held(Protocol):
+    def locked(self) -> bool: ...
+
+
+class Reports(Protocol):
+    """The agent's queue of `sky.report` entries (`reports.Outbox`), as `serve` sees it."""
+
+    @property
+    def queue(self) -> Sized:
+        """The entries not yet sent."""
+        ...
+
+    @property
+    def sending(self) -> _Held:
+        """Held while a batch is being written."""
+        ...
+
+    def flush(self) -> None: ...
+
+
+class CallHost(Protocol):
+    """What `AgentChannel.serve` needs of the agent to run calls."""
+
+    @property
+    def functions(self) -> dict[int, Callable[..., Any]]:
+        """The functions already loaded, by id."""
+        ...
+
+    @property
+    def reports(self) -> Reports:
+        """The reports queue, sent before each call's result."""
+        ...
+
+    def load_function(self, fn_id: int, fn_bytes: bytes | None) -> Callable[..., Any]:
+        """Unpickle function `fn_id` (into `functions`); raises if it never came."""
+        ...
+
+    def fail_call(self, call_id: int, exc: BaseException, tb: str | None = None) -> None:
+        """Answer call `call_id` with `exc`."""
+        ...
+
+    def dump_result(self, call_id: int, value: Any) -> Segments | None:
+        """`value` as segments; None once the call is answered with why it cannot travel."""
+        ...
+
+
 _CALL, _RESULT = Call.KIND, Result.KIND
 _monotonic = time.monotonic
 
@@ -76,17 +123,19 @@ class AgentChannel:
                 write_all(self._out_fd, chunk)
 
     def serve(
-        self, run: RunCall, other: Callable[[Message, list[bytes]], bool], linger: float = 0.0
+        self, host: CallHost, other: Callable[[Message, list[bytes]], bool], linger: float = 0.0
     ) -> None:
-        """Serve calls until the stream ends or `other` says to stop.
+        """Run calls until the stream ends or `other` says to stop.
 
-        Each `Call` goes to `run` as its fields and segments; the segments `run` returns are
-        sent as the call's `Result`. Any other message goes to `other`, which returns False to
-        stop. After each call the channel polls for the next one for `linger` seconds.
+        Each `Call` runs here, with `host`'s functions, and its result is sent as its `Result`
+        (an exception goes to `host.fail_call`). Any other message goes to `other`, which
+        returns False to stop. After each call the channel polls for the next one for `linger`
+        seconds.
         """
         fd_in, fd_out, lock, write_lock = self._fd_in, self._out_fd, self._lock, self._write_lock
         loads, dumps, read, write = pickle.loads, pickle.dumps, os.read, os.write
         head_size, unpack_head, pack_head = ONE_SEGMENT.size, ONE_SEGMENT.unpack, ONE_SEGMENT.pack
+        functions, reports = host.functions, host.reports
         while True:
             # The common frame, a small call, is read and decoded here: its first 16 bytes
             # (header and segment length), then the metadata and the pickled arguments.
@@ -124,20 +173,40 @@ class AgentChannel:
                     continue
                 call_id, fn_id, fn_bytes = message.call_id, message.fn_id, message.fn_bytes
             del frame
-            result = run(call_id, fn_id, fn_bytes, segments)
-            del segments  # a large argument is freed once the call lets go of it
-            if result is not None:
-                only = result[0] if len(result) == 1 else None
-                if type(only) is bytes and len(only) < COALESCE_LIMIT:
-                    # `send(Result(call_id), result)`, written out
-                    blob = dumps((_RESULT, call_id), PROTOCOL)
-                    out = pack_head(len(blob), 1, len(only)) + blob + only
-                    with write_lock:
-                        written = write(fd_out, out)
-                        if written < len(out):  # a signal or a full pipe cut it short
-                            write_all(fd_out, memoryview(out)[written:])
-                else:
-                    self.send(Result(call_id), result)
+            try:
+                fn = functions.get(fn_id)
+                if fn is None:
+                    fn = host.load_function(fn_id, fn_bytes)
+                args, kwargs = loads(segments[0], buffers=segments[1:])
+                segments.clear()  # a large argument is freed once the function lets go of it
+                value = fn(*args, **kwargs)
+                del args, kwargs
+            except BaseException as exc:
+                # sys.exit() or KeyboardInterrupt in the user's code fails that call only; the
+                # agent keeps serving.
+                host.fail_call(call_id, exc)
+                continue
+            if type(value) in SCALARS:
+                result: Segments = [dumps(value, PROTOCOL)]
+            else:
+                dumped = host.dump_result(call_id, value)
+                if dumped is None:
+                    continue
+                result = dumped
+            del value
+            if reports.queue or reports.sending.locked():
+                reports.flush()  # the client sees a call's reports before its result
+            only = result[0] if len(result) == 1 else None
+            if type(only) is bytes and len(only) < COALESCE_LIMIT:
+                # `send(Result(call_id), result)`, written out
+                blob = dumps((_RESULT, call_id), PROTOCOL)
+                out = pack_head(len(blob), 1, len(only)) + blob + only
+                with write_lock:
+                    written = write(fd_out, out)
+                    if written < len(out):  # a signal or a full pipe cut it short
+                        write_all(fd_out, memoryview(out)[written:])
+            else:
+                self.send(Result(call_id), result)
             if linger:
                 self.linger(linger)
 

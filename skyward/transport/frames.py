@@ -20,13 +20,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from skyward.transport.messages import DECODERS, Message, from_wire, to_wire
+from skyward.transport.messages import DECODERS, Message, Result, from_wire, to_wire
 
 HEADER = struct.Struct("!II")
 LENGTH = struct.Struct("!Q")
 # A header and the first segment length (or the metadata's first bytes when there is none).
 ONE_SEGMENT = struct.Struct("!IIQ")
 PROTOCOL = 5
+_RESULT = Result.KIND
+_monotonic = time.monotonic
 
 Buffer = bytes | bytearray | memoryview
 Segments = Sequence[Buffer]
@@ -163,8 +165,22 @@ class FrameDecoder:
     copied once, whatever the chunking.
     """
 
-    def __init__(self, on_frame: Callable[[Message, list[Buffer]], None]) -> None:
+    def __init__(
+        self,
+        on_frame: Callable[[Message, list[Buffer]], None],
+        on_result: Callable[[int, list[Buffer]], None] | None = None,
+        on_end: Callable[[], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
+        """`on_frame` gets each message and its segments; with `on_result`, a small `Result`
+        goes there as its call id and segments instead (every reply of a broadcast is one: it
+        is spared building the message). `on_end` is called when the stream ends (an empty
+        chunk); `on_error`, if given, gets what a broken stream raised."""
         self._on_frame = on_frame
+        self._on_result = on_result
+        self._on_end = on_end
+        self._on_error = on_error
+        self.last_fed = time.monotonic()  # when bytes last came
         self._buf = bytearray()
         self._meta: Message | None = None
         self._lengths: list[int] = []
@@ -173,12 +189,26 @@ class FrameDecoder:
         self._filled = 0
 
     def feed(self, data: Buffer) -> None:
+        """Decode a chunk of the stream (an empty one: the stream has ended)."""
+        if not data:
+            if self._on_end is not None:
+                self._on_end()
+            return
+        self.last_fed = _monotonic()
+        try:
+            self._feed(data)
+        except Exception as exc:
+            if self._on_error is None:
+                raise
+            self._on_error(exc)
+
+    def _feed(self, data: Buffer) -> None:
         if type(data) is bytes and self._meta is None and not self._buf:
             # The common case, one small reply per read: its frames are delivered straight
             # from `data`, with no copy into the buffer, and written out here rather than a
             # call away (each reply of a broadcast passes through this).
             offset, end = 0, len(data)
-            on_frame, loads = self._on_frame, pickle.loads
+            on_frame, on_result, loads = self._on_frame, self._on_result, pickle.loads
             while end - offset >= ONE_SEGMENT.size:
                 meta_len, count, first = ONE_SEGMENT.unpack_from(data, offset)
                 start = offset + HEADER.size + LENGTH.size * count
@@ -188,11 +218,14 @@ class FrameDecoder:
                         break
                     middle = start + meta_len
                     meta = loads(data[start:middle])
+                    offset = stop
+                    if type(meta) is tuple and len(meta) == 2 and meta[0] == _RESULT and on_result:
+                        on_result(meta[1], [data[middle:stop]])
+                        continue
                     try:
                         message = DECODERS[meta[0]](meta)
                     except (KeyError, IndexError, TypeError):
                         message = from_wire(meta)  # raises, saying what is wrong
-                    offset = stop
                     on_frame(message, [data[middle:stop]])
                     continue
                 if start > end:

@@ -18,7 +18,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
+from typing import IO
 
 from skyward.transport.base import AgentStream, Receiver
 from skyward.transport.frames import Buffer, spin_until, write_all
@@ -45,7 +45,7 @@ class SubprocessStream:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._control: _ControlReader | None = None
         self._last_reply = 0.0  # seconds the last lone reply took to come
-        self._groups: dict[tuple[int, ...], _Group] = {}  # see _Group
+        self._groups: dict[int, _Group] = {}  # see `wait_replies`
 
     def start(self, on_control: Receiver, on_output: Receiver) -> None:
         loop = self._loop = asyncio.get_running_loop()
@@ -76,15 +76,23 @@ class SubprocessStream:
                 self._control.read_until(done, self._linger if quick else 0.0)
                 self._last_reply = time.perf_counter() - began
             return
-        readers = [
-            stream._control
-            for stream in group
-            if isinstance(stream, SubprocessStream) and stream._control is not None
-        ]
-        if len(readers) == 1:
-            readers[0].read_until(done, self._linger)
-        elif readers:
-            _ControlReader.read_all_until(readers, done, self._groups)
+        # A pool passes the same list for each broadcast: its pipes' group is kept by the
+        # list's identity (the group holds the list, so the id stays its own).
+        kept = self._groups.get(id(group))
+        if kept is None or kept.streams is not group or kept.broken:
+            readers = [
+                stream._control
+                for stream in group
+                if isinstance(stream, SubprocessStream) and stream._control is not None
+            ]
+            if len(readers) <= 1:
+                if readers:
+                    readers[0].read_until(done, self._linger)
+                return
+            if len(self._groups) >= 8:  # a pool's broadcasts use one group, its gathers others
+                self._groups.clear()
+            kept = self._groups[id(group)] = _Group(group, readers)
+        _ControlReader.read_all_until(kept, done)
 
     def _readable(self, pipe: IO[bytes], receiver: Receiver) -> None:
         try:
@@ -239,19 +247,13 @@ class _ControlReader:
             self._leave()
 
     @classmethod
-    def read_all_until(
-        cls,
-        readers: Sequence[_ControlReader],
-        done: Callable[[], bool],
-        known: dict[tuple[int, ...], _Group],
-        poll: float = 0.05,
-    ) -> None:
-        """Read several pipes in this thread until `done()` (checked at least every `poll` s);
-        `known` keeps their poll set for the next time."""
-        group = _Group.of(readers, known)
+    def read_all_until(cls, group: _Group, done: Callable[[], bool], poll: float = 0.05) -> None:
+        """Read the pipes of `group` in this thread until `done()` (checked at least every
+        `poll` s)."""
         # `_enter`, the locks and `_leave` for every pipe, written out: a broadcast pays them
         # once per node on each call.
-        for reader in group.readers:
+        readers = group.readers
+        for reader in readers:
             with reader._state:
                 reader._callers += 1
                 if reader._selecting and not reader._closed_kick:
@@ -259,16 +261,25 @@ class _ControlReader:
                         os.write(reader._kick_w, b"k")  # ask the background reader to step aside
         held: list[_ControlReader] = []
         try:
-            for reader in group.readers:
+            every_pipe_open = True
+            for reader in readers:
                 reader._lock.acquire()
                 held.append(reader)
-            live = [r for r in group.readers if not r._ended]
-            if len(live) == 1:
-                (only,) = live
-                while not done() and not only._ended:
-                    only._read_once()  # one pipe: sleep in read() itself
-                return
-            by_fd, poller = group.poller(live)
+                every_pipe_open = every_pipe_open and not reader._ended
+            if every_pipe_open:
+                by_fd, poller = dict(group.by_fd), group.poller
+            else:
+                group.broken = True  # the next caller builds a fresh poll set
+                live = [r for r in readers if not r._ended]
+                if len(live) == 1:
+                    (only,) = live
+                    while not done() and not only._ended:
+                        only._read_once()  # one pipe: sleep in read() itself
+                    return
+                by_fd = {r.fd: r for r in live}
+                poller = select.poll()
+                for fd in by_fd:
+                    poller.register(fd, select.POLLIN)
             timeout_ms = poll * 1000
             read = os.read
             while by_fd and not done():
@@ -296,46 +307,24 @@ class _ControlReader:
             for reader in held:
                 reader._lock.release()
             now = time.monotonic()
-            for reader in group.readers:
+            for reader in readers:
                 with reader._state:
                     reader._callers -= 1
                     reader._last_caller = now
 
 
 class _Group:
-    """The pipes one caller reads together (a broadcast's), kept from one call to the next: a
-    poll set registered once, not on every broadcast."""
+    """The pipes one caller reads together (a broadcast's), kept from one call to the next
+    with their poll set, registered once, not on every broadcast."""
 
-    def __init__(self, readers: Sequence[_ControlReader]) -> None:
+    def __init__(self, streams: Sequence[AgentStream], readers: Sequence[_ControlReader]) -> None:
+        self.streams = streams  # the caller's list, by which the group is kept
         self.readers = sorted(set(readers), key=lambda r: r.fd)  # one lock order: no deadlock
-        self.broken = False  # a pipe ended: the next caller builds a fresh poll set
-        self._by_fd = {r.fd: r for r in self.readers}
-        self._poller = select.poll()
-        for fd in self._by_fd:
-            self._poller.register(fd, select.POLLIN)
-
-    @classmethod
-    def of(cls, readers: Sequence[_ControlReader], known: dict[tuple[int, ...], _Group]) -> _Group:
-        """The group of `readers` kept in `known` (the calling stream's), made if need be."""
-        key = tuple(id(r) for r in readers)  # the kept group holds them: the ids stay theirs
-        group = known.get(key)
-        if group is None or group.broken:
-            if len(known) >= 8:  # a pool's broadcasts use one group, its restarts a few more
-                known.clear()
-            group = known[key] = _Group(readers)
-        return group
-
-    def poller(self, live: list[_ControlReader]) -> tuple[dict[int, _ControlReader], Any]:
-        """The fds to read and a poll object over them: the kept ones while every pipe is
-        open (the lock of each is held), else new ones over `live`."""
-        if len(live) == len(self.readers):
-            return dict(self._by_fd), self._poller
-        self.broken = True
-        by_fd = {r.fd: r for r in live}
-        poller = select.poll()
-        for fd in by_fd:
-            poller.register(fd, select.POLLIN)
-        return by_fd, poller
+        self.broken = False  # a pipe ended: the next caller builds a fresh group
+        self.by_fd = {r.fd: r for r in self.readers}
+        self.poller = select.poll()
+        for fd in self.by_fd:
+            self.poller.register(fd, select.POLLIN)
 
 
 async def spawn(

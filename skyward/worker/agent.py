@@ -53,9 +53,9 @@ class Agent:
 
     def __init__(self, channel: AgentChannel) -> None:
         self._channel = channel
-        self._functions: dict[int, Callable[..., Any]] = {}
+        self.functions: dict[int, Callable[..., Any]] = {}
         self._linger = _linger_seconds()
-        self._reports = reports.Outbox(lambda entries: self.send(messages.Reported(entries)))
+        self.reports = reports.Outbox(lambda entries: self.send(messages.Reported(entries)))
 
     def send(self, message: messages.Message, segments: frames.Segments = ()) -> None:
         self._channel.send(message, segments)
@@ -83,15 +83,15 @@ class Agent:
             target=self._watch, args=(hello.silence_timeout,), name="skyward-watcher", daemon=True
         )
         watcher.start()
-        reports.install(self._reports.put)
-        self._reports.start()
+        reports.install(self.reports.put)
+        self.reports.start()
         with contextlib.ExitStack() as stack:
             if not self._enter_plugins(stack, frames.loads(plugins), hello.info):
                 return 3
             self.send(messages.Ready())
             self._serve()
         with contextlib.suppress(OSError):  # what the plugins reported while unwinding
-            self._reports.flush()
+            self.reports.flush()
         return 0
 
     def _expect(self, kind: type[M]) -> tuple[M, list[bytes]] | None:
@@ -133,53 +133,31 @@ class Agent:
 
     def _serve(self) -> None:
         """Run calls in arrival order until Shutdown or the end of the stream."""
-        self._channel.serve(self._run_call, _not_shutdown, self._linger)
+        self._channel.serve(self, _not_shutdown, self._linger)
 
-    def _run_call(
-        self, call_id: int, fn_id: int, fn_bytes: bytes | None, segments: list[bytes]
-    ) -> frames.Segments | None:
-        """Run one call: the segments of its result, or None once it is answered with an
-        error. Every small call passes here (see `AgentChannel.serve`): written flat."""
-        try:
-            fn = self._functions.get(fn_id)
-            if fn is None:
-                fn = self._load_function(fn_id, fn_bytes)
-            args, kwargs = pickle.loads(segments[0], buffers=segments[1:])
-            segments.clear()  # a large argument is freed as soon as the function lets go of it
-            value = fn(*args, **kwargs)
-        except BaseException as exc:
-            # sys.exit() or KeyboardInterrupt in the user's code fails that call only; the
-            # agent keeps serving.
-            self._raise(call_id, exc)
-            return None
-        if type(value) in frames.SCALARS:
-            result: frames.Segments = [pickle.dumps(value, frames.PROTOCOL)]
-        else:
-            try:
-                result = pickling.fast_dumps(value)
-            except Exception as exc:
-                error = SerializationError(
-                    f"the return value ({type(value).__name__}) could not be pickled for the "
-                    f"trip back to the client: {exc}; return plain data (numbers, arrays, "
-                    "dicts) instead"
-                )
-                # the pickler's own traceback says what in the value could not travel
-                self._raise(call_id, error, traceback.format_exc())
-                return None
-        if self._reports.queue or self._reports.sending.locked():
-            self._reports.flush()  # the client sees a call's reports before its result
-        return result
+    # -- what AgentChannel.serve needs of the agent (a `CallHost`) --
 
-    def _load_function(self, fn_id: int, fn_bytes: bytes | None) -> Callable[..., Any]:
+    def load_function(self, fn_id: int, fn_bytes: bytes | None) -> Callable[..., Any]:
         if fn_bytes is None:
             raise RuntimeError(f"function {fn_id} was never sent to this node")
         fn: Callable[..., Any] = pickle.loads(fn_bytes)
-        self._functions[fn_id] = fn
+        self.functions[fn_id] = fn
         return fn
 
-    def _raise(self, call_id: int, exc: BaseException, tb: str | None = None) -> None:
-        """Answer call `call_id` with `exc` (described by `tb` when given)."""
-        self._reports.flush()
+    def dump_result(self, call_id: int, value: Any) -> frames.Segments | None:
+        try:
+            return pickling.fast_dumps(value)
+        except Exception as exc:
+            error = SerializationError(
+                f"the return value ({type(value).__name__}) could not be pickled for the trip "
+                f"back to the client: {exc}; return plain data (numbers, arrays, dicts) instead"
+            )
+            # the pickler's own traceback says what in the value could not travel
+            self.fail_call(call_id, error, traceback.format_exc())
+            return None
+
+    def fail_call(self, call_id: int, exc: BaseException, tb: str | None = None) -> None:
+        self.reports.flush()
         self.send(messages.Raised(call_id, _report(exc, tb)), pickling.try_dumps(exc))
 
     def _watch(self, silence_timeout: float) -> None:

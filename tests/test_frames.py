@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import numpy as np
@@ -137,3 +138,149 @@ def test_a_frame_that_is_no_message_is_refused() -> None:
         messages.from_wire((99, "what"))
     with pytest.raises(messages.MessageError):
         messages.from_wire((messages.Result.KIND,))  # a field missing
+
+
+def test_small_results_skip_the_message_and_large_ones_do_not() -> None:
+    """`on_result` gets every small Result as its call id, whatever the chunking; a Result too
+    large for the fast path, and every other message, still reaches `on_frame` as itself."""
+    rng = random.Random(11)
+    blob, values = _stream(60, rng)
+    other = b"".join(bytes(c) for c in frames.encode(messages.Heartbeat()))
+    for chunk_size in (7, 4096, len(blob) + len(other)):
+        by_result: dict[int, object] = {}
+        by_frame: list[messages.Message] = []
+
+        def result(call_id: int, segs: list[frames.Buffer], into: dict = by_result) -> None:  # type: ignore[type-arg]
+            into[call_id] = frames.loads(segs)
+
+        def frame(
+            m: messages.Message,
+            segs: list[frames.Buffer],
+            into: list = by_frame,  # type: ignore[type-arg]
+            results: dict = by_result,  # type: ignore[type-arg]
+        ) -> None:
+            if isinstance(m, messages.Result):
+                results[m.call_id] = frames.loads(segs)
+            else:
+                into.append(m)
+
+        decoder = frames.FrameDecoder(frame, result)
+        data = blob + other
+        for position in range(0, len(data), chunk_size):
+            decoder.feed(bytes(data[position : position + chunk_size]))
+        assert by_frame == [messages.Heartbeat()]
+        assert sorted(by_result) == list(range(len(values)))
+        for i, expected in enumerate(values):
+            got = by_result[i]
+            assert isinstance(got, dict) and got["bytes"] == expected["bytes"]
+
+
+class _Reports:
+    """No reports: nothing queued, nothing being sent."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.queue: list[object] = []
+        self.sending = threading.Lock()
+
+    def flush(self) -> None:
+        raise AssertionError("nothing was reported, so nothing is flushed")
+
+
+class _Host:
+    """A `CallHost` for the channel alone: one function, errors and values kept."""
+
+    def __init__(self) -> None:
+        self.functions: dict[int, object] = {}
+        self.loaded: list[int] = []
+        self.failed: list[tuple[int, str]] = []
+
+        self.reports = _Reports()
+
+    def load_function(self, fn_id: int, fn_bytes: bytes | None) -> object:
+        if fn_bytes is None:
+            raise RuntimeError(f"function {fn_id} was never sent")
+        self.loaded.append(fn_id)
+        fn = self.functions[fn_id] = pickle.loads(fn_bytes)
+        return fn
+
+    def fail_call(self, call_id: int, exc: BaseException, tb: str | None = None) -> None:
+        self.failed.append((call_id, f"{type(exc).__name__}: {exc}"))
+
+    def dump_result(self, call_id: int, value: object) -> list[frames.Buffer] | None:
+        return pickling.fast_dumps(value)
+
+
+def _halve(x: int) -> object:
+    if x < 0:
+        raise ValueError("negative")
+    return {"half": x / 2} if x % 2 else x // 2
+
+
+def _size(data: bytes) -> int:
+    return len(data)
+
+
+def test_the_agent_channel_serves_calls_that_arrive_in_any_pieces() -> None:
+    """Calls written a few bytes at a time, several to a write, with a large argument among
+    them, are run in order and answered as the client's decoder expects; a call that raises
+    goes to the host; Shutdown ends the loop."""
+    import os
+    import threading
+
+    import cloudpickle
+
+    fn_bytes = cloudpickle.dumps(_halve)
+    big = bytes(range(256)) * 1000  # 256 kB: an out-of-band segment, read whole
+    calls = [
+        (1, 7, fn_bytes, (10,)),
+        (2, 7, None, (7,)),
+        (3, 7, None, (-1,)),
+        (4, 8, None, (1,)),
+        (5, 9, cloudpickle.dumps(_size), (big,)),
+    ]
+    blob = bytearray()
+    for call_id, fn_id, fnb, args in calls:
+        call = messages.Call(call_id, fn_id, fnb)
+        for chunk in frames.encode(call, pickling.cloud_dumps((args, {}))):
+            blob += chunk
+    for chunk in frames.encode(messages.Shutdown()):
+        blob += chunk
+    to_agent_r, to_agent_w = os.pipe()
+    from_agent_r, from_agent_w = os.pipe()
+    channel = AgentChannel(to_agent_r, from_agent_w)
+
+    def write_in_pieces() -> None:
+        rng = random.Random(3)
+        position = 0
+        while position < len(blob):
+            step = rng.choice([1, 5, 16, 17, 300, 70_000])
+            os.write(to_agent_w, bytes(blob[position : position + step]))
+            position += step
+
+    writer = threading.Thread(target=write_in_pieces)
+    writer.start()
+    host = _Host()
+    others: list[messages.Message] = []
+
+    def other(message: messages.Message, segments: list[bytes]) -> bool:
+        others.append(message)
+        return not isinstance(message, messages.Shutdown)
+
+    channel.serve(host, other)  # type: ignore[arg-type]
+    writer.join()
+    os.close(from_agent_w)
+    replies: dict[int, object] = {}
+    decoder = frames.FrameDecoder(
+        lambda m, segs: replies.__setitem__(m.call_id, frames.loads(segs))  # type: ignore[union-attr]
+    )
+    while data := os.read(from_agent_r, 1 << 16):
+        decoder.feed(data)
+    assert replies == {1: 5, 2: {"half": 3.5}, 5: len(big)}
+    assert host.failed == [
+        (3, "ValueError: negative"),
+        (4, "RuntimeError: function 8 was never sent"),
+    ]
+    assert host.loaded == [7, 9]
+    assert others == [messages.Shutdown()]

@@ -128,7 +128,10 @@ class Dispatch:
         for session in live:  # one write per node, however many calls it takes
             if session.node in batches:
                 session.submit(batches[session.node])
-        return tuple(self._collect(tally, replies, owners, spmd=False))
+        # every node takes part: the pool's stream list, whose pipe group is kept
+        every = len(calls) >= len(live) == len(self._sessions)
+        streams = self._streams if every else None
+        return tuple(self._collect(tally, replies, owners, spmd=False, streams=streams))
 
     def _collect(
         self,

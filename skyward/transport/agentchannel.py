@@ -105,8 +105,11 @@ class AgentChannel:
         # large segment with an unbuffered reader, which fills one bytes object of the
         # segment's size in place.
         self._whole = io.BufferedReader(io.FileIO(fd_in, "rb"), buffer_size=1)
-        self._input = select.poll()
+        # One poll object per thread that polls (a poll object refuses concurrent use): the
+        # reader's `linger` and the other thread's `read_ahead`.
+        self._input, self._input_ahead = select.poll(), select.poll()
         self._input.register(fd_in, select.POLLIN)
+        self._input_ahead.register(fd_in, select.POLLIN)
         self._out_fd = fd_out
         self.fileno_in = fd_in
         self._lock = threading.Lock()  # held by whoever reads the input
@@ -266,7 +269,7 @@ class AgentChannel:
         if not self._lock.acquire(blocking=False):
             return
         try:
-            while not self._ended and self._input.poll(0):
+            while not self._ended and self._input_ahead.poll(0):
                 frame = self._rest_of_frame(os.read(self._fd_in, ONE_SEGMENT.size))
                 if frame is not None and keep(frame[0]):
                     self._early.append(frame)

@@ -196,56 +196,62 @@ class FrameDecoder:
             return
         self.last_fed = _monotonic()
         try:
-            self._feed(data)
+            if type(data) is bytes and self._meta is None and not self._buf:
+                # The common case, one small reply per read: its frames are delivered straight
+                # from `data`, with no copy into the buffer, and written out here rather than a
+                # call away (each reply of a broadcast passes through this).
+                offset, end = 0, len(data)
+                on_frame, on_result, loads = self._on_frame, self._on_result, pickle.loads
+                while end - offset >= ONE_SEGMENT.size:
+                    meta_len, count, first = ONE_SEGMENT.unpack_from(data, offset)
+                    start = offset + HEADER.size + LENGTH.size * count
+                    if count == 1:  # a result or an exception: one pickled segment
+                        stop = start + meta_len + first
+                        if stop > end:
+                            break
+                        middle = start + meta_len
+                        meta = loads(data[start:middle])
+                        offset = stop
+                        if (
+                            type(meta) is tuple
+                            and len(meta) == 2
+                            and meta[0] == _RESULT
+                            and on_result
+                        ):
+                            on_result(meta[1], [data[middle:stop]])
+                            continue
+                        try:
+                            message = DECODERS[meta[0]](meta)
+                        except (KeyError, IndexError, TypeError):
+                            message = from_wire(meta)  # raises, saying what is wrong
+                        on_frame(message, [data[middle:stop]])
+                        continue
+                    if start > end:
+                        break
+                    lengths = lengths_of(count).unpack_from(data, offset + HEADER.size)
+                    stop = start + meta_len + sum(lengths)
+                    if stop > end:
+                        break
+                    message = from_wire(loads(data[start : start + meta_len]))
+                    segments: list[Buffer] = []
+                    position = start + meta_len
+                    for size in lengths:
+                        segments.append(data[position : position + size])
+                        position += size
+                    offset = stop
+                    on_frame(message, segments)
+                if offset == end:
+                    return
+                if offset:
+                    data = data[offset:]
+            self._buffer(data)
         except Exception as exc:
             if self._on_error is None:
                 raise
             self._on_error(exc)
 
-    def _feed(self, data: Buffer) -> None:
-        if type(data) is bytes and self._meta is None and not self._buf:
-            # The common case, one small reply per read: its frames are delivered straight
-            # from `data`, with no copy into the buffer, and written out here rather than a
-            # call away (each reply of a broadcast passes through this).
-            offset, end = 0, len(data)
-            on_frame, on_result, loads = self._on_frame, self._on_result, pickle.loads
-            while end - offset >= ONE_SEGMENT.size:
-                meta_len, count, first = ONE_SEGMENT.unpack_from(data, offset)
-                start = offset + HEADER.size + LENGTH.size * count
-                if count == 1:  # a result or an exception: one pickled segment
-                    stop = start + meta_len + first
-                    if stop > end:
-                        break
-                    middle = start + meta_len
-                    meta = loads(data[start:middle])
-                    offset = stop
-                    if type(meta) is tuple and len(meta) == 2 and meta[0] == _RESULT and on_result:
-                        on_result(meta[1], [data[middle:stop]])
-                        continue
-                    try:
-                        message = DECODERS[meta[0]](meta)
-                    except (KeyError, IndexError, TypeError):
-                        message = from_wire(meta)  # raises, saying what is wrong
-                    on_frame(message, [data[middle:stop]])
-                    continue
-                if start > end:
-                    break
-                lengths = lengths_of(count).unpack_from(data, offset + HEADER.size)
-                stop = start + meta_len + sum(lengths)
-                if stop > end:
-                    break
-                message = from_wire(loads(data[start : start + meta_len]))
-                segments: list[Buffer] = []
-                position = start + meta_len
-                for size in lengths:
-                    segments.append(data[position : position + size])
-                    position += size
-                offset = stop
-                on_frame(message, segments)
-            if offset == end:
-                return
-            if offset:
-                data = data[offset:]
+    def _buffer(self, data: Buffer) -> None:
+        """Take `data` through the buffer: frames split across chunks, large segments."""
         view = memoryview(data).cast("B")
         while view:
             if self._partial is not None:

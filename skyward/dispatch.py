@@ -9,12 +9,12 @@ before the errors of the nodes that were stopped because of it.
 from __future__ import annotations
 
 import itertools
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from skyward.errors import ConfigError, PoolClosedError, WorkerError
+from skyward.replies import Reply, Tally, new_reply
 from skyward.session import CallFrames, Calls, NodeSession
 from skyward.transport import frames
 from skyward.transport.base import AgentStream
@@ -80,7 +80,7 @@ class Dispatch:
         payload = call.serialized_args(self.stage)
         session = self._pick(node)
         tally = Tally(1)
-        reply = _reply(tally)
+        reply = new_reply(tally)
         session.submit([(self._frames(call, payload), reply)])
         session.stream.wait_replies((session.stream,), reply.done)
         tally.wait(reply.done)
@@ -121,7 +121,7 @@ class Dispatch:
         start = next(self._cursor)
         owners = [live[(start + i) % len(live)] for i in range(len(calls))]
         tally = Tally(len(calls))
-        replies = [_reply(tally) for _ in calls]
+        replies = [new_reply(tally) for _ in calls]
         batches: dict[int, Calls] = {}
         for session, call, payload, reply in zip(owners, calls, payloads, replies, strict=True):
             batches.setdefault(session.node, []).append((self._frames(call, payload), reply))
@@ -185,84 +185,6 @@ class Dispatch:
         self.broken = self.broken or reason
         for session in stop:
             session.abort_soon(reason)
-
-
-class Tally:
-    """The replies of one dispatch, counted as they settle (on any thread), so that waiting
-    for them costs no lock per reply; a waiter that must sleep is woken as they settle."""
-
-    __slots__ = ("cond", "failures", "settled", "total", "waiting")
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.failures: list[Reply] = []  # in the order they failed
-        self.settled: list[Reply] = []  # list.append is atomic under the GIL
-        self.waiting = False
-        self.cond: threading.Condition | None = None  # made by the first waiter that sleeps
-
-    def settle(self, reply: Reply) -> None:
-        if reply.error is not None:
-            self.failures.append(reply)
-        self.settled.append(reply)
-        if self.waiting and self.cond is not None:  # read after the append: see `wait`
-            with self.cond:
-                self.cond.notify_all()
-
-    def all_done(self) -> bool:
-        return len(self.settled) == self.total
-
-    def all_done_or_failed(self) -> bool:
-        return len(self.settled) == self.total or bool(self.failures)
-
-    def wait(self, enough: Callable[[], bool], timeout: float | None = None) -> bool:
-        """Sleep until `enough()` or `timeout`; whether it is enough."""
-        if enough():
-            return True
-        if self.cond is None:
-            self.cond = threading.Condition(threading.Lock())
-        with self.cond:
-            # Set before `enough()` is checked again under the lock: a reply that settles after
-            # that check sees the flag and notifies; one that settled before, the check sees.
-            self.waiting = True
-            return self.cond.wait_for(enough, timeout)
-
-
-class Reply:
-    """One call's outcome in a `Tally`: lighter than a `Future` (no lock, set exactly once).
-
-    Made without an ``__init__`` (its fields start as class defaults): a broadcast makes one
-    per node on every call."""
-
-    tally: Tally
-    value: Any = None
-    error: BaseException | None = None
-    _done = False
-
-    def set_running_or_notify_cancel(self) -> bool:
-        return True
-
-    def set_result(self, result: Any) -> None:
-        if not self._done:  # counted once, whatever happens
-            self.value, self._done = result, True
-            tally = self.tally  # `Tally.settle`, written out: every reply passes here
-            tally.settled.append(self)
-            if tally.waiting and tally.cond is not None:
-                with tally.cond:
-                    tally.cond.notify_all()
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        if not self._done:
-            self.error, self._done = exception, True
-            self.tally.settle(self)
-
-    def done(self) -> bool:
-        return self._done
-
-
-def _reply(tally: Tally) -> Reply:
-    reply = Reply()
-    reply.tally = tally
-    return reply
 
 
 def _blame_rank(error: BaseException | None) -> int:

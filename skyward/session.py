@@ -27,6 +27,7 @@ from skyward.errors import PluginError, PoolClosedError, RemoteError, WorkerErro
 from skyward.info import InstanceInfo
 from skyward.node_output import NodeOutput
 from skyward.providers.base import NodeLoss
+from skyward.replies import Reply
 from skyward.reports import Report
 from skyward.transport import frames, messages
 from skyward.transport.base import AgentStream
@@ -41,7 +42,7 @@ M = TypeVar("M", messages.Started, messages.Ready)
 
 class Outcome(Protocol):
     """Where a call's result or exception goes: a `concurrent.futures.Future`, or the lighter
-    `dispatch.Reply`. The session sets each outcome it holds exactly once."""
+    `replies.Reply`. The session sets each outcome it holds exactly once."""
 
     def set_running_or_notify_cancel(self) -> bool: ...
     def set_result(self, result: Any) -> None: ...
@@ -236,7 +237,8 @@ class NodeSession:
             if self.dead is not None:
                 future.set_exception(self.dead)
                 return []
-            if not future.set_running_or_notify_cancel():
+            # (a `Reply` is never cancelled: a broadcast's replies skip the call)
+            if type(future) is not Reply and not future.set_running_or_notify_cancel():
                 return []
             self.pending[call.call_id] = future
             if call.fn_id in self._sent_functions:

@@ -23,16 +23,22 @@ from collections.abc import Callable, Sized
 from typing import Any, Protocol
 
 from skyward.transport.frames import (
+    CALL,
     COALESCE_LIMIT,
     HEADER,
     LENGTH,
     ONE_SEGMENT,
+    PACKED,
+    PACKED_CALL,
+    PACKED_RESULT,
     PROTOCOL,
+    RESULT,
     SCALARS,
     FrameError,
     Segments,
     encode,
     lengths_of,
+    meta_tuple,
     spin_until,
     write_all,
 )
@@ -85,7 +91,6 @@ class CallHost(Protocol):
         ...
 
 
-_CALL, _RESULT = Call.KIND, Result.KIND
 _monotonic = time.monotonic
 
 
@@ -138,6 +143,8 @@ class AgentChannel:
         fd_in, fd_out, lock, write_lock = self._fd_in, self._out_fd, self._lock, self._write_lock
         loads, dumps, read, write = pickle.loads, pickle.dumps, os.read, os.write
         head_size, unpack_head, pack_head = ONE_SEGMENT.size, ONE_SEGMENT.unpack, ONE_SEGMENT.pack
+        call_size, unpack_call = PACKED_CALL.size, PACKED_CALL.unpack_from
+        pack_result, result_size = PACKED_RESULT.pack, PACKED_RESULT.size
         functions, reports = host.functions, host.reports
         while True:
             # The common frame, a small call, is read and decoded here: its first 16 bytes
@@ -162,12 +169,14 @@ class AgentChannel:
                         if len(body) < meta_len + first:
                             body = self._read_exactly(meta_len + first, body)
                         self.last_input = _monotonic()
-                        meta = loads(body[:meta_len])
-                        if type(meta) is tuple and len(meta) == 4 and meta[0] == _CALL:
-                            _, call_id, fn_id, fn_bytes = meta
+                        if body[0] == PACKED and meta_len == call_size:
+                            _, kind, call_id, fn_id = unpack_call(body)
+                            fn_bytes = None
                             segments = [body[meta_len:]]
+                            if kind != CALL:
+                                frame = from_wire((kind, call_id, fn_id, None)), segments
                         else:
-                            frame = from_wire(meta), [body[meta_len:]]
+                            frame = from_wire(meta_tuple(body[:meta_len])), [body[meta_len:]]
             if frame is not None:
                 message, segments = frame
                 if type(message) is not Call:
@@ -202,8 +211,11 @@ class AgentChannel:
             only = result[0] if len(result) == 1 else None
             if type(only) is bytes and len(only) < COALESCE_LIMIT:
                 # `send(Result(call_id), result)`, written out
-                blob = dumps((_RESULT, call_id), PROTOCOL)
-                out = pack_head(len(blob), 1, len(only)) + blob + only
+                out = (
+                    pack_head(result_size, 1, len(only))
+                    + pack_result(PACKED, RESULT, call_id)
+                    + only
+                )
                 with write_lock:
                     written = write(fd_out, out)
                     if written < len(out):  # a signal or a full pipe cut it short
@@ -251,15 +263,15 @@ class AgentChannel:
             meta = self._read_exactly(meta_len)
             # a large segment is its own bytes object: an out-of-band ``bytes`` argument is then
             # rebuilt as that very object, with no copy
-            return from_wire(pickle.loads(meta)), [self._read_exactly(first)]
+            return from_wire(meta_tuple(meta)), [self._read_exactly(first)]
         if count == 0:  # `first` is the metadata's first 8 bytes
             if meta_len < LENGTH.size:
                 raise FrameError(f"a frame's metadata cannot be {meta_len} bytes long")
             meta = self._read_exactly(meta_len, head[HEADER.size :])
-            return from_wire(pickle.loads(meta)), []
+            return from_wire(meta_tuple(meta)), []
         rest = self._read_exactly(LENGTH.size * (count - 1) + meta_len)
         lengths = (first, *lengths_of(count - 1).unpack_from(rest))
-        message = from_wire(pickle.loads(memoryview(rest)[LENGTH.size * (count - 1) :]))
+        message = from_wire(meta_tuple(memoryview(rest)[LENGTH.size * (count - 1) :]))
         return message, [self._read_exactly(n) for n in lengths]
 
     def read_ahead(self, keep: Callable[[Message], bool]) -> None:

@@ -96,21 +96,20 @@ class Dispatch:
         if dead:
             raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
         frames_ = self._frames(call, payload)  # encoded once, written to every node
-        sessions = list(self.sessions)
+        sessions = list(self._sessions)
         tally = Tally(len(sessions))
         replies: list[Reply] = []
-        writes: list[tuple[NodeSession, Reply, list[frames.Buffer]]] = []
-        for session in sessions:
-            reply = Reply()  # `_reply`, written out
+        for _ in sessions:
+            reply = Reply()  # `new_reply`, written out
             reply.tally = tally
             replies.append(reply)
-            writes.append((session, reply, session.enqueue_one(frames_, reply)))
-        for session, reply, chunks in writes:  # back to back: each write wakes a node
-            if chunks:
-                try:
-                    session.stream.write(chunks)
-                except OSError as exc:
-                    session.write_failed(exc, [(frames_, reply)])
+        # Every node's part in one call each (see docs/architecture.md on the per-call path):
+        # registered on every session first, then written back to back, as each write wakes a
+        # node that then competes for the cores with the rest of this loop.
+        chunks = NodeSession.enqueue_each(frames_, list(zip(sessions, replies, strict=True)))
+        streams = self._streams  # those of `sessions`, in order (a dead node's chunks are none)
+        for index, exc in streams[0].write_each(list(zip(streams, chunks, strict=True))):
+            sessions[index].write_failed(exc, [(frames_, replies[index])])
         return self._collect(tally, replies, sessions, spmd=True, streams=self._streams)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:

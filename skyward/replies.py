@@ -28,7 +28,12 @@ class Tally:
         if reply.error is not None:
             self.failures.append(reply)
         self.settled.append(reply)
-        if self.waiting and self.cond is not None:  # read after the append: see `wait`
+        if self.waiting:  # read after the append: see `wait`
+            self.wake()
+
+    def wake(self) -> None:
+        """Wake the waiter that sleeps (`wait`)."""
+        if self.cond is not None:
             with self.cond:
                 self.cond.notify_all()
 
@@ -65,13 +70,7 @@ class Reply:
         return True
 
     def set_result(self, result: Any) -> None:
-        if not self.finished:  # counted once, whatever happens
-            self.value, self.finished = result, True
-            tally = self.tally  # `Tally.settle`, written out: every reply passes here
-            tally.settled.append(self)
-            if tally.waiting and tally.cond is not None:
-                with tally.cond:
-                    tally.cond.notify_all()
+        settle(self, result)
 
     def set_exception(self, exception: BaseException | None) -> None:
         if not self.finished:
@@ -80,6 +79,16 @@ class Reply:
 
     def done(self) -> bool:
         return self.finished
+
+
+def settle(reply: Reply, value: Any) -> None:
+    """`reply.set_result(value)`: counted once, whatever happens (`Tally.settle` for a value,
+    written out: every reply of a broadcast passes here)."""
+    if not reply.finished:
+        reply.value, reply.finished = value, True
+        reply.tally.settled.append(reply)
+        if reply.tally.waiting:
+            reply.tally.wake()
 
 
 def new_reply(tally: Tally) -> Reply:

@@ -232,19 +232,34 @@ class NodeSession:
         return chunks if len(chunks) == 1 else frames.coalesce(chunks)
 
     def enqueue_one(self, call: CallFrames, future: Outcome) -> list[frames.Buffer]:
-        """`enqueue` for one call (each node's part of a broadcast)."""
-        with self._lock:
-            if self.dead is not None:
-                future.set_exception(self.dead)
-                return []
-            # (a `Reply` is never cancelled: a broadcast's replies skip the call)
-            if type(future) is not Reply and not future.set_running_or_notify_cancel():
-                return []
-            self.pending[call.call_id] = future
-            if call.fn_id in self._sent_functions:
-                return call.without_fn
-            self._sent_functions.add(call.fn_id)
-        return call.chunks(True)
+        """`enqueue` for one call."""
+        return NodeSession.enqueue_each(call, ((self, future),))[0]
+
+    @staticmethod
+    def enqueue_each(
+        call: CallFrames, outcomes: Sequence[tuple[NodeSession, Outcome]]
+    ) -> list[list[frames.Buffer]]:
+        """Register `call` on each session with its outcome (a broadcast's nodes, in one
+        Python call: see docs/architecture.md on the per-call path); the bytes to write to
+        each, none where the node is dead (its outcome then fails at once)."""
+        out: list[list[frames.Buffer]] = []
+        for session, future in outcomes:
+            with session._lock:
+                if session.dead is not None:
+                    future.set_exception(session.dead)
+                    out.append([])
+                    continue
+                # (a `Reply` is never cancelled: a broadcast's replies skip the call)
+                if type(future) is not Reply and not future.set_running_or_notify_cancel():
+                    out.append([])
+                    continue
+                session.pending[call.call_id] = future
+                if call.fn_id in session._sent_functions:
+                    out.append(call.without_fn)
+                    continue
+                session._sent_functions.add(call.fn_id)
+            out.append(call.chunks(True))
+        return out
 
     def flush(self, calls: Calls, chunks: list[frames.Buffer]) -> None:
         """Write what `enqueue` returned for `calls`; a failed write fails those calls."""
@@ -279,8 +294,14 @@ class NodeSession:
                 value = pickle.loads(segments[0], buffers=segments[1:])
             except Exception as exc:
                 self._unpicklable(future, exc)
-            else:
+                return
+            if type(future) is not Reply:
                 future.set_result(value)
+            elif not future.finished:  # `replies.settle`, written out: a broadcast's replies
+                future.value, future.finished = value, True
+                future.tally.settled.append(future)
+                if future.tally.waiting:
+                    future.tally.wake()
 
     def _on_frame(self, message: messages.Message, segments: list[frames.Buffer]) -> None:
         if type(message) is messages.Result:  # a large one (small ones go to `_on_result`)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from skyward.transport import frames, messages, pickling
-from skyward.transport.agentchannel import AgentChannel
+from skyward.transport.agentwire import AgentWire
 
 
 def _stream(count: int, rng: random.Random) -> tuple[bytes, list[dict[str, object]]]:
@@ -65,7 +65,7 @@ def test_truncated_stream_is_a_frame_error() -> None:
     head, *_ = frames.encode(messages.Call(1, 2, None), [b"abc" * 10])
     os.write(write_fd, bytes(head)[:5])
     os.close(write_fd)
-    channel = AgentChannel(read_fd, os.open(os.devnull, os.O_WRONLY))
+    channel = AgentWire(read_fd, os.open(os.devnull, os.O_WRONLY))
     try:
         channel.read()
     except frames.FrameError as exc:
@@ -80,7 +80,7 @@ def test_linger_keeps_frames_and_leaves_the_stream_blocking() -> None:
     import time
 
     read_fd, write_fd = os.pipe()
-    channel = AgentChannel(read_fd, os.open(os.devnull, os.O_WRONLY))
+    channel = AgentWire(read_fd, os.open(os.devnull, os.O_WRONLY))
     # Two frames in one write: after reading the first, the second waits in the read buffer,
     # where polling the pipe alone would not see it.
     first = b"".join(bytes(c) for c in frames.encode(messages.Call(1, 2, None), [b"a"]))
@@ -249,7 +249,7 @@ def test_the_agent_channel_serves_calls_that_arrive_in_any_pieces() -> None:
         blob += chunk
     to_agent_r, to_agent_w = os.pipe()
     from_agent_r, from_agent_w = os.pipe()
-    channel = AgentChannel(to_agent_r, from_agent_w)
+    channel = AgentWire(to_agent_r, from_agent_w)
 
     def write_in_pieces() -> None:
         rng = random.Random(3)

@@ -44,6 +44,13 @@ class AgentStream(Protocol):
         """Send `chunks` to the agent's control input, in order; callable from any thread."""
         ...
 
+    def write_each(
+        self, writes: Sequence[tuple[AgentStream, Sequence[Buffer]]]
+    ) -> list[tuple[int, OSError]]:
+        """`write` to each of `writes`' streams (this stream's kind) its chunks, back to back
+        (a broadcast: one Python call for every node); each failed write's index and error."""
+        ...
+
     def close_input(self) -> None:
         """End the agent's control input (it then exits); the output keeps flowing."""
         ...

@@ -137,6 +137,17 @@ class AgentChannel(asyncssh.SSHClientSession[bytes]):
         if self._lender is not None:
             self._lender.drive(done)
 
+    def write_each(
+        self, writes: Sequence[tuple[AgentStream, Sequence[Buffer]]]
+    ) -> list[tuple[int, OSError]]:
+        failed: list[tuple[int, OSError]] = []
+        for index, (stream, chunks) in enumerate(writes):
+            try:
+                stream.write(chunks)
+            except OSError as exc:
+                failed.append((index, exc))
+        return failed
+
     def write(self, chunks: Sequence[Buffer]) -> None:
         lender = self._lender
         with self._write_lock:

@@ -131,6 +131,23 @@ class SubprocessStream:
                 if written < (chunk.nbytes if type(chunk) is memoryview else len(chunk)):
                     write_all(fd, memoryview(chunk).cast("B")[written:])
 
+    def write_each(
+        self, writes: Sequence[tuple[AgentStream, Sequence[Buffer]]]
+    ) -> list[tuple[int, OSError]]:
+        failed: list[tuple[int, OSError]] = []
+        for index, (stream, chunks) in enumerate(writes):
+            if not isinstance(stream, SubprocessStream):
+                raise TypeError(f"write_each mixes stream kinds: {type(stream).__name__}")
+            try:  # `write`, written out
+                with stream._write_lock:
+                    for chunk in chunks:
+                        written = os.write(stream._stdin_fd, chunk)
+                        if written < (chunk.nbytes if type(chunk) is memoryview else len(chunk)):
+                            write_all(stream._stdin_fd, memoryview(chunk).cast("B")[written:])
+            except OSError as exc:
+                failed.append((index, exc))
+        return failed
+
     def close_input(self) -> None:
         with self._write_lock, contextlib.suppress(OSError):
             assert self._process.stdin

@@ -35,12 +35,12 @@ from skyward import reports
 from skyward.errors import PluginError, SerializationError
 from skyward.plugins import hooks
 from skyward.transport import frames, messages, pickling
-from skyward.transport.agentchannel import AgentChannel
+from skyward.transport.agentwire import AgentWire
 
 HEARTBEAT_SECONDS = 2.0
 # After the client disappears, how long a graceful exit (plugin hooks unwinding) may take.
 ORPHAN_GRACE_SECONDS = 3.0
-# How long the agent polls for the next call after answering one (see AgentChannel.linger). The
+# How long the agent polls for the next call after answering one (see AgentWire.linger). The
 # provider sets it, and only where the agent has a core to itself: polling agents that share
 # cores would slow each other down.
 LINGER_ENV = "SKYWARD_AGENT_LINGER_US"
@@ -51,7 +51,7 @@ M = TypeVar("M", messages.Open, messages.Hello)
 class Agent:
     """The agent's state: the stream and the function cache."""
 
-    def __init__(self, channel: AgentChannel) -> None:
+    def __init__(self, channel: AgentWire) -> None:
         self._channel = channel
         self.functions: dict[int, Callable[..., Any]] = {}
         self._linger = _linger_seconds()
@@ -135,7 +135,7 @@ class Agent:
         """Run calls in arrival order until Shutdown or the end of the stream."""
         self._channel.serve(self, _not_shutdown, self._linger)
 
-    # -- what AgentChannel.serve needs of the agent (a `CallHost`) --
+    # -- what AgentWire.serve needs of the agent (a `CallHost`) --
 
     def load_function(self, fn_id: int, fn_bytes: bytes | None) -> Callable[..., Any]:
         if fn_bytes is None:
@@ -250,7 +250,7 @@ def _exit_hard(status: int) -> None:
     os._exit(status)
 
 
-def _take_over_stdio() -> AgentChannel:
+def _take_over_stdio() -> AgentWire:
     """Move the control stream off fds 0/1 and send fd 1 to the output stream (fd 2)."""
     ctl_in, ctl_out = os.dup(0), os.dup(1)
     for fd in (ctl_in, ctl_out):
@@ -269,7 +269,7 @@ def _take_over_stdio() -> AgentChannel:
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True
     )
-    return AgentChannel(ctl_in, ctl_out)
+    return AgentWire(ctl_in, ctl_out)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
-"""`AgentChannel`: the agent's side of the client <-> agent stream, in blocking frame I/O.
+"""`AgentWire`: the agent's side of the client <-> agent stream, in blocking frame I/O.
 
-The agent spends its life in `AgentChannel.serve`. With many agents sharing cores (an 8-node
+The agent spends its life in `AgentWire.serve`. With many agents sharing cores (an 8-node
 broadcast on a laptop), what a call costs on a node is mostly the memory its path touches,
 fetched again each time the agent wakes with cold caches: each Python function call on the path
 costs several microseconds there (measured: one more call per node made an 8-node broadcast
@@ -66,7 +66,7 @@ class Reports(Protocol):
 
 
 class CallHost(Protocol):
-    """What `AgentChannel.serve` needs of the agent to run calls."""
+    """What `AgentWire.serve` needs of the agent to run calls."""
 
     @property
     def functions(self) -> dict[int, Callable[..., Any]]:
@@ -94,7 +94,7 @@ class CallHost(Protocol):
 _monotonic = time.monotonic
 
 
-class AgentChannel:
+class AgentWire:
     """Blocking frame I/O over two file descriptors.
 
     One thread reads (`read`, `serve`); while it is busy elsewhere (running a call), another

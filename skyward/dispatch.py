@@ -9,6 +9,7 @@ before the errors of the nodes that were stopped because of it.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from skyward.calls import PendingCall, Stage
 
 T = TypeVar("T")
+_value = operator.attrgetter("value")
 _call_ids = itertools.count(1)
 
 
@@ -164,7 +166,7 @@ class Dispatch:
         else:
             tally.wait(tally.all_done)
         if not tally.failures:
-            return [reply.value for reply in replies]
+            return list(map(_value, replies))  # C-level: a broadcast's values, in order
         # A dead node is the root cause of what the others then report (a collective that lost
         # its peer, or being stopped), so its error is the one raised.
         failed = sorted(

@@ -77,7 +77,7 @@ class CallFrames:
         self.fn_bytes = fn_bytes
         self.segments = segments
         # what a node that has the function gets: nearly every call needs it, so it is made now
-        self.without_fn = frames.encode(messages.Call(call_id, fn_id, None), segments)
+        self.without_fn = frames.encode_call(call_id, fn_id, segments)
         self._with_fn: list[frames.Buffer] | None = None
 
     def chunks(self, first_time: bool) -> list[frames.Buffer]:

@@ -92,6 +92,7 @@ class CallHost(Protocol):
 
 
 _monotonic = time.monotonic
+_BAD = (0, 0, 0)  # a header too short to read: the slow path says what is wrong
 
 
 class AgentWire:
@@ -157,40 +158,38 @@ class AgentWire:
                         return
                 else:
                     head = read(fd_in, head_size)
-                    meta_len = count = first = 0
-                    if len(head) == head_size:
-                        meta_len, count, first = unpack_head(head)
-                    if count != 1 or first >= COALESCE_LIMIT:
+                    meta_len, count, first = unpack_head(head) if len(head) == head_size else _BAD
+                    if count != 1 or first >= COALESCE_LIMIT or meta_len != call_size:
                         frame = self._rest_of_frame(head)
                         if frame is None:
                             return
                     else:
-                        body = read(fd_in, meta_len + first)
-                        if len(body) < meta_len + first:
-                            body = self._read_exactly(meta_len + first, body)
+                        body = read(fd_in, call_size + first)
+                        if len(body) < call_size + first:
+                            body = self._read_exactly(call_size + first, body)
                         self.last_input = _monotonic()
-                        if body[0] == PACKED and meta_len == call_size:
-                            _, kind, call_id, fn_id = unpack_call(body)
-                            fn_bytes = None
-                            segments = [body[meta_len:]]
-                            if kind != CALL:
-                                frame = from_wire((kind, call_id, fn_id, None)), segments
-                        else:
-                            frame = from_wire(meta_tuple(body[:meta_len])), [body[meta_len:]]
+                        marker, kind, call_id, fn_id = unpack_call(body)
+                        fn_bytes = None
+                        segments = [body[call_size:]]
+                        if marker != PACKED or kind != CALL:
+                            frame = from_wire(meta_tuple(body[:call_size])), segments
             if frame is not None:
                 message, segments = frame
+                frame = None
                 if type(message) is not Call:
                     if not other(message, segments):
                         return
                     continue
                 call_id, fn_id, fn_bytes = message.call_id, message.fn_id, message.fn_bytes
-            del frame
             try:
                 fn = functions.get(fn_id)
                 if fn is None:
                     fn = host.load_function(fn_id, fn_bytes)
-                args, kwargs = loads(segments[0], buffers=segments[1:])
-                segments.clear()  # a large argument is freed once the function lets go of it
+                if len(segments) == 1:
+                    args, kwargs = loads(segments.pop())
+                else:
+                    args, kwargs = loads(segments[0], buffers=segments[1:])
+                    segments.clear()  # a large argument is freed once the function lets go
                 value = fn(*args, **kwargs)
                 del args, kwargs
             except BaseException as exc:
@@ -199,29 +198,32 @@ class AgentWire:
                 host.fail_call(call_id, exc)
                 continue
             if type(value) in SCALARS:
-                result: Segments = [dumps(value, PROTOCOL)]
+                blob = dumps(value, PROTOCOL)
+                del value
             else:
-                dumped = host.dump_result(call_id, value)
-                if dumped is None:
+                result = host.dump_result(call_id, value)
+                del value
+                if result is None:
                     continue
-                result = dumped
-            del value
+                if len(result) != 1 or type(result[0]) is not bytes:
+                    if reports.queue or reports.sending.locked():
+                        reports.flush()
+                    self.send(Result(call_id), result)
+                    if linger:
+                        self.linger(linger)
+                    continue
+                blob = result[0]
             if reports.queue or reports.sending.locked():
                 reports.flush()  # the client sees a call's reports before its result
-            only = result[0] if len(result) == 1 else None
-            if type(only) is bytes and len(only) < COALESCE_LIMIT:
-                # `send(Result(call_id), result)`, written out
-                out = (
-                    pack_head(result_size, 1, len(only))
-                    + pack_result(PACKED, RESULT, call_id)
-                    + only
-                )
+            if len(blob) < COALESCE_LIMIT:  # `send(Result(call_id), [blob])`, written out
+                out = pack_head(result_size, 1, len(blob)) + pack_result(PACKED, RESULT, call_id)
+                out += blob
                 with write_lock:
                     written = write(fd_out, out)
                     if written < len(out):  # a signal or a full pipe cut it short
                         write_all(fd_out, memoryview(out)[written:])
             else:
-                self.send(Result(call_id), result)
+                self.send(Result(call_id), [blob])
             if linger:
                 self.linger(linger)
 

@@ -37,6 +37,8 @@ PACKED = 0x01
 PACKED_CALL = struct.Struct("!BBQQ")  # a Call without the function's bytes: call_id, fn_id
 PACKED_RESULT = struct.Struct("!BBQ")  # a Result: call_id
 CALL, RESULT = Call.KIND, Result.KIND
+_RESULT_AT = ONE_SEGMENT.size  # where a one-segment frame's metadata starts
+_SMALL_RESULT = ONE_SEGMENT.size + PACKED_RESULT.size  # where a Result's one segment starts
 
 Buffer = bytes | bytearray | memoryview
 Segments = Sequence[Buffer]
@@ -75,6 +77,15 @@ def meta_tuple(blob: Buffer) -> Any:
     if size == PACKED_CALL.size:
         return (*PACKED_CALL.unpack(blob)[1:], None)
     raise FrameError(f"packed metadata of {size} bytes is no message")
+
+
+def encode_call(call_id: int, fn_id: int, segments: Segments) -> list[Buffer]:
+    """`encode(Call(call_id, fn_id, None), segments)` without building the message (every
+    call's frame to a node that has its function)."""
+    blob = PACKED_CALL.pack(PACKED, CALL, call_id, fn_id)
+    if len(segments) == 1 and type(segments[0]) is bytes and len(segments[0]) < COALESCE_LIMIT:
+        return [ONE_SEGMENT.pack(len(blob), 1, len(segments[0])) + blob + segments[0]]
+    return encode(Call(call_id, fn_id, None), segments)
 
 
 def encode(message: Message, segments: Segments = ()) -> list[Buffer]:
@@ -226,6 +237,26 @@ class FrameDecoder:
             return
         self.last_fed = _monotonic()
         try:
+            if (
+                type(data) is bytes
+                and self._on_result is not None
+                and self._meta is None
+                and not self._buf
+                and len(data) > _RESULT_AT
+                and data[_RESULT_AT] == PACKED
+            ):
+                # The commonest chunk: exactly one small Result (a reply), decoded in a few
+                # steps (every reply of a broadcast comes here).
+                meta_len, count, first = ONE_SEGMENT.unpack_from(data)
+                if (
+                    count == 1
+                    and meta_len == PACKED_RESULT.size
+                    and len(data) == _SMALL_RESULT + first
+                ):
+                    _, kind, call_id = PACKED_RESULT.unpack_from(data, _RESULT_AT)
+                    if kind == RESULT:
+                        self._on_result(call_id, [data[_SMALL_RESULT:]])
+                        return
             if type(data) is bytes and self._meta is None and not self._buf:
                 # The common case, one small reply per read: its frames are delivered straight
                 # from `data`, with no copy into the buffer, and written out here rather than a

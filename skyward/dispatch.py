@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _value = operator.attrgetter("value")
+_dead = operator.attrgetter("dead")
 _call_ids = itertools.count(1)
 
 
@@ -94,8 +95,8 @@ class Dispatch:
     def broadcast(self, call: PendingCall[T]) -> list[T]:
         """Run `call` on every node; results in node order (see `ComputePool.broadcast`)."""
         payload = call.serialized_args(self.stage)
-        dead = [session.node for session in self.sessions if session.dead is not None]
-        if dead:
+        if any(map(_dead, self._sessions)):  # (in C: every broadcast checks)
+            dead = [session.node for session in self._sessions if session.dead is not None]
             raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
         frames_ = self._frames(call, payload)  # encoded once, written to every node
         sessions = list(self._sessions)

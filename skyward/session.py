@@ -291,7 +291,10 @@ class NodeSession:
         future = self.pending.pop(call_id, None)
         if future is not None:
             try:
-                value = pickle.loads(segments[0], buffers=segments[1:])
+                if len(segments) == 1:  # a small value: no out-of-band buffers
+                    value = pickle.loads(segments[0])
+                else:
+                    value = pickle.loads(segments[0], buffers=segments[1:])
             except Exception as exc:
                 self._unpicklable(future, exc)
                 return

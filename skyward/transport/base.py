@@ -41,7 +41,9 @@ class AgentStream(Protocol):
         ...
 
     def write(self, chunks: Sequence[Buffer]) -> None:
-        """Send `chunks` to the agent's control input, in order; callable from any thread."""
+        """Send `chunks` to the agent's control input, in order; callable from any thread.
+        Each chunk's ``len`` is its size in bytes (bytes, bytearray, or a memoryview of format
+        ``B``, as `frames` makes them)."""
         ...
 
     def write_each(

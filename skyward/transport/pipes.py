@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import os
 import select
 import signal
@@ -27,6 +28,7 @@ from skyward.transport.frames import Buffer, spin_until, write_all
 # and an munmap on every small reply. Reads start small and grow only while they come back full.
 _SMALL_READ = 1 << 16
 _BIG_READ = 1 << 20
+_ENDED = operator.attrgetter("_ended")
 
 
 class SubprocessStream:
@@ -128,21 +130,20 @@ class SubprocessStream:
         with self._write_lock:
             for chunk in chunks:
                 written = os.write(fd, chunk)  # one write is the common case (a small frame)
-                if written < (chunk.nbytes if type(chunk) is memoryview else len(chunk)):
+                if written < len(chunk):  # (chunks count bytes: see AgentStream.write)
                     write_all(fd, memoryview(chunk).cast("B")[written:])
 
     def write_each(
         self, writes: Sequence[tuple[AgentStream, Sequence[Buffer]]]
     ) -> list[tuple[int, OSError]]:
         failed: list[tuple[int, OSError]] = []
-        for index, (stream, chunks) in enumerate(writes):
-            if not isinstance(stream, SubprocessStream):
-                raise TypeError(f"write_each mixes stream kinds: {type(stream).__name__}")
+        for index, (any_stream, chunks) in enumerate(writes):
+            stream: SubprocessStream = any_stream  # type: ignore[assignment]  # one pool: one kind
             try:  # `write`, written out
                 with stream._write_lock:
                     for chunk in chunks:
                         written = os.write(stream._stdin_fd, chunk)
-                        if written < (chunk.nbytes if type(chunk) is memoryview else len(chunk)):
+                        if written < len(chunk):  # (chunks count bytes: see AgentStream.write)
                             write_all(stream._stdin_fd, memoryview(chunk).cast("B")[written:])
             except OSError as exc:
                 failed.append((index, exc))
@@ -278,12 +279,10 @@ class _ControlReader:
                         os.write(reader._kick_w, b"k")  # ask the background reader to step aside
         held: list[_ControlReader] = []
         try:
-            every_pipe_open = True
             for reader in readers:
                 reader._lock.acquire()
                 held.append(reader)
-                every_pipe_open = every_pipe_open and not reader._ended
-            if every_pipe_open:
+            if not any(map(_ENDED, readers)):  # every pipe is open
                 by_fd, poller = dict(group.by_fd), group.poller
             else:
                 group.broken = True  # the next caller builds a fresh poll set

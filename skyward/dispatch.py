@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from skyward.callframes import CallFrames, Calls
 from skyward.errors import ConfigError, PoolClosedError, WorkerError
 from skyward.replies import Reply, Tally, new_reply
-from skyward.session import CallFrames, Calls, NodeSession
+from skyward.session import NodeSession
 from skyward.transport import frames
 from skyward.transport.base import AgentStream
 

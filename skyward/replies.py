@@ -1,4 +1,4 @@
-"""`Tally` and `Reply`: how the outcomes of one dispatch are counted as they come.
+"""Where a call's outcome goes (`Outcome`), and how a dispatch's outcomes are counted.
 
 A `Reply` is one call's outcome, lighter than a `concurrent.futures.Future`; a `Tally` counts a
 dispatch's replies, so that waiting for all of them costs no lock per reply.
@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
+
+
+class Outcome(Protocol):
+    """Where a call's result or exception goes: a `concurrent.futures.Future`, or the lighter
+    `replies.Reply`. The session sets each outcome it holds exactly once."""
+
+    def set_running_or_notify_cancel(self) -> bool: ...
+    def set_result(self, result: Any) -> None: ...
+    def set_exception(self, exception: BaseException | None) -> None: ...
+    def done(self) -> bool: ...
 
 
 class Tally:

@@ -20,14 +20,15 @@ import pickle
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TypeVar
 
 from skyward import failures
+from skyward.callframes import CallFrames, Calls
 from skyward.errors import PluginError, PoolClosedError, RemoteError, WorkerError
 from skyward.info import InstanceInfo
 from skyward.node_output import NodeOutput
 from skyward.providers.base import NodeLoss
-from skyward.replies import Reply
+from skyward.replies import Outcome, Reply
 from skyward.reports import Report
 from skyward.transport import frames, messages
 from skyward.transport.base import AgentStream
@@ -40,17 +41,6 @@ EXPLAIN_SECONDS = 3.0
 M = TypeVar("M", messages.Started, messages.Ready)
 
 
-class Outcome(Protocol):
-    """Where a call's result or exception goes: a `concurrent.futures.Future`, or the lighter
-    `replies.Reply`. The session sets each outcome it holds exactly once."""
-
-    def set_running_or_notify_cancel(self) -> bool: ...
-    def set_result(self, result: Any) -> None: ...
-    def set_exception(self, exception: BaseException | None) -> None: ...
-    def done(self) -> bool: ...
-
-
-Calls = list[tuple["CallFrames", Outcome]]
 Explain = Callable[[], Awaitable[NodeLoss | None]]
 
 
@@ -61,32 +51,6 @@ class Stage(enum.Enum):
     SETTING_UP = "setting up plugins"
     IN_PLUGIN = "in plugin"
     READY = "running a call"
-
-
-class CallFrames:
-    """One call's frame, encoded at most twice (with and without the function's bytes) however
-    many nodes it goes to: a broadcast writes the same bytes to every node."""
-
-    __slots__ = ("_with_fn", "call_id", "fn_bytes", "fn_id", "segments", "without_fn")
-
-    def __init__(
-        self, call_id: int, fn_id: int, fn_bytes: bytes, segments: list[frames.Buffer]
-    ) -> None:
-        self.call_id = call_id
-        self.fn_id = fn_id
-        self.fn_bytes = fn_bytes
-        self.segments = segments
-        # what a node that has the function gets: nearly every call needs it, so it is made now
-        self.without_fn = frames.encode_call(call_id, fn_id, segments)
-        self._with_fn: list[frames.Buffer] | None = None
-
-    def chunks(self, first_time: bool) -> list[frames.Buffer]:
-        if not first_time:
-            return self.without_fn
-        if self._with_fn is None:
-            call = messages.Call(self.call_id, self.fn_id, self.fn_bytes)
-            self._with_fn = frames.encode(call, self.segments)
-        return self._with_fn
 
 
 class NodeSession:

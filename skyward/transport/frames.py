@@ -37,8 +37,8 @@ PACKED = 0x01
 PACKED_CALL = struct.Struct("!BBQQ")  # a Call without the function's bytes: call_id, fn_id
 PACKED_RESULT = struct.Struct("!BBQ")  # a Result: call_id
 CALL, RESULT = Call.KIND, Result.KIND
-_RESULT_AT = ONE_SEGMENT.size  # where a one-segment frame's metadata starts
-_SMALL_RESULT = ONE_SEGMENT.size + PACKED_RESULT.size  # where a Result's one segment starts
+# A one-segment frame's header and packed Result metadata, read at once.
+_RESULT_FRAME = struct.Struct("!IIQBBQ")
 
 Buffer = bytes | bytearray | memoryview
 Segments = Sequence[Buffer]
@@ -219,6 +219,8 @@ class FrameDecoder:
         chunk); `on_error`, if given, gets what a broken stream raised."""
         self._on_frame = on_frame
         self._on_result = on_result
+        # the shortest chunk the one-Result path looks at: none without `on_result`
+        self._small_result = _RESULT_FRAME.size if on_result is not None else 1 << 62
         self._on_end = on_end
         self._on_error = on_error
         self.last_fed = time.monotonic()  # when bytes last came
@@ -237,26 +239,20 @@ class FrameDecoder:
             return
         self.last_fed = _monotonic()
         try:
-            if (
-                type(data) is bytes
-                and self._on_result is not None
-                and self._meta is None
-                and not self._buf
-                and len(data) > _RESULT_AT
-                and data[_RESULT_AT] == PACKED
-            ):
-                # The commonest chunk: exactly one small Result (a reply), decoded in a few
-                # steps (every reply of a broadcast comes here).
-                meta_len, count, first = ONE_SEGMENT.unpack_from(data)
+            if type(data) is bytes and len(data) >= self._small_result and not self._buf:
+                # The commonest chunk, exactly one small Result (a reply: every reply of a
+                # broadcast comes here), recognised by one struct.
+                meta_len, count, first, marker, kind, call_id = _RESULT_FRAME.unpack_from(data)
                 if (
-                    count == 1
+                    marker == PACKED
+                    and kind == RESULT
+                    and count == 1
                     and meta_len == PACKED_RESULT.size
-                    and len(data) == _SMALL_RESULT + first
+                    and len(data) == _RESULT_FRAME.size + first
+                    and self._meta is None
                 ):
-                    _, kind, call_id = PACKED_RESULT.unpack_from(data, _RESULT_AT)
-                    if kind == RESULT:
-                        self._on_result(call_id, [data[_SMALL_RESULT:]])
-                        return
+                    self._on_result(call_id, [data[_RESULT_FRAME.size :]])  # type: ignore[misc]
+                    return
             if type(data) is bytes and self._meta is None and not self._buf:
                 # The common case, one small reply per read: its frames are delivered straight
                 # from `data`, with no copy into the buffer, and written out here rather than a

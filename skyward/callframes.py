@@ -28,6 +28,11 @@ class CallFrames:
         self.without_fn = frames.encode_call(call_id, fn_id, segments)
         self._with_fn: list[frames.Buffer] | None = None
 
+    @property
+    def carries_function(self) -> bool:
+        """Whether the frame with the function's bytes was made (some node lacked it)."""
+        return self._with_fn is not None
+
     def chunks(self, first_time: bool) -> list[frames.Buffer]:
         if not first_time:
             return self.without_fn

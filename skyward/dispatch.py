@@ -112,8 +112,13 @@ class Dispatch:
         # node that then competes for the cores with the rest of this loop.
         chunks = NodeSession.enqueue_each(frames_, list(zip(sessions, replies, strict=True)))
         streams = self._streams  # those of `sessions`, in order (a dead node's chunks are none)
-        for index, exc in streams[0].write_each(list(zip(streams, chunks, strict=True))):
+        failed = dict(streams[0].write_each(list(zip(streams, chunks, strict=True))))
+        for index, exc in failed.items():
             sessions[index].write_failed(exc, [(frames_, replies[index])])
+        if frames_.carries_function:  # the function's first broadcast (see `wrote_function`)
+            for index, session in enumerate(sessions):
+                if chunks[index] and index not in failed:
+                    session.wrote_function(frames_.fn_id)
         return self._collect(tally, replies, sessions, spmd=True, streams=self._streams)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:

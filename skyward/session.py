@@ -76,7 +76,7 @@ class NodeSession:
         self.stage = Stage.STARTING
         self.plugin: str | None = None  # the plugin whose hook runs, in Stage.IN_PLUGIN
         self._hook = ""
-        self._sent_functions: set[int] = set()
+        self._sent_functions: set[int] = set()  # see `wrote_function`
         self._explain = explain
         self._on_output = on_output
         self._on_report = on_report
@@ -182,6 +182,7 @@ class NodeSession:
         if len(calls) == 1:  # one call (a `>>`): no list to build and join
             return self.enqueue_one(*calls[0])
         chunks: list[frames.Buffer] = []
+        carried: set[int] = set()
         with self._lock:
             for call, future in calls:
                 if self.dead is not None:
@@ -189,8 +190,10 @@ class NodeSession:
                     continue
                 if not future.set_running_or_notify_cancel():
                     continue
-                first_time = call.fn_id not in self._sent_functions
-                self._sent_functions.add(call.fn_id)
+                # the batch's first call of a function the node lacks carries its bytes
+                first_time = call.fn_id not in self._sent_functions and call.fn_id not in carried
+                if first_time:
+                    carried.add(call.fn_id)
                 self.pending[call.call_id] = future
                 chunks += call.chunks(first_time)
         return chunks if len(chunks) == 1 else frames.coalesce(chunks)
@@ -221,7 +224,6 @@ class NodeSession:
                 if call.fn_id in session._sent_functions:
                     out.append(call.without_fn)
                     continue
-                session._sent_functions.add(call.fn_id)
             out.append(call.chunks(True))
         return out
 
@@ -233,6 +235,16 @@ class NodeSession:
             self.stream.write(chunks)
         except OSError as exc:
             self.write_failed(exc, calls)
+            return
+        for call, _ in calls:
+            if call.fn_id not in self._sent_functions:
+                self.wrote_function(call.fn_id)
+
+    def wrote_function(self, fn_id: int) -> None:
+        """A write that carried function `fn_id`'s bytes has returned: the node will have it
+        before any later write, so later calls go without it. (Marked no sooner: a call made
+        by another thread meanwhile may be written first, and must carry the bytes too.)"""
+        self._sent_functions.add(fn_id)
 
     def write_failed(self, exc: OSError, calls: Calls) -> None:
         """The write of `calls` failed with `exc`: fail those of them still pending."""

@@ -335,3 +335,51 @@ def test_a_value_over_2_gib_travels_both_ways() -> None:
         data = zeros_with_marks(n) >> pool
         assert (len(data), data[0], data[-1]) == (n, 1, 2)
         assert ends(data) >> pool == (n, 1, 2)
+
+
+def test_threads_calling_one_pool_at_once_all_get_their_results(pool: sky.ComputePool) -> None:
+    """Threads mixing `>>`, `@`, a gather and `submit` on one pool, with pauses long enough for
+    the pipes' reader threads to take over between calls: every result is right, none hangs.
+    The functions are new to the nodes, so the threads race to send them first: a call that
+    goes without the function's bytes must never overtake the write that carries them."""
+    import random
+    import threading
+
+    def make(k: int) -> sky.Compute[[int], int]:
+        def times(x: int) -> int:
+            return k * x
+
+        return sky.compute(times)
+
+    functions = [make(k) for k in range(2, 6)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(6)
+
+    def caller(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            start.wait(30)
+            for i in range(40):
+                k = rng.randrange(len(functions))
+                fn, x, want = functions[k], seed * 1000 + i, (k + 2) * (seed * 1000 + i)
+                way = rng.randrange(4)
+                if way == 0:
+                    assert fn(x) >> pool == want
+                elif way == 1:
+                    assert fn(x) @ pool == [want, want]
+                elif way == 2:
+                    assert sky.gather(fn(x), fn(x)) >> pool == (want, want)
+                else:
+                    assert pool.submit(fn(x)).result(30) == want
+                if rng.random() < 0.2:
+                    time.sleep(0.003)  # past the readers' linger: they go back to waiting
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), "a caller hung"
+    assert not errors, errors[0]

@@ -184,11 +184,12 @@ class _ControlReader:
         self._poller = select.poll()
         self._poller.register(fd, select.POLLIN)
         self._lock = threading.Lock()
-        # Guards the fields below; a plain lock (not a Condition): callers take it twice per
-        # call, and nobody needs to be notified (see `_background`).
-        self._state = threading.Lock()
-        self._callers = 0
+        # One entry per caller reading or about to (list.append and pop are atomic: a caller
+        # takes no lock to come and go, see `_enter`), and when the last one left.
+        self._callers: list[None] = []
         self._last_caller = 0.0
+        # Guards the fields below; a plain lock (not a Condition): nobody needs to be notified.
+        self._state = threading.Lock()
         self._selecting = False
         self._kick_r, self._kick_w = os.pipe()
         os.set_blocking(self._kick_r, False)
@@ -220,10 +221,15 @@ class _ControlReader:
         while not self._ended:
             while True:
                 with self._state:
-                    callers, idle = self._callers, time.monotonic() - self._last_caller
+                    callers, idle = len(self._callers), time.monotonic() - self._last_caller
                     if not callers and idle >= self.LINGER:
                         self._selecting = True
-                        break
+                        # A caller that came after the count above and before the flag was
+                        # set saw no flag, so it will not kick: look again now it is set.
+                        if not self._callers:
+                            break
+                        self._selecting = False
+                        callers = 1
                 # Nobody wakes this thread when callers leave (that would cost a wake-up per
                 # call): it looks again now and then.
                 time.sleep(self.BUSY_POLL if callers else self.LINGER - idle)
@@ -240,16 +246,22 @@ class _ControlReader:
                     self._read_once()
 
     def _enter(self) -> None:
-        with self._state:
-            self._callers += 1
-            if self._selecting and not self._closed_kick:
+        # Counted first, then the flag read: the background thread sets the flag first, then
+        # counts (see `_background`), so either it sees this caller or this caller kicks it.
+        self._callers.append(None)
+        if self._selecting:
+            self._kick()
+
+    def _kick(self) -> None:
+        """Ask the background reader to step aside (it waits in select)."""
+        with self._state:  # no caller kicks a closed pipe (its number may be reused)
+            if not self._closed_kick:
                 with contextlib.suppress(OSError):
-                    os.write(self._kick_w, b"k")  # ask the background reader to step aside
+                    os.write(self._kick_w, b"k")
 
     def _leave(self) -> None:
-        with self._state:
-            self._callers -= 1
-            self._last_caller = time.monotonic()
+        self._last_caller = time.monotonic()  # before the count drops: see `_background`
+        self._callers.pop()
 
     def read_until(self, done: Callable[[], bool], linger: float = 0.0) -> None:
         """Read and deliver until `done()`; poll up to `linger` seconds before each blocking
@@ -272,11 +284,9 @@ class _ControlReader:
         # once per node on each call.
         readers = group.readers
         for reader in readers:
-            with reader._state:
-                reader._callers += 1
-                if reader._selecting and not reader._closed_kick:
-                    with contextlib.suppress(OSError):
-                        os.write(reader._kick_w, b"k")  # ask the background reader to step aside
+            reader._callers.append(None)
+            if reader._selecting:
+                reader._kick()
         held: list[_ControlReader] = []
         try:
             for reader in readers:
@@ -324,9 +334,8 @@ class _ControlReader:
                 reader._lock.release()
             now = time.monotonic()
             for reader in readers:
-                with reader._state:
-                    reader._callers -= 1
-                    reader._last_caller = now
+                reader._last_caller = now
+                reader._callers.pop()
 
 
 class _Group:

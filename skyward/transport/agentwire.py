@@ -7,7 +7,7 @@ costs several microseconds there (measured: one more call per node made an 8-nod
 20% slower on 2 cores), so the common case, a small call that returns, is read, run and
 answered within the one loop of `serve`, with the agent's functions (`CallHost`).
 
-Shared by the client's tests and the worker agent: standard library only.
+Run by the worker agent (and the tests): standard library only.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def loads(segments: Sequence[Buffer]) -> Any:
 
 def spin_until(ready: Callable[[], bool], seconds: float) -> None:
     """Busy-wait until `ready()` or for `seconds`, whichever comes first: a process that polls
-    sees data as it arrives, one asleep in read() has to be woken (see `SyncChannel.linger`)."""
+    sees data as it arrives, one asleep in read() has to be woken (see `AgentWire.linger`)."""
     deadline = time.perf_counter() + seconds
     while not ready() and time.perf_counter() < deadline:
         pass

@@ -265,7 +265,7 @@ class _ControlReader:
 
     def read_until(self, done: Callable[[], bool], linger: float = 0.0) -> None:
         """Read and deliver until `done()`; poll up to `linger` seconds before each blocking
-        read, so a quick reply finds this thread awake (see SyncChannel.linger)."""
+        read, so a quick reply finds this thread awake (see AgentWire.linger)."""
         self._enter()
         try:
             with self._lock:

@@ -80,7 +80,11 @@ class Reply:
         return True
 
     def set_result(self, result: Any) -> None:
-        settle(self, result)
+        if not self.finished:  # counted once, whatever happens
+            self.value, self.finished = result, True
+            self.tally.settled.append(self)  # `Tally.settle` for a value
+            if self.tally.waiting:
+                self.tally.wake()
 
     def set_exception(self, exception: BaseException | None) -> None:
         if not self.finished:
@@ -89,16 +93,6 @@ class Reply:
 
     def done(self) -> bool:
         return self.finished
-
-
-def settle(reply: Reply, value: Any) -> None:
-    """`reply.set_result(value)`: counted once, whatever happens (`Tally.settle` for a value,
-    written out: every reply of a broadcast passes here)."""
-    if not reply.finished:
-        reply.value, reply.finished = value, True
-        reply.tally.settled.append(reply)
-        if reply.tally.waiting:
-            reply.tally.wake()
 
 
 def new_reply(tally: Tally) -> Reply:

@@ -237,7 +237,7 @@ class NodeSession:
             self.write_failed(exc, calls)
             return
         for call, _ in calls:
-            if call.fn_id not in self._sent_functions:
+            if call.carries_function:
                 self.wrote_function(call.fn_id)
 
     def wrote_function(self, fn_id: int) -> None:
@@ -276,7 +276,7 @@ class NodeSession:
                 return
             if type(future) is not Reply:
                 future.set_result(value)
-            elif not future.finished:  # `replies.settle`, written out: a broadcast's replies
+            elif not future.finished:  # `Reply.set_result`, written out: a broadcast's replies
                 future.value, future.finished = value, True
                 future.tally.settled.append(future)
                 if future.tally.waiting:

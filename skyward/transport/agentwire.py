@@ -105,7 +105,7 @@ class AgentWire:
     """
 
     def __init__(self, fd_in: int, fd_out: int) -> None:
-        self._fd_in = fd_in
+        self.fileno_in = fd_in
         # Reads take exactly what they ask for, so nothing is ever buffered here: small parts
         # with os.read (a BufferedReader's own refill costs several microseconds a call), a
         # large segment with an unbuffered reader, which fills one bytes object of the
@@ -117,7 +117,6 @@ class AgentWire:
         self._input.register(fd_in, select.POLLIN)
         self._input_ahead.register(fd_in, select.POLLIN)
         self._out_fd = fd_out
-        self.fileno_in = fd_in
         self._lock = threading.Lock()  # held by whoever reads the input
         self._write_lock = threading.Lock()
         self._early: collections.deque[tuple[Message, list[bytes]]] = collections.deque()
@@ -141,7 +140,7 @@ class AgentWire:
         returns False to stop. After each call the channel polls for the next one for `linger`
         seconds.
         """
-        fd_in, fd_out, lock, write_lock = self._fd_in, self._out_fd, self._lock, self._write_lock
+        fd_in, fd_out, lock, write_lock = self.fileno_in, self._out_fd, self._lock, self._write_lock
         loads, dumps, read, write = pickle.loads, pickle.dumps, os.read, os.write
         head_size, unpack_head, pack_head = ONE_SEGMENT.size, ONE_SEGMENT.unpack, ONE_SEGMENT.pack
         call_size, unpack_call = PACKED_CALL.size, PACKED_CALL.unpack_from
@@ -175,7 +174,6 @@ class AgentWire:
                             frame = from_wire(meta_tuple(body[:call_size])), segments
             if frame is not None:
                 message, segments = frame
-                frame = None
                 if type(message) is not Call:
                     if not other(message, segments):
                         return
@@ -198,24 +196,18 @@ class AgentWire:
                 host.fail_call(call_id, exc)
                 continue
             if type(value) in SCALARS:
-                blob = dumps(value, PROTOCOL)
-                del value
+                result: Segments = [dumps(value, PROTOCOL)]
             else:
-                result = host.dump_result(call_id, value)
-                del value
-                if result is None:
+                dumped = host.dump_result(call_id, value)
+                if dumped is None:
                     continue
-                if len(result) != 1 or type(result[0]) is not bytes:
-                    if reports.queue or reports.sending.locked():
-                        reports.flush()
-                    self.send(Result(call_id), result)
-                    if linger:
-                        self.linger(linger)
-                    continue
-                blob = result[0]
+                result = dumped
+            del value
             if reports.queue or reports.sending.locked():
                 reports.flush()  # the client sees a call's reports before its result
-            if len(blob) < COALESCE_LIMIT:  # `send(Result(call_id), [blob])`, written out
+            blob = result[0]
+            if len(result) == 1 and type(blob) is bytes and len(blob) < COALESCE_LIMIT:
+                # `send(Result(call_id), result)`, written out
                 out = pack_head(result_size, 1, len(blob)) + pack_result(PACKED, RESULT, call_id)
                 out += blob
                 with write_lock:
@@ -223,7 +215,7 @@ class AgentWire:
                     if written < len(out):  # a signal or a full pipe cut it short
                         write_all(fd_out, memoryview(out)[written:])
             else:
-                self.send(Result(call_id), [blob])
+                self.send(Result(call_id), result)
             if linger:
                 self.linger(linger)
 
@@ -234,7 +226,7 @@ class AgentWire:
                 return self._early.popleft()
             if self._ended:
                 return None
-            return self._rest_of_frame(os.read(self._fd_in, ONE_SEGMENT.size))
+            return self._rest_of_frame(os.read(self.fileno_in, ONE_SEGMENT.size))
 
     def _read_exactly(self, n: int, have: bytes = b"") -> bytes:
         """`n` bytes of input (after `have`, the part already read)."""
@@ -243,7 +235,7 @@ class AgentWire:
         else:
             data = have
             while len(data) < n:  # a frame may arrive in pieces
-                more = os.read(self._fd_in, n - len(data))
+                more = os.read(self.fileno_in, n - len(data))
                 if not more:
                     break
                 data += more
@@ -284,7 +276,7 @@ class AgentWire:
             return
         try:
             while not self._ended and self._input_ahead.poll(0):
-                frame = self._rest_of_frame(os.read(self._fd_in, ONE_SEGMENT.size))
+                frame = self._rest_of_frame(os.read(self.fileno_in, ONE_SEGMENT.size))
                 if frame is not None and keep(frame[0]):
                     self._early.append(frame)
         finally:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from skyward.transport.messages import DECODERS, Call, Message, Result, from_wire, to_wire
+from skyward.transport.messages import Call, Message, Result, from_wire, to_wire
 
 HEADER = struct.Struct("!II")
 LENGTH = struct.Struct("!Q")
@@ -82,15 +82,16 @@ def meta_tuple(blob: Buffer) -> Any:
 def encode_call(call_id: int, fn_id: int, segments: Segments) -> list[Buffer]:
     """`encode(Call(call_id, fn_id, None), segments)` without building the message (every
     call's frame to a node that has its function)."""
-    blob = PACKED_CALL.pack(PACKED, CALL, call_id, fn_id)
-    if len(segments) == 1 and type(segments[0]) is bytes and len(segments[0]) < COALESCE_LIMIT:
-        return [ONE_SEGMENT.pack(len(blob), 1, len(segments[0])) + blob + segments[0]]
-    return encode(Call(call_id, fn_id, None), segments)
+    return _frame(PACKED_CALL.pack(PACKED, CALL, call_id, fn_id), segments)
 
 
 def encode(message: Message, segments: Segments = ()) -> list[Buffer]:
     """The byte strings to write, in order, for one frame (small segments coalesced)."""
-    blob = meta_bytes(message)
+    return _frame(meta_bytes(message), segments)
+
+
+def _frame(blob: bytes, segments: Segments) -> list[Buffer]:
+    """The byte strings of a frame with metadata `blob`."""
     if len(segments) == 1 and type(segments[0]) is bytes and len(segments[0]) < COALESCE_LIMIT:
         # a small result or call: one struct and one bytes object (each small call's path)
         only = segments[0]
@@ -273,11 +274,7 @@ class FrameDecoder:
                             if kind == RESULT:
                                 on_result(call_id, [data[middle:stop]])
                                 continue
-                        meta = meta_tuple(data[start:middle])
-                        try:
-                            message = DECODERS[meta[0]](meta)
-                        except (KeyError, IndexError, TypeError):
-                            message = from_wire(meta)  # raises, saying what is wrong
+                        message = from_wire(meta_tuple(data[start:middle]))
                         on_frame(message, [data[middle:stop]])
                         continue
                     if start > end:
@@ -332,7 +329,7 @@ class FrameDecoder:
                 need = HEADER.size + 8 * count + meta_len
                 if len(self._buf) < need:
                     return
-                self._lengths = list(struct.unpack_from(f"!{count}Q", self._buf, HEADER.size))
+                self._lengths = list(lengths_of(count).unpack_from(self._buf, HEADER.size))
                 self._meta = from_wire(meta_tuple(self._buf[HEADER.size + 8 * count : need]))
                 del self._buf[:need]
                 self._segments = []

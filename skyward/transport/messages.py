@@ -215,53 +215,17 @@ def to_wire(message: Message) -> tuple[Any, ...]:
 def _builder(cls: type[Any]) -> Callable[[Any], Any]:
     """A function from a `cls` wire tuple to the message. It fills the slots directly: a frozen
     dataclass's own ``__init__`` goes through ``object.__setattr__`` for each field, which
-    costs about 300 ns a field, on every call's way in and out (hence one unrolled builder for
-    each of the sizes the hot messages have)."""
+    costs about 300 ns a field."""
     setters = tuple(getattr(cls, f.name).__set__ for f in fields(cls))
     size, new = len(setters) + 1, object.__new__
 
-    def wrong(meta: Any) -> MessageError:
-        return MessageError(f"{cls.__name__} has {size - 1} field(s), got {len(meta) - 1}")
-
-    if size == 1:
-        only_instance = cls()  # frozen and fieldless: one instance serves every frame
-
-        def build(meta: Any) -> Any:
-            if len(meta) != 1:
-                raise wrong(meta)
-            return only_instance
-
-    elif size == 2:
-        (set1,) = setters
-
-        def build(meta: Any) -> Any:
-            if len(meta) != 2:
-                raise wrong(meta)
-            message = new(cls)
-            set1(message, meta[1])
-            return message
-
-    elif size == 4:
-        set1, set2, set3 = setters
-
-        def build(meta: Any) -> Any:
-            if len(meta) != 4:
-                raise wrong(meta)
-            message = new(cls)
-            set1(message, meta[1])
-            set2(message, meta[2])
-            set3(message, meta[3])
-            return message
-
-    else:
-
-        def build(meta: Any) -> Any:
-            if len(meta) != size:
-                raise wrong(meta)
-            message = new(cls)
-            for setter, value in zip(setters, meta[1:], strict=True):
-                setter(message, value)
-            return message
+    def build(meta: Any) -> Any:
+        if len(meta) != size:
+            raise MessageError(f"{cls.__name__} has {size - 1} field(s), got {len(meta) - 1}")
+        message = new(cls)
+        for setter, value in zip(setters, meta[1:], strict=True):
+            setter(message, value)
+        return message
 
     return build
 

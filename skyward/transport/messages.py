@@ -183,7 +183,6 @@ _TYPES: tuple[type[Any], ...] = (
     Heartbeat,
     Reported,
 )
-_BY_KIND: dict[int, type[Any]] = {cls.KIND: cls for cls in _TYPES}
 
 
 def _packer(cls: type[Any]) -> Callable[[Any], tuple[Any, ...]]:
@@ -230,14 +229,14 @@ def _builder(cls: type[Any]) -> Callable[[Any], Any]:
     return build
 
 
-# Each kind's decoder: from a wire tuple to the message (`from_wire`, without its error).
-DECODERS: dict[int, Callable[[Any], Any]] = {cls.KIND: _builder(cls) for cls in _TYPES}
+# Each kind's decoder: from a wire tuple to the message.
+_DECODERS: dict[int, Callable[[Any], Any]] = {cls.KIND: _builder(cls) for cls in _TYPES}
 
 
 def from_wire(meta: Any) -> Message:
     """The message a frame's metadata tuple holds."""
     try:
-        message: Message = DECODERS[meta[0]](meta)
+        message: Message = _DECODERS[meta[0]](meta)
     except (KeyError, IndexError, TypeError) as exc:
         raise MessageError(f"not a skyward message: {str(meta)[:200]} ({exc})") from None
     return message

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import pickle
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -29,6 +28,7 @@ from skyward.info import InstanceInfo
 from skyward.node_output import NodeOutput
 from skyward.providers.base import NodeLoss
 from skyward.replies import Outcome, Reply
+from skyward.reply_decoder import ReplyDecoder
 from skyward.reports import Report
 from skyward.transport import frames, messages
 from skyward.transport.base import AgentStream
@@ -83,8 +83,8 @@ class NodeSession:
         self._control: asyncio.Queue[messages.Message | None] = asyncio.Queue()
         self._stopping = False
         self._lock = threading.Lock()
-        self._decoder = frames.FrameDecoder(
-            self._on_frame, self._on_result, self._on_control_end, self._on_broken_stream
+        self._decoder = ReplyDecoder(
+            self, self._on_frame, self._unpicklable, self._on_control_end, self._on_broken_stream
         )
         self._ended_task: asyncio.Task[None] | None = None
         self._control_closed = asyncio.Event()
@@ -263,28 +263,9 @@ class NodeSession:
     def _on_control_end(self) -> None:
         self._loop.call_soon_threadsafe(self._control_ended)
 
-    def _on_result(self, call_id: int, segments: list[frames.Buffer]) -> None:
-        future = self.pending.pop(call_id, None)
-        if future is not None:
-            try:
-                if len(segments) == 1:  # a small value: no out-of-band buffers
-                    value = pickle.loads(segments[0])
-                else:
-                    value = pickle.loads(segments[0], buffers=segments[1:])
-            except Exception as exc:
-                self._unpicklable(future, exc)
-                return
-            if type(future) is not Reply:
-                future.set_result(value)
-            elif not future.finished:  # `Reply.set_result`, written out: a broadcast's replies
-                future.value, future.finished = value, True
-                future.tally.settled.append(future)
-                if future.tally.waiting:
-                    future.tally.wake()
-
     def _on_frame(self, message: messages.Message, segments: list[frames.Buffer]) -> None:
-        if type(message) is messages.Result:  # a large one (small ones go to `_on_result`)
-            self._on_result(message.call_id, segments)
+        if type(message) is messages.Result:  # a large one (the decoder settles small ones)
+            self._decoder.settle(message.call_id, segments)
         elif type(message) is messages.Raised:
             self._reject(message, segments)
         elif type(message) is messages.Reported:

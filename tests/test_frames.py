@@ -224,10 +224,12 @@ def _size(data: bytes) -> int:
     return len(data)
 
 
-def test_the_agent_channel_serves_calls_that_arrive_in_any_pieces() -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["alone", "with-read-ahead"])
+def test_the_agent_channel_serves_calls_that_arrive_in_any_pieces(shared: bool) -> None:
     """Calls written a few bytes at a time, several to a write, with a large argument among
     them, are run in order and answered as the client's decoder expects; a call that raises
-    goes to the host; Shutdown ends the loop."""
+    goes to the host; Shutdown ends the loop. `shared`: another thread keeps taking frames
+    ahead (as the agent's watcher does for a pinging client), and nothing changes."""
     import os
     import threading
 
@@ -270,7 +272,25 @@ def test_the_agent_channel_serves_calls_that_arrive_in_any_pieces() -> None:
         others.append(message)
         return not isinstance(message, messages.Shutdown)
 
-    channel.serve(host, other)  # type: ignore[arg-type]
+    served = threading.Event()
+    kept: list[messages.Message] = []
+
+    def keep(message: messages.Message) -> bool:
+        kept.append(message)
+        return True
+
+    def read_ahead() -> None:
+        while not served.is_set():
+            channel.read_ahead(keep)
+
+    ahead = threading.Thread(target=read_ahead)
+    if shared:
+        ahead.start()
+    channel.serve(host, other, shared=shared)  # type: ignore[arg-type]
+    served.set()
+    if shared:
+        ahead.join()
+        assert kept, "the other thread took frames ahead, which the loop then served"
     writer.join()
     os.close(from_agent_w)
     replies: dict[int, object] = {}

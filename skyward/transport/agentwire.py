@@ -17,6 +17,7 @@ import io
 import os
 import pickle
 import select
+import struct
 import threading
 import time
 from collections.abc import Callable, Sized
@@ -33,6 +34,7 @@ from skyward.transport.frames import (
     PACKED_RESULT,
     PROTOCOL,
     RESULT,
+    RESULT_FRAME,
     SCALARS,
     FrameError,
     Segments,
@@ -92,7 +94,6 @@ class CallHost(Protocol):
 
 
 _monotonic = time.monotonic
-_BAD = (0, 0, 0)  # a header too short to read: the slow path says what is wrong
 
 
 class AgentWire:
@@ -131,47 +132,64 @@ class AgentWire:
                 write_all(self._out_fd, chunk)
 
     def serve(
-        self, host: CallHost, other: Callable[[Message, list[bytes]], bool], linger: float = 0.0
+        self,
+        host: CallHost,
+        other: Callable[[Message, list[bytes]], bool],
+        linger: float = 0.0,
+        shared: bool = False,
     ) -> None:
         """Run calls until the stream ends or `other` says to stop.
 
         Each `Call` runs here, with `host`'s functions, and its result is sent as its `Result`
         (an exception goes to `host.fail_call`). Any other message goes to `other`, which
         returns False to stop. After each call the channel polls for the next one for `linger`
-        seconds.
+        seconds. `shared`: another thread may take frames meanwhile (`read_ahead`), so reads
+        take the lock and mark `last_input`; without it, a call's path touches neither.
         """
         fd_in, fd_out, lock, write_lock = self.fileno_in, self._out_fd, self._lock, self._write_lock
         loads, dumps, read, write = pickle.loads, pickle.dumps, os.read, os.write
-        head_size, unpack_head, pack_head = ONE_SEGMENT.size, ONE_SEGMENT.unpack, ONE_SEGMENT.pack
+        head_size, unpack_head = ONE_SEGMENT.size, ONE_SEGMENT.unpack
         call_size, unpack_call = PACKED_CALL.size, PACKED_CALL.unpack_from
-        pack_result, result_size = PACKED_RESULT.pack, PACKED_RESULT.size
+        pack_reply, reply_meta = RESULT_FRAME.pack, PACKED_RESULT.size
         functions, reports = host.functions, host.reports
+        unsent, sending = reports.queue, reports.sending.locked
         while True:
-            # The common frame, a small call, is read and decoded here: its first 16 bytes
-            # (header and segment length), then the metadata and the pickled arguments.
             frame: tuple[Message, list[bytes]] | None = None
-            with lock:
+            if shared:
+                lock.acquire()
                 if self._early or self._ended:
-                    frame = self._early.popleft() if self._early else None
+                    lock.release()
+                    frame = self.read()
                     if frame is None:
                         return
-                else:
+            if frame is None:
+                # The common frame, a small call, is read and decoded here: its first 16 bytes
+                # (header and segment length), then the metadata and the pickled arguments.
+                try:
                     head = read(fd_in, head_size)
-                    meta_len, count, first = unpack_head(head) if len(head) == head_size else _BAD
-                    if count != 1 or first >= COALESCE_LIMIT or meta_len != call_size:
+                    try:
+                        meta_len, count, first = unpack_head(head)
+                    except struct.error:  # a header cut short, or the end: the slow path
+                        count = 0
+                    if count == 1 and meta_len == call_size and first < COALESCE_LIMIT:
+                        size = call_size + first
+                        body = read(fd_in, size)
+                        if len(body) != size:
+                            body = self._read_exactly(size, body)
+                    else:
                         frame = self._rest_of_frame(head)
                         if frame is None:
                             return
-                    else:
-                        body = read(fd_in, call_size + first)
-                        if len(body) < call_size + first:
-                            body = self._read_exactly(call_size + first, body)
+                    if shared:
                         self.last_input = _monotonic()
-                        marker, kind, call_id, fn_id = unpack_call(body)
-                        fn_bytes = None
-                        segments = [body[call_size:]]
-                        if marker != PACKED or kind != CALL:
-                            frame = from_wire(meta_tuple(body[:call_size])), segments
+                finally:
+                    if shared:
+                        lock.release()
+            if frame is None:
+                marker, kind, call_id, fn_id = unpack_call(body)
+                fn_bytes, segments = None, [body[call_size:]]
+                if marker != PACKED or kind != CALL:  # pickled metadata of that very size
+                    frame = from_wire(meta_tuple(body[:call_size])), segments
             if frame is not None:
                 message, segments = frame
                 if type(message) is not Call:
@@ -180,8 +198,9 @@ class AgentWire:
                     continue
                 call_id, fn_id, fn_bytes = message.call_id, message.fn_id, message.fn_bytes
             try:
-                fn = functions.get(fn_id)
-                if fn is None:
+                try:
+                    fn = functions[fn_id]
+                except KeyError:
                     fn = host.load_function(fn_id, fn_bytes)
                 if len(segments) == 1:
                     args, kwargs = loads(segments.pop())
@@ -195,25 +214,26 @@ class AgentWire:
                 # agent keeps serving.
                 host.fail_call(call_id, exc)
                 continue
+            reply: bytes | None = None  # the whole frame, when the result is a small scalar
             if type(value) in SCALARS:
-                result: Segments = [dumps(value, PROTOCOL)]
+                blob = dumps(value, PROTOCOL)
+                if len(blob) < COALESCE_LIMIT:
+                    reply = pack_reply(reply_meta, 1, len(blob), PACKED, RESULT, call_id) + blob
+                else:
+                    result: Segments = [blob]
             else:
                 dumped = host.dump_result(call_id, value)
                 if dumped is None:
                     continue
                 result = dumped
             del value
-            if reports.queue or reports.sending.locked():
+            if unsent or sending():
                 reports.flush()  # the client sees a call's reports before its result
-            blob = result[0]
-            if len(result) == 1 and type(blob) is bytes and len(blob) < COALESCE_LIMIT:
-                # `send(Result(call_id), result)`, written out
-                out = pack_head(result_size, 1, len(blob)) + pack_result(PACKED, RESULT, call_id)
-                out += blob
+            if reply is not None:
                 with write_lock:
-                    written = write(fd_out, out)
-                    if written < len(out):  # a signal or a full pipe cut it short
-                        write_all(fd_out, memoryview(out)[written:])
+                    written = write(fd_out, reply)
+                    if written != len(reply):  # a signal or a full pipe cut it short
+                        write_all(fd_out, memoryview(reply)[written:])
             else:
                 self.send(Result(call_id), result)
             if linger:

@@ -37,8 +37,8 @@ PACKED = 0x01
 PACKED_CALL = struct.Struct("!BBQQ")  # a Call without the function's bytes: call_id, fn_id
 PACKED_RESULT = struct.Struct("!BBQ")  # a Result: call_id
 CALL, RESULT = Call.KIND, Result.KIND
-# A one-segment frame's header and packed Result metadata, read at once.
-_RESULT_FRAME = struct.Struct("!IIQBBQ")
+# A one-segment frame's header and packed Result metadata, read at once (a reply, on the client).
+RESULT_FRAME = struct.Struct("!IIQBBQ")
 
 Buffer = bytes | bytearray | memoryview
 Segments = Sequence[Buffer]
@@ -220,8 +220,6 @@ class FrameDecoder:
         chunk); `on_error`, if given, gets what a broken stream raised."""
         self._on_frame = on_frame
         self._on_result = on_result
-        # the shortest chunk the one-Result path looks at: none without `on_result`
-        self._small_result = _RESULT_FRAME.size if on_result is not None else 1 << 62
         self._on_end = on_end
         self._on_error = on_error
         self.last_fed = time.monotonic()  # when bytes last came
@@ -240,24 +238,9 @@ class FrameDecoder:
             return
         self.last_fed = _monotonic()
         try:
-            if type(data) is bytes and len(data) >= self._small_result and not self._buf:
-                # The commonest chunk, exactly one small Result (a reply: every reply of a
-                # broadcast comes here), recognised by one struct.
-                meta_len, count, first, marker, kind, call_id = _RESULT_FRAME.unpack_from(data)
-                if (
-                    marker == PACKED
-                    and kind == RESULT
-                    and count == 1
-                    and meta_len == PACKED_RESULT.size
-                    and len(data) == _RESULT_FRAME.size + first
-                    and self._meta is None
-                ):
-                    self._on_result(call_id, [data[_RESULT_FRAME.size :]])  # type: ignore[misc]
-                    return
             if type(data) is bytes and self._meta is None and not self._buf:
-                # The common case, one small reply per read: its frames are delivered straight
-                # from `data`, with no copy into the buffer, and written out here rather than a
-                # call away (each reply of a broadcast passes through this).
+                # The common case, whole small frames in one read: they are delivered straight
+                # from `data`, with no copy into the buffer (gathered replies come this way).
                 offset, end = 0, len(data)
                 on_frame, on_result = self._on_frame, self._on_result
                 while end - offset >= ONE_SEGMENT.size:

@@ -9,7 +9,9 @@ is most of the round trip; the rest of the time a reader thread per pipe does. I
 
 from __future__ import annotations
 
+import _thread
 import asyncio
+import collections
 import contextlib
 import operator
 import os
@@ -18,7 +20,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import repeat
 from typing import IO
 
 from skyward.transport.base import AgentStream, Receiver
@@ -29,6 +32,11 @@ from skyward.transport.frames import Buffer, spin_until, write_all
 _SMALL_READ = 1 << 16
 _BIG_READ = 1 << 20
 _ENDED = operator.attrgetter("_ended")
+_SELECTING = operator.attrgetter("_selecting")
+_ACQUIRE, _RELEASE = _thread.LockType.acquire, _thread.LockType.release
+_LAST_CALLER = repeat("_last_caller")
+# Runs an iterator to its end in C: a step taken for every pipe of a group costs no bytecode.
+_consume: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
 
 
 class SubprocessStream:
@@ -280,20 +288,17 @@ class _ControlReader:
     def read_all_until(cls, group: _Group, done: Callable[[], bool], poll: float = 0.05) -> None:
         """Read the pipes of `group` in this thread until `done()` (checked at least every
         `poll` s)."""
-        # `_enter`, the locks and `_leave` for every pipe, written out: a broadcast pays them
-        # once per node on each call.
+        # `_enter`, the locks and `_leave` for every pipe, each step as one loop in C (`map`,
+        # run by `_consume`): a broadcast pays them once per node on each call.
         readers = group.readers
-        for reader in readers:
-            reader._callers.append(None)
-            if reader._selecting:
-                reader._kick()
-        held: list[_ControlReader] = []
+        _consume(map(list.append, group.callers, group.nones))
+        for reader in filter(_SELECTING, readers):  # a reader thread waits in select: rare
+            reader._kick()
+        held: list[bool] = []  # one entry per lock taken, in order (`extend` keeps what it took)
         try:
-            for reader in readers:
-                reader._lock.acquire()
-                held.append(reader)
+            held.extend(map(_ACQUIRE, group.locks))
             if not any(map(_ENDED, readers)):  # every pipe is open
-                by_fd, poller = dict(group.by_fd), group.poller
+                by_fd, poller = group.by_fd, group.poller
             else:
                 group.broken = True  # the next caller builds a fresh poll set
                 live = [r for r in readers if not r._ended]
@@ -330,12 +335,9 @@ class _ControlReader:
                         del by_fd[fd]
                         group.broken = True
         finally:
-            for reader in held:
-                reader._lock.release()
-            now = time.monotonic()
-            for reader in readers:
-                reader._last_caller = now
-                reader._callers.pop()
+            _consume(map(_RELEASE, group.locks[: len(held)]))
+            _consume(map(setattr, readers, _LAST_CALLER, repeat(time.monotonic())))
+            _consume(map(list.pop, group.callers))
 
 
 class _Group:
@@ -346,7 +348,11 @@ class _Group:
         self.streams = streams  # the caller's list, by which the group is kept
         self.readers = sorted(set(readers), key=lambda r: r.fd)  # one lock order: no deadlock
         self.broken = False  # a pipe ended: the next caller builds a fresh group
-        self.by_fd = {r.fd: r for r in self.readers}
+        self.by_fd = {r.fd: r for r in self.readers}  # a pipe that ends leaves it (and `broken`)
+        # what `read_all_until` steps through for every pipe, in `readers` order
+        self.callers = [r._callers for r in self.readers]
+        self.nones = [None] * len(self.readers)
+        self.locks = [r._lock for r in self.readers]
         self.poller = select.poll()
         for fd in self.by_fd:
             self.poller.register(fd, select.POLLIN)

@@ -89,7 +89,8 @@ class Agent:
             if not self._enter_plugins(stack, frames.loads(plugins), hello.info):
                 return 3
             self.send(messages.Ready())
-            self._serve()
+            # the watcher reads ahead only when the client pings (see `_watch`)
+            self._channel.serve(self, _not_shutdown, self._linger, hello.silence_timeout > 0)
         with contextlib.suppress(OSError):  # what the plugins reported while unwinding
             self.reports.flush()
         return 0
@@ -130,10 +131,6 @@ class Agent:
             self.send(failed, pickling.try_dumps(cause))
             return False
         return True
-
-    def _serve(self) -> None:
-        """Run calls in arrival order until Shutdown or the end of the stream."""
-        self._channel.serve(self, _not_shutdown, self._linger)
 
     # -- what AgentWire.serve needs of the agent (a `CallHost`) --
 

@@ -323,3 +323,50 @@ def test_calls_and_results_travel_packed_and_decode_as_themselves() -> None:
     assert frames.meta_tuple(with_fn) == (messages.Call.KIND, 7, 3, b"fn")  # pickled
     with pytest.raises(frames.FrameError, match="packed metadata"):
         frames.meta_tuple(bytes([frames.PACKED]) + b"\0" * 5)
+
+
+def test_threads_sending_at_once_never_interleave_their_frames() -> None:
+    """Several threads send frames of every size at once (small ones in one write, large ones
+    in several, as the agent's heartbeats, reports and results do): each frame arrives whole."""
+    import os
+    import threading
+
+    to_agent_r, _ = os.pipe()
+    from_agent_r, from_agent_w = os.pipe()
+    channel = AgentWire(to_agent_r, from_agent_w)
+    sizes = [10, 3_000, 5_000, 70_000, 300_000]
+    per_thread = 40
+    received: list[tuple[int, bytes]] = []
+    decoder = frames.FrameDecoder(
+        lambda m, segs: received.append((m.call_id, bytes(segs[0])))  # type: ignore[union-attr]
+    )
+
+    broken: list[Exception] = []
+
+    def read_all() -> None:  # drains the pipe to its end, even past a broken frame
+        while data := os.read(from_agent_r, 1 << 16):
+            if not broken:
+                try:
+                    decoder.feed(data)
+                except Exception as exc:
+                    broken.append(exc)
+
+    def send(thread: int) -> None:
+        for i in range(per_thread):
+            size = sizes[(thread + i) % len(sizes)]
+            channel.send(messages.Result(thread * 1000 + i), [bytes([thread]) * size])
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    senders = [threading.Thread(target=send, args=(t,)) for t in range(4)]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join()
+    os.close(from_agent_w)
+    reader.join()
+    assert not broken, broken
+    assert len(received) == 4 * per_thread
+    for call_id, payload in received:
+        thread, i = divmod(call_id, 1000)
+        assert payload == bytes([thread]) * sizes[(thread + i) % len(sizes)]

@@ -331,7 +331,7 @@ def test_threads_sending_at_once_never_interleave_their_frames() -> None:
     import os
     import threading
 
-    to_agent_r, _ = os.pipe()
+    to_agent_r, to_agent_w = os.pipe()  # nothing is sent to the agent: its input stays idle
     from_agent_r, from_agent_w = os.pipe()
     channel = AgentWire(to_agent_r, from_agent_w)
     sizes = [10, 3_000, 5_000, 70_000, 300_000]
@@ -365,6 +365,8 @@ def test_threads_sending_at_once_never_interleave_their_frames() -> None:
         sender.join()
     os.close(from_agent_w)
     reader.join()
+    for fd in (to_agent_w, from_agent_r):  # (the channel owns and closes its input)
+        os.close(fd)
     assert not broken, broken
     assert len(received) == 4 * per_thread
     for call_id, payload in received:

@@ -215,9 +215,9 @@ class FrameDecoder:
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
         """`on_frame` gets each message and its segments; with `on_result`, a small `Result`
-        goes there as its call id and segments instead (every reply of a broadcast is one: it
-        is spared building the message). `on_end` is called when the stream ends (an empty
-        chunk); `on_error`, if given, gets what a broken stream raised."""
+        goes there as its call id and segments instead, spared building the message.
+        `on_end` is called when the stream ends (an empty chunk); `on_error`, if given, gets
+        what a broken stream raised."""
         self._on_frame = on_frame
         self._on_result = on_result
         self._on_end = on_end

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -35,7 +36,13 @@ class Dispatch:
 
     def __init__(self, broadcast_grace: float) -> None:
         self._sessions: list[NodeSession] = []
-        self._streams: list[AgentStream] = []  # the sessions' streams, one list per restart
+        # The sessions with their streams and locks, each list made once per restart (a
+        # broadcast passes them on, and a stream keeps what it gathers by the list's identity).
+        self._wire: tuple[list[NodeSession], list[AgentStream], list[threading.Lock]] = (
+            [],
+            [],
+            [],
+        )
         self.broken: str | None = None  # why the pool takes no more calls
         self._broadcast_grace = broadcast_grace
         self._cursor = itertools.count()
@@ -49,7 +56,8 @@ class Dispatch:
     @sessions.setter
     def sessions(self, sessions: list[NodeSession]) -> None:
         self._sessions = sessions
-        self._streams = [session.stream for session in sessions]
+        streams = [session.stream for session in sessions]
+        self._wire = (sessions, streams, NodeSession.locks_of(sessions))
 
     def session(self, node: int) -> NodeSession:
         if not 0 <= node < len(self.sessions):
@@ -96,11 +104,11 @@ class Dispatch:
     def broadcast(self, call: PendingCall[T]) -> list[T]:
         """Run `call` on every node; results in node order (see `ComputePool.broadcast`)."""
         payload = call.serialized_args(self.stage)
-        if any(map(_dead, self._sessions)):  # (in C: every broadcast checks)
-            dead = [session.node for session in self._sessions if session.dead is not None]
+        sessions, streams, locks = self._wire  # replaced, never changed: a snapshot
+        if any(map(_dead, sessions)):  # (in C: every broadcast checks)
+            dead = [session.node for session in sessions if session.dead is not None]
             raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
         frames_ = self._frames(call, payload)  # encoded once, written to every node
-        sessions = list(self._sessions)
         tally = Tally(len(sessions))
         replies: list[Reply] = []
         for _ in sessions:
@@ -110,16 +118,16 @@ class Dispatch:
         # Every node's part in one call each (see docs/architecture.md on the per-call path):
         # registered on every session first, then written back to back, as each write wakes a
         # node that then competes for the cores with the rest of this loop.
-        chunks = NodeSession.enqueue_each(frames_, list(zip(sessions, replies, strict=True)))
-        streams = self._streams  # those of `sessions`, in order (a dead node's chunks are none)
-        failed = dict(streams[0].write_each(list(zip(streams, chunks, strict=True))))
-        for index, exc in failed.items():
+        chunks = NodeSession.enqueue_each(frames_, sessions, replies, locks)
+        failed = streams[0].write_each(streams, chunks)
+        for index, exc in failed:
             sessions[index].write_failed(exc, [(frames_, replies[index])])
         if frames_.carries_function:  # the function's first broadcast (see `wrote_function`)
+            unsent = {index for index, _ in failed}
             for index, session in enumerate(sessions):
-                if chunks[index] and index not in failed:
+                if chunks[index] and index not in unsent:
                     session.wrote_function(frames_.fn_id)
-        return self._collect(tally, replies, sessions, spmd=True, streams=self._streams)
+        return self._collect(tally, replies, sessions, spmd=True, streams=streams)
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
         """Run independent calls spread over the nodes; results in call order (see
@@ -138,7 +146,7 @@ class Dispatch:
                 session.submit(batches[session.node])
         # every node takes part: the pool's stream list, whose pipe group is kept
         every = len(calls) >= len(live) == len(self._sessions)
-        streams = self._streams if every else None
+        streams = self._wire[1] if every else None
         return tuple(self._collect(tally, replies, owners, spmd=False, streams=streams))
 
     def _collect(

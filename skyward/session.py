@@ -13,7 +13,9 @@ caller's thread, under the session's lock.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
+import collections
 import contextlib
 import enum
 import threading
@@ -39,6 +41,9 @@ OUTPUT_DRAIN_SECONDS = 0.3
 EXPLAIN_SECONDS = 3.0
 
 M = TypeVar("M", messages.Started, messages.Ready)
+_ACQUIRE, _RELEASE = _thread.LockType.acquire, _thread.LockType.release
+# Runs an iterator to its end in C (see `enqueue_each`).
+_consume: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
 
 
 Explain = Callable[[], Awaitable[NodeLoss | None]]
@@ -200,31 +205,49 @@ class NodeSession:
 
     def enqueue_one(self, call: CallFrames, future: Outcome) -> list[frames.Buffer]:
         """`enqueue` for one call."""
-        return NodeSession.enqueue_each(call, ((self, future),))[0]
+        with self._lock:
+            if self.dead is not None:
+                future.set_exception(self.dead)
+                return []
+            if not future.set_running_or_notify_cancel():
+                return []
+            self.pending[call.call_id] = future
+            if call.fn_id in self._sent_functions:
+                return call.without_fn
+        return call.chunks(True)
+
+    @staticmethod
+    def locks_of(sessions: Sequence[NodeSession]) -> list[threading.Lock]:
+        """The sessions' locks, in order: what `enqueue_each` takes."""
+        return [session._lock for session in sessions]
 
     @staticmethod
     def enqueue_each(
-        call: CallFrames, outcomes: Sequence[tuple[NodeSession, Outcome]]
+        call: CallFrames,
+        sessions: Sequence[NodeSession],
+        replies: Sequence[Reply],
+        locks: Sequence[threading.Lock],
     ) -> list[list[frames.Buffer]]:
-        """Register `call` on each session with its outcome (a broadcast's nodes, in one
-        Python call: see docs/architecture.md on the per-call path); the bytes to write to
-        each, none where the node is dead (its outcome then fails at once)."""
+        """Register `call` on each session with its reply (a broadcast's nodes, in one Python
+        call: see docs/architecture.md on the per-call path); the bytes to write to each, none
+        where the node is dead (its reply then fails at once). `locks` (`locks_of(sessions)`)
+        are taken at once, in C, in their order (so two broadcasts cannot deadlock)."""
         out: list[list[frames.Buffer]] = []
-        for session, future in outcomes:
-            with session._lock:
+        held: list[bool] = []  # one entry per lock taken, in order (`extend` keeps what it took)
+        try:
+            held.extend(map(_ACQUIRE, locks))
+            for session, reply in zip(sessions, replies, strict=True):
                 if session.dead is not None:
-                    future.set_exception(session.dead)
+                    reply.set_exception(session.dead)  # (a `Reply` calls nothing back)
                     out.append([])
                     continue
-                # (a `Reply` is never cancelled: a broadcast's replies skip the call)
-                if type(future) is not Reply and not future.set_running_or_notify_cancel():
-                    out.append([])
-                    continue
-                session.pending[call.call_id] = future
+                session.pending[call.call_id] = reply
                 if call.fn_id in session._sent_functions:
                     out.append(call.without_fn)
-                    continue
-            out.append(call.chunks(True))
+                else:
+                    out.append(call.chunks(True))
+        finally:
+            _consume(map(_RELEASE, locks[: len(held)]))
         return out
 
     def flush(self, calls: Calls, chunks: list[frames.Buffer]) -> None:

@@ -47,10 +47,12 @@ class AgentStream(Protocol):
         ...
 
     def write_each(
-        self, writes: Sequence[tuple[AgentStream, Sequence[Buffer]]]
+        self, streams: Sequence[AgentStream], chunks: Sequence[Sequence[Buffer]]
     ) -> list[tuple[int, OSError]]:
-        """`write` to each of `writes`' streams (this stream's kind) its chunks, back to back
-        (a broadcast: one Python call for every node); each failed write's index and error."""
+        """`write` to each of `streams` (this stream's kind) its `chunks`, back to back (a
+        broadcast: one Python call for every node); each failed write's index and error. A
+        pool passes the same `streams` list for each broadcast, so a stream may keep what it
+        gathers from them by the list's identity."""
         ...
 
     def close_input(self) -> None:

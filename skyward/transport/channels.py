@@ -138,12 +138,12 @@ class AgentChannel(asyncssh.SSHClientSession[bytes]):
             self._lender.drive(done)
 
     def write_each(
-        self, writes: Sequence[tuple[AgentStream, Sequence[Buffer]]]
+        self, streams: Sequence[AgentStream], chunks: Sequence[Sequence[Buffer]]
     ) -> list[tuple[int, OSError]]:
         failed: list[tuple[int, OSError]] = []
-        for index, (stream, chunks) in enumerate(writes):
+        for index, (stream, node_chunks) in enumerate(zip(streams, chunks, strict=True)):
             try:
-                stream.write(chunks)
+                stream.write(node_chunks)
             except OSError as exc:
                 failed.append((index, exc))
         return failed

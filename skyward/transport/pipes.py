@@ -21,18 +21,22 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import repeat
+from itertools import count, repeat
 from typing import IO
 
 from skyward.transport.base import AgentStream, Receiver
 from skyward.transport.frames import Buffer, spin_until, write_all
 
-# A read allocates a bytes object of the size asked for; at 1 MiB that is an mmap, a page fault
-# and an munmap on every small reply. Reads start small and grow only while they come back full.
-_SMALL_READ = 1 << 16
-_BIG_READ = 1 << 20
+# A read allocates a bytes object of the size asked for, then shrinks it to what came: at 1 MiB
+# that is an mmap, a page fault and an munmap, and past 512 bytes a malloc and a realloc, on
+# every small reply (most replies are a few dozen bytes). A pipe's reads start small and grow a
+# step each time one comes back full, back to small once one does not.
+_SMALL_READ = 256
+_NEXT_READ = {_SMALL_READ: 1 << 16, 1 << 16: 1 << 20, 1 << 20: 1 << 20}
+_OUTPUT_READ = 1 << 16  # the agent's output: lines, read on the event loop
 _ENDED = operator.attrgetter("_ended")
 _SELECTING = operator.attrgetter("_selecting")
+_STDIN_FD = operator.attrgetter("_stdin_fd")
 _ACQUIRE, _RELEASE = _thread.LockType.acquire, _thread.LockType.release
 _LAST_CALLER = repeat("_last_caller")
 # Runs an iterator to its end in C: a step taken for every pipe of a group costs no bytecode.
@@ -86,27 +90,27 @@ class SubprocessStream:
                 self._control.read_until(done, self._linger if quick else 0.0)
                 self._last_reply = time.perf_counter() - began
             return
-        # A pool passes the same list for each broadcast: its pipes' group is kept by the
-        # list's identity (the group holds the list, so the id stays its own).
-        kept = self._groups.get(id(group))
-        if kept is None or kept.streams is not group or kept.broken:
-            readers = [
-                stream._control
-                for stream in group
-                if isinstance(stream, SubprocessStream) and stream._control is not None
-            ]
-            if len(readers) <= 1:
-                if readers:
-                    readers[0].read_until(done, self._linger)
-                return
+        kept = self._group(group)
+        if len(kept.readers) <= 1:
+            if kept.readers:
+                kept.readers[0].read_until(done, self._linger)
+            return
+        _ControlReader.read_all_until(kept, done)
+
+    def _group(self, streams: Sequence[AgentStream]) -> _Group:
+        """The kept `_Group` of `streams`: a pool passes the same list for each broadcast, so
+        its group is kept by the list's identity (the group holds the list, so the id stays
+        its own)."""
+        kept = self._groups.get(id(streams))
+        if kept is None or kept.streams is not streams or kept.broken:
             if len(self._groups) >= 8:  # a pool's broadcasts use one group, its gathers others
                 self._groups.clear()
-            kept = self._groups[id(group)] = _Group(group, readers)
-        _ControlReader.read_all_until(kept, done)
+            kept = self._groups[id(streams)] = _Group(streams)
+        return kept
 
     def _readable(self, pipe: IO[bytes], receiver: Receiver) -> None:
         try:
-            data = os.read(pipe.fileno(), _SMALL_READ)
+            data = os.read(pipe.fileno(), _OUTPUT_READ)
         except BlockingIOError:
             return
         except OSError:
@@ -142,19 +146,26 @@ class SubprocessStream:
                     write_all(fd, memoryview(chunk).cast("B")[written:])
 
     def write_each(
-        self, writes: Sequence[tuple[AgentStream, Sequence[Buffer]]]
+        self, streams: Sequence[AgentStream], chunks: Sequence[Sequence[Buffer]]
     ) -> list[tuple[int, OSError]]:
+        # Every stream's write lock is taken at once, in C (see `read_all_until`): a broadcast
+        # pays for them once per node on every call. A write that blocks (an agent that has
+        # stopped reading) holds up the other nodes' writers until it is done.
+        locks = self._group(streams).write_locks
         failed: list[tuple[int, OSError]] = []
-        for index, (any_stream, chunks) in enumerate(writes):
-            stream: SubprocessStream = any_stream  # type: ignore[assignment]  # one pool: one kind
-            try:  # `write`, written out
-                with stream._write_lock:
-                    for chunk in chunks:
-                        written = os.write(stream._stdin_fd, chunk)
+        held: list[bool] = []  # one entry per lock taken, in order (`extend` keeps what it took)
+        try:
+            held.extend(map(_ACQUIRE, locks))
+            for index, fd, node_chunks in zip(count(), map(_STDIN_FD, streams), chunks):
+                try:  # `write`, written out
+                    for chunk in node_chunks:
+                        written = os.write(fd, chunk)
                         if written < len(chunk):  # (chunks count bytes: see AgentStream.write)
-                            write_all(stream._stdin_fd, memoryview(chunk).cast("B")[written:])
-            except OSError as exc:
-                failed.append((index, exc))
+                            write_all(fd, memoryview(chunk).cast("B")[written:])
+                except OSError as exc:
+                    failed.append((index, exc))
+        finally:
+            _consume(map(_RELEASE, locks[: len(held)]))
         return failed
 
     def close_input(self) -> None:
@@ -212,7 +223,7 @@ class _ControlReader:
             data = os.read(self.fd, size)
         except OSError:
             data = b""
-        self._read_size = _BIG_READ if len(data) == size else _SMALL_READ
+        self._read_size = _NEXT_READ[size] if len(data) == size else _SMALL_READ
         if not data:
             self._ended = True
             self._finish()
@@ -325,7 +336,7 @@ class _ControlReader:
                         reader._read_size = _SMALL_READ
                         reader._receiver(data)
                         continue
-                    reader._read_size = _BIG_READ if data else _SMALL_READ
+                    reader._read_size = _NEXT_READ[size] if data else _SMALL_READ
                     if not data:
                         reader._ended = True
                         reader._finish()
@@ -341,12 +352,15 @@ class _ControlReader:
 
 
 class _Group:
-    """The pipes one caller reads together (a broadcast's), kept from one call to the next
-    with their poll set, registered once, not on every broadcast."""
+    """The pipes of the streams one caller writes and reads together (a broadcast's), kept
+    from one call to the next with their locks and poll set, not gathered on every call."""
 
-    def __init__(self, streams: Sequence[AgentStream], readers: Sequence[_ControlReader]) -> None:
+    def __init__(self, streams: Sequence[AgentStream]) -> None:
         self.streams = streams  # the caller's list, by which the group is kept
-        self.readers = sorted(set(readers), key=lambda r: r.fd)  # one lock order: no deadlock
+        mine = [stream for stream in streams if isinstance(stream, SubprocessStream)]
+        self.write_locks = [stream._write_lock for stream in mine]  # in `streams` order
+        readers = {stream._control for stream in mine if stream._control is not None}
+        self.readers = sorted(readers, key=lambda r: r.fd)  # one lock order: no deadlock
         self.broken = False  # a pipe ended: the next caller builds a fresh group
         self.by_fd = {r.fd: r for r in self.readers}  # a pipe that ends leaves it (and `broken`)
         # what `read_all_until` steps through for every pipe, in `readers` order

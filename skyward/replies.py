@@ -30,14 +30,17 @@ class Tally:
     def __init__(self, total: int) -> None:
         self.total = total
         self.failures: list[Reply] = []  # in the order they failed
-        self.settled: list[Reply] = []  # list.append is atomic under the GIL
+        # One entry per settled reply (list.append is atomic under the GIL), not the reply
+        # itself: a reply holds its tally, so that would be a cycle, and every dispatch's
+        # replies would wait for the garbage collector instead of going when the call returns.
+        self.settled: list[None] = []
         self.waiting = False
         self.cond: threading.Condition | None = None  # made by the first waiter that sleeps
 
     def settle(self, reply: Reply) -> None:
         if reply.error is not None:
             self.failures.append(reply)
-        self.settled.append(reply)
+        self.settled.append(None)
         if self.waiting:  # read after the append: see `wait`
             self.wake()
 
@@ -82,7 +85,7 @@ class Reply:
     def set_result(self, result: Any) -> None:
         if not self.finished:  # counted once, whatever happens
             self.value, self.finished = result, True
-            self.tally.settled.append(self)  # `Tally.settle` for a value
+            self.tally.settled.append(None)  # `Tally.settle` for a value
             if self.tally.waiting:
                 self.tally.wake()
 

@@ -72,7 +72,7 @@ class ReplyDecoder(frames.FrameDecoder):
                     future.set_result(value)
                 elif not future.finished:  # `Reply.set_result`, written out
                     future.value, future.finished = value, True
-                    future.tally.settled.append(future)
+                    future.tally.settled.append(None)
                     if future.tally.waiting:
                         future.tally.wake()
                 return

@@ -36,6 +36,11 @@ _NEXT_READ = {_SMALL_READ: 1 << 16, 1 << 16: 1 << 20, 1 << 20: 1 << 20}
 _OUTPUT_READ = 1 << 16  # the agent's output: lines, read on the event loop
 _ENDED = operator.attrgetter("_ended")
 _SELECTING = operator.attrgetter("_selecting")
+# What a group of pipes would otherwise ask each of its pipes on every broadcast: one entry per
+# pipe that has ended (appended under that pipe's lock, so a caller holding the locks sees it),
+# and the reader threads waiting in select (added once the flag is set: see `_background`).
+_ENDINGS: list[None] = []
+_SELECTING_NOW: set[_ControlReader] = set()
 _STDIN_FD = operator.attrgetter("_stdin_fd")
 _ACQUIRE, _RELEASE = _thread.LockType.acquire, _thread.LockType.release
 _LAST_CALLER = repeat("_last_caller")
@@ -230,6 +235,7 @@ class _ControlReader:
         self._receiver(data)
 
     def _finish(self) -> None:
+        _ENDINGS.append(None)  # (the lock is held)
         with self._state:  # no caller kicks a closed pipe (its number may be reused)
             self._closed_kick = True
             for fd in (self._kick_r, self._kick_w):
@@ -243,11 +249,13 @@ class _ControlReader:
                     callers, idle = len(self._callers), time.monotonic() - self._last_caller
                     if not callers and idle >= self.LINGER:
                         self._selecting = True
+                        _SELECTING_NOW.add(self)
                         # A caller that came after the count above and before the flag was
                         # set saw no flag, so it will not kick: look again now it is set.
                         if not self._callers:
                             break
                         self._selecting = False
+                        _SELECTING_NOW.discard(self)
                         callers = 1
                 # Nobody wakes this thread when callers leave (that would cost a wake-up per
                 # call): it looks again now and then.
@@ -258,6 +266,7 @@ class _ControlReader:
                 ready, _, _ = select.select([self.fd, self._kick_r], [], [])
                 with self._state:
                     self._selecting = False
+                    _SELECTING_NOW.discard(self)
                 if self._kick_r in ready:
                     with contextlib.suppress(OSError):
                         os.read(self._kick_r, 4096)
@@ -303,12 +312,15 @@ class _ControlReader:
         # run by `_consume`): a broadcast pays them once per node on each call.
         readers = group.readers
         _consume(map(list.append, group.callers, group.nones))
-        for reader in filter(_SELECTING, readers):  # a reader thread waits in select: rare
-            reader._kick()
+        if _SELECTING_NOW:  # a reader thread waits in select: rare
+            for reader in filter(_SELECTING, readers):
+                reader._kick()
         held: list[bool] = []  # one entry per lock taken, in order (`extend` keeps what it took)
         try:
             held.extend(map(_ACQUIRE, group.locks))
-            if not any(map(_ENDED, readers)):  # every pipe is open
+            endings = len(_ENDINGS)
+            if endings == group.endings or not any(map(_ENDED, readers)):  # every pipe is open
+                group.endings = endings
                 by_fd, poller = group.by_fd, group.poller
             else:
                 group.broken = True  # the next caller builds a fresh poll set
@@ -362,6 +374,7 @@ class _Group:
         readers = {stream._control for stream in mine if stream._control is not None}
         self.readers = sorted(readers, key=lambda r: r.fd)  # one lock order: no deadlock
         self.broken = False  # a pipe ended: the next caller builds a fresh group
+        self.endings = -1  # how many pipes had ended when its own were last all open
         self.by_fd = {r.fd: r for r in self.readers}  # a pipe that ends leaves it (and `broken`)
         # what `read_all_until` steps through for every pipe, in `readers` order
         self.callers = [r._callers for r in self.readers]

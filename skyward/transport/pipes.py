@@ -36,10 +36,11 @@ _NEXT_READ = {_SMALL_READ: 1 << 16, 1 << 16: 1 << 20, 1 << 20: 1 << 20}
 _OUTPUT_READ = 1 << 16  # the agent's output: lines, read on the event loop
 _ENDED = operator.attrgetter("_ended")
 _SELECTING = operator.attrgetter("_selecting")
-# What a group of pipes would otherwise ask each of its pipes on every broadcast: one entry per
-# pipe that has ended (appended under that pipe's lock, so a caller holding the locks sees it),
-# and the reader threads waiting in select (added once the flag is set: see `_background`).
-_ENDINGS: list[None] = []
+# What a group of pipes would otherwise ask each of its pipes on every broadcast: a token
+# replaced by a new one whenever a pipe ends (under that pipe's lock, so a caller holding the
+# locks sees it; a group keeps the token it last saw with all its pipes open), and the reader
+# threads waiting in select (added once the flag is set: see `_background`).
+_ENDING: list[object] = [object()]
 _SELECTING_NOW: set[_ControlReader] = set()
 _STDIN_FD = operator.attrgetter("_stdin_fd")
 _ACQUIRE, _RELEASE = _thread.LockType.acquire, _thread.LockType.release
@@ -235,7 +236,7 @@ class _ControlReader:
         self._receiver(data)
 
     def _finish(self) -> None:
-        _ENDINGS.append(None)  # (the lock is held)
+        _ENDING[0] = object()  # (the lock is held)
         with self._state:  # no caller kicks a closed pipe (its number may be reused)
             self._closed_kick = True
             for fd in (self._kick_r, self._kick_w):
@@ -318,9 +319,9 @@ class _ControlReader:
         held: list[bool] = []  # one entry per lock taken, in order (`extend` keeps what it took)
         try:
             held.extend(map(_ACQUIRE, group.locks))
-            endings = len(_ENDINGS)
-            if endings == group.endings or not any(map(_ENDED, readers)):  # every pipe is open
-                group.endings = endings
+            ending = _ENDING[0]
+            if ending is group.ending or not any(map(_ENDED, readers)):  # every pipe is open
+                group.ending = ending
                 by_fd, poller = group.by_fd, group.poller
             else:
                 group.broken = True  # the next caller builds a fresh poll set
@@ -374,7 +375,7 @@ class _Group:
         readers = {stream._control for stream in mine if stream._control is not None}
         self.readers = sorted(readers, key=lambda r: r.fd)  # one lock order: no deadlock
         self.broken = False  # a pipe ended: the next caller builds a fresh group
-        self.endings = -1  # how many pipes had ended when its own were last all open
+        self.ending: object = None  # `_ENDING`'s token when its pipes were last all open
         self.by_fd = {r.fd: r for r in self.readers}  # a pipe that ends leaves it (and `broken`)
         # what `read_all_until` steps through for every pipe, in `readers` order
         self.callers = [r._callers for r in self.readers]

@@ -35,7 +35,6 @@ class Dispatch:
     """The calls of one pool over its node sessions (`sessions` is replaced on a restart)."""
 
     def __init__(self, broadcast_grace: float) -> None:
-        self._sessions: list[NodeSession] = []
         # The sessions with their streams and locks, each list made once per restart (a
         # broadcast passes them on, and a stream keeps what it gathers by the list's identity).
         self._wire: tuple[list[NodeSession], list[AgentStream], list[threading.Lock]] = (
@@ -51,11 +50,10 @@ class Dispatch:
 
     @property
     def sessions(self) -> list[NodeSession]:
-        return self._sessions
+        return self._wire[0]
 
     @sessions.setter
     def sessions(self, sessions: list[NodeSession]) -> None:
-        self._sessions = sessions
         streams = [session.stream for session in sessions]
         self._wire = (sessions, streams, NodeSession.locks_of(sessions))
 
@@ -145,7 +143,7 @@ class Dispatch:
             if session.node in batches:
                 session.submit(batches[session.node])
         # every node takes part: the pool's stream list, whose pipe group is kept
-        every = len(calls) >= len(live) == len(self._sessions)
+        every = len(calls) >= len(live) == len(self.sessions)
         streams = self._wire[1] if every else None
         return tuple(self._collect(tally, replies, owners, spmd=False, streams=streams))
 

@@ -13,9 +13,7 @@ caller's thread, under the session's lock.
 
 from __future__ import annotations
 
-import _thread
 import asyncio
-import collections
 import contextlib
 import enum
 import threading
@@ -34,6 +32,7 @@ from skyward.reply_decoder import ReplyDecoder
 from skyward.reports import Report
 from skyward.transport import frames, messages
 from skyward.transport.base import AgentStream
+from skyward.transport.lockloops import ACQUIRE, RELEASE, consume
 
 # How long to wait for the rest of a dead node's output before reporting its death.
 OUTPUT_DRAIN_SECONDS = 0.3
@@ -41,9 +40,6 @@ OUTPUT_DRAIN_SECONDS = 0.3
 EXPLAIN_SECONDS = 3.0
 
 M = TypeVar("M", messages.Started, messages.Ready)
-_ACQUIRE, _RELEASE = _thread.LockType.acquire, _thread.LockType.release
-# Runs an iterator to its end in C (see `enqueue_each`).
-_consume: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
 
 
 Explain = Callable[[], Awaitable[NodeLoss | None]]
@@ -205,16 +201,7 @@ class NodeSession:
 
     def enqueue_one(self, call: CallFrames, future: Outcome) -> list[frames.Buffer]:
         """`enqueue` for one call."""
-        with self._lock:
-            if self.dead is not None:
-                future.set_exception(self.dead)
-                return []
-            if not future.set_running_or_notify_cancel():
-                return []
-            self.pending[call.call_id] = future
-            if call.fn_id in self._sent_functions:
-                return call.without_fn
-        return call.chunks(True)
+        return NodeSession.enqueue_each(call, (self,), (future,), (self._lock,))[0]
 
     @staticmethod
     def locks_of(sessions: Sequence[NodeSession]) -> list[threading.Lock]:
@@ -225,29 +212,34 @@ class NodeSession:
     def enqueue_each(
         call: CallFrames,
         sessions: Sequence[NodeSession],
-        replies: Sequence[Reply],
+        outcomes: Sequence[Outcome],
         locks: Sequence[threading.Lock],
     ) -> list[list[frames.Buffer]]:
-        """Register `call` on each session with its reply (a broadcast's nodes, in one Python
-        call: see docs/architecture.md on the per-call path); the bytes to write to each, none
-        where the node is dead (its reply then fails at once). `locks` (`locks_of(sessions)`)
-        are taken at once, in C, in their order (so two broadcasts cannot deadlock)."""
+        """Register `call` on each session with its outcome (a broadcast's nodes, in one
+        Python call: see docs/architecture.md on the per-call path); the bytes to write to
+        each, none where the node is dead (its outcome then fails at once) or the call was
+        cancelled. `locks` (`locks_of(sessions)`) are taken at once, in C, in their order (so
+        two broadcasts cannot deadlock: see `lockloops`)."""
         out: list[list[frames.Buffer]] = []
         held: list[bool] = []  # one entry per lock taken, in order (`extend` keeps what it took)
         try:
-            held.extend(map(_ACQUIRE, locks))
-            for session, reply in zip(sessions, replies, strict=True):
+            held.extend(map(ACQUIRE, locks))
+            for session, future in zip(sessions, outcomes, strict=True):
                 if session.dead is not None:
-                    reply.set_exception(session.dead)  # (a `Reply` calls nothing back)
+                    future.set_exception(session.dead)
                     out.append([])
                     continue
-                session.pending[call.call_id] = reply
+                # (a `Reply` is never cancelled: a broadcast's replies skip the call)
+                if type(future) is not Reply and not future.set_running_or_notify_cancel():
+                    out.append([])
+                    continue
+                session.pending[call.call_id] = future
                 if call.fn_id in session._sent_functions:
                     out.append(call.without_fn)
                 else:
                     out.append(call.chunks(True))
         finally:
-            _consume(map(_RELEASE, locks[: len(held)]))
+            consume(map(RELEASE, locks[: len(held)]))
         return out
 
     def flush(self, calls: Calls, chunks: list[frames.Buffer]) -> None:

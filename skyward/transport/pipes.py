@@ -9,9 +9,7 @@ is most of the round trip; the rest of the time a reader thread per pipe does. I
 
 from __future__ import annotations
 
-import _thread
 import asyncio
-import collections
 import contextlib
 import operator
 import os
@@ -20,12 +18,13 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import count, repeat
 from typing import IO
 
 from skyward.transport.base import AgentStream, Receiver
 from skyward.transport.frames import Buffer, spin_until, write_all
+from skyward.transport.lockloops import ACQUIRE, RELEASE, consume
 
 # A read allocates a bytes object of the size asked for, then shrinks it to what came: at 1 MiB
 # that is an mmap, a page fault and an munmap, and past 512 bytes a malloc and a realloc, on
@@ -43,10 +42,7 @@ _SELECTING = operator.attrgetter("_selecting")
 _ENDING: list[object] = [object()]
 _SELECTING_NOW: set[_ControlReader] = set()
 _STDIN_FD = operator.attrgetter("_stdin_fd")
-_ACQUIRE, _RELEASE = _thread.LockType.acquire, _thread.LockType.release
 _LAST_CALLER = repeat("_last_caller")
-# Runs an iterator to its end in C: a step taken for every pipe of a group costs no bytecode.
-_consume: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
 
 
 class SubprocessStream:
@@ -154,14 +150,14 @@ class SubprocessStream:
     def write_each(
         self, streams: Sequence[AgentStream], chunks: Sequence[Sequence[Buffer]]
     ) -> list[tuple[int, OSError]]:
-        # Every stream's write lock is taken at once, in C (see `read_all_until`): a broadcast
+        # Every stream's write lock is taken at once, in C (see `lockloops`): a broadcast
         # pays for them once per node on every call. A write that blocks (an agent that has
         # stopped reading) holds up the other nodes' writers until it is done.
         locks = self._group(streams).write_locks
         failed: list[tuple[int, OSError]] = []
         held: list[bool] = []  # one entry per lock taken, in order (`extend` keeps what it took)
         try:
-            held.extend(map(_ACQUIRE, locks))
+            held.extend(map(ACQUIRE, locks))
             for index, fd, node_chunks in zip(count(), map(_STDIN_FD, streams), chunks):
                 try:  # `write`, written out
                     for chunk in node_chunks:
@@ -171,7 +167,7 @@ class SubprocessStream:
                 except OSError as exc:
                     failed.append((index, exc))
         finally:
-            _consume(map(_RELEASE, locks[: len(held)]))
+            consume(map(RELEASE, locks[: len(held)]))
         return failed
 
     def close_input(self) -> None:
@@ -310,15 +306,15 @@ class _ControlReader:
         """Read the pipes of `group` in this thread until `done()` (checked at least every
         `poll` s)."""
         # `_enter`, the locks and `_leave` for every pipe, each step as one loop in C (`map`,
-        # run by `_consume`): a broadcast pays them once per node on each call.
+        # run by `consume`: see `lockloops`): a broadcast pays them once per node on each call.
         readers = group.readers
-        _consume(map(list.append, group.callers, group.nones))
+        consume(map(list.append, group.callers, group.nones))
         if _SELECTING_NOW:  # a reader thread waits in select: rare
             for reader in filter(_SELECTING, readers):
                 reader._kick()
         held: list[bool] = []  # one entry per lock taken, in order (`extend` keeps what it took)
         try:
-            held.extend(map(_ACQUIRE, group.locks))
+            held.extend(map(ACQUIRE, group.locks))
             ending = _ENDING[0]
             if ending is group.ending or not any(map(_ENDED, readers)):  # every pipe is open
                 group.ending = ending
@@ -359,9 +355,9 @@ class _ControlReader:
                         del by_fd[fd]
                         group.broken = True
         finally:
-            _consume(map(_RELEASE, group.locks[: len(held)]))
-            _consume(map(setattr, readers, _LAST_CALLER, repeat(time.monotonic())))
-            _consume(map(list.pop, group.callers))
+            consume(map(RELEASE, group.locks[: len(held)]))
+            consume(map(setattr, readers, _LAST_CALLER, repeat(time.monotonic())))
+            consume(map(list.pop, group.callers))
 
 
 class _Group:

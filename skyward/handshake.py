@@ -6,6 +6,7 @@ every node is ready. The per-node half of the conversation is `NodeSession`'s.
 from __future__ import annotations
 
 import asyncio
+import platform
 from collections.abc import Sequence
 
 from skyward import failures
@@ -14,7 +15,9 @@ from skyward.errors import BootstrapError
 from skyward.info import InstanceInfo
 from skyward.plugins.base import Plugin
 from skyward.providers.base import Node
+from skyward.providers.environment import client_python
 from skyward.session import NodeSession
+from skyward.worker.hostcheck import same_python
 
 HEAD_PORT = "head"  # the port every pool has on node 0 (`InstanceInfo.head_port`)
 
@@ -61,6 +64,16 @@ async def _handshake(
         raise BootstrapError(
             f"the nodes run skyward {sorted(versions)} but this client runs {__version__}"
         )
+    client = platform.python_version()
+    for node, begun in zip(nodes, started, strict=True):
+        if not same_python(begun.python_version, client_python()):
+            raise BootstrapError(
+                f"node {node.index} ({begun.hostname}) runs Python {begun.python_version} but "
+                f"this client runs {client}: functions pickled by cloudpickle do not cross "
+                "minor versions, so no call was sent. Give the node this client's Python, or "
+                f"run the client on Python {begun.python_version.rsplit('.', 1)[0]}",
+                node=node.index,
+            )
     infos = identities(nodes, spec, started[0].ports, output_dirs)
     await asyncio.gather(
         *(

@@ -45,7 +45,9 @@ class Image:
     """What every node's environment holds.
 
     Args:
-        python: interpreter version for the environment (``"3.12"``); None uses the node's own.
+        python: the nodes' Python version; None (the default) is the client's major.minor,
+            which the nodes must run (cloudpickle'd functions do not cross minor versions), so
+            a version given must be the client's minor: ``"3.11.9"`` pins a patch release.
         pip: requirement strings (PEP 508), installed with uv.
         indexes: extra package indexes (`Index` or a URL).
         apt: Debian packages the node must have.

@@ -7,6 +7,7 @@ transforms, and the plugins pickled for the nodes: bad input fails here, at no c
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -20,6 +21,7 @@ from skyward.plugins import hooks
 from skyward.plugins.base import Plugin
 from skyward.providers.base import Provider
 from skyward.transport import frames
+from skyward.worker.hostcheck import same_python
 
 
 def checked(
@@ -72,6 +74,13 @@ def plan(plugins: Sequence[Plugin], asked: Image, spec: ClusterSpec) -> tuple[Im
     and `spec` with its hash. Run before launch, then again if what the nodes turn out to have
     changes the spec."""
     image = hooks.transform(plugins, asked, spec)
+    if image.python and not same_python(platform.python_version(), image.python):
+        raise ConfigError(
+            f"the image asks for Python {image.python} but this client runs "
+            f"{platform.python_version()}: the nodes run the client's Python, because functions "
+            "pickled by cloudpickle do not cross minor versions. Run the client on Python "
+            f"{image.python}, or leave Image(python=...) out"
+        )
     return image, replace(spec, image_hash=image.content_hash)
 
 

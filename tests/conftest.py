@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,6 +19,16 @@ import pytest
 
 if TYPE_CHECKING:
     from tests.support.typecheck import MypyReport
+
+
+# The suite's own skyward caches, made before any test: nothing an earlier run left in
+# ~/.cache/skyward (environments, skyward's source, uv) changes a result. The client's is
+# SKYWARD_CACHE_DIR; root's sessions on the test sshd servers, which share this machine's
+# filesystem, get the hosts' one (tests/support/sshd.py).
+_SUITE_CACHE = tempfile.mkdtemp(prefix="skyward-suite-")
+atexit.register(shutil.rmtree, _SUITE_CACHE, True)
+os.environ["SKYWARD_CACHE_DIR"] = os.path.join(_SUITE_CACHE, "client")
+os.environ["SKYWARD_TEST_HOST_CACHE"] = os.path.join(_SUITE_CACHE, "hosts")
 
 
 def alive(pid: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import platform
 import subprocess
 import sys
 from dataclasses import replace
@@ -84,30 +85,6 @@ def test_missing_apt_package_is_reported_not_installed(
             pass
 
 
-def test_scoped_indexes_become_explicit_uv_sources() -> None:
-    spec = envbuild.EnvSpec(
-        hash="h",
-        pip=("jax[cuda12]", "optax"),
-        indexes=(
-            ("https://example.invalid/jax.html", ("jax", "jaxlib"), True),
-            ("https://example.invalid/simple", (), False),
-        ),
-    )
-    text = envbuild._requirements_project(spec)
-    import tomllib
-
-    project = tomllib.loads(text)
-    indexes = project["tool"]["uv"]["index"]
-    assert indexes[0]["format"] == "flat" and indexes[0]["explicit"] is True
-    assert "explicit" not in indexes[1]
-    assert project["tool"]["uv"]["sources"] == {
-        "jax": {"index": "index-0"},
-        "jaxlib": {"index": "index-0"},
-    }
-    assert project["project"]["dependencies"] == ["jax[cuda12]", "optax"]
-    assert os.path.basename(sys.executable)
-
-
 def test_one_decision_for_every_provider() -> None:
     report = hostcheck.Report(
         python="/usr/bin/python3",
@@ -127,8 +104,15 @@ def test_one_decision_for_every_provider() -> None:
     assert hostcheck.decide(report, "3.11", False).python is None, "wrong Python: build"
     assert hostcheck.decide(replace(report, satisfied=False), None, False).python is None
     assert hostcheck.decide(replace(report, satisfied=None), None, False).python is None
-    built = replace(report, env="/c/envs/h/bin/python", satisfied=None)
-    assert hostcheck.decide(built, "3.11", True) == hostcheck.Decision("/c/envs/h/bin/python")
+    assert hostcheck.decide(report, "3.1", False).python is None, "3.1 is not 3.12"
+    assert hostcheck.decide(report, "3.12.3", False).python == "/usr/bin/python3"
+    built = replace(report, env="/c/envs/h/bin/python")
+    # One rule, whatever the cache holds: the interpreter that satisfies the image wins over an
+    # environment an earlier pool left; the environment serves only where it does not.
+    assert hostcheck.decide(built, "3.12", False) == hostcheck.Decision("/usr/bin/python3")
+    for lacking in (replace(built, satisfied=False), replace(built, satisfied=None)):
+        assert hostcheck.decide(lacking, "3.12", True) == hostcheck.Decision(built.env)
+    assert hostcheck.decide(built, "3.11", True) == hostcheck.Decision(built.env)
 
 
 def test_the_host_check_runs_as_its_own_source_with_any_interpreter(tmp_path: Path) -> None:
@@ -154,7 +138,66 @@ def test_the_host_check_runs_as_its_own_source_with_any_interpreter(tmp_path: Pa
     (tmp_path / "envs" / "h" / envbuild.READY_MARKER).write_text("{}")
     local = hostcheck.check(query)
     assert local.env == str(tmp_path / "envs" / "h" / "bin" / "python")
-    assert local.satisfied is None, "a built environment wins: no probe"
-    assert replace(remote, env=local.env, python=local.python) == replace(
+    assert local.satisfied is False, "a built environment does not spare the probe"
+    assert (local.system, local.machine, local.libc) == (remote.system, remote.machine, "glibc")
+    assert replace(remote, env=local.env, python=local.python, satisfied=False) == replace(
         local, version=remote.version
     )
+
+
+@sky.compute
+def numpy_interpreter() -> tuple[str, int]:
+    import numpy  # in this interpreter, not in the leftover environment
+
+    return sys.executable, int(numpy.arange(4).sum())
+
+
+def test_an_environment_left_by_an_earlier_run_does_not_replace_this_interpreter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An SSH pool on a host sharing this machine's home left a complete environment for the
+    default image (cloudpickle and packaging only). A Local pool still runs this interpreter,
+    which satisfies the image and has numpy: what a node runs never depends on what ran before."""
+    monkeypatch.setenv("SKYWARD_CACHE_DIR", str(tmp_path))
+    leftover = tmp_path / "envs" / env_spec(sky.Image()).hash
+    from skyward.providers.local import _uv_binary
+
+    subprocess.run([_uv_binary(), "venv", "-q", "--python", sys.executable, str(leftover)],
+                   check=True)  # fmt: skip
+    (leftover / envbuild.READY_MARKER).write_text("{}")
+    with sky.ComputePool(nodes=1, stream_output=False) as pool:
+        assert numpy_interpreter() >> pool == (sys.executable, 6)
+
+
+def test_an_image_on_another_python_than_the_clients_fails_before_anything_starts() -> None:
+    other = "3.10" if sys.version_info[:2] != (3, 10) else "3.12"
+    with pytest.raises(sky.ConfigError) as caught:
+        with sky.ComputePool(nodes=1, image=sky.Image(python=other), stream_output=False):
+            pass
+    message = str(caught.value)
+    assert f"Python {other}" in message and platform.python_version() in message
+    assert "cloudpickle" in message
+
+
+def test_the_same_minor_with_a_patch_release_is_accepted() -> None:
+    patch = "{}.{}.{}".format(*sys.version_info[:3])
+    spec = env_spec(sky.Image(python=patch))
+    assert spec.python == patch
+    assert env_spec(sky.Image()).python == "{}.{}".format(*sys.version_info[:2])
+    assert spec.hash != env_spec(sky.Image()).hash, "the Python is part of the environment key"
+
+
+def test_a_node_on_another_python_is_refused_at_the_handshake_before_any_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handshake compares each agent's Python with the client's, as it does skyward's
+    version. Real agents on this interpreter; the client is told it runs another minor."""
+    from skyward import handshake
+
+    monkeypatch.setattr(handshake, "client_python", lambda: "3.1")
+    with pytest.raises(sky.BootstrapError) as caught:
+        with sky.ComputePool(nodes=2, stream_output=False):
+            raise AssertionError("the pool must not start")
+    message = str(caught.value)
+    assert f"runs Python {platform.python_version()}" in message
+    assert "no call was sent" in message

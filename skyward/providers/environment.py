@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata as metadata
+import sys
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -17,8 +18,14 @@ def worker_pins() -> tuple[str, ...]:
     return (f"cloudpickle=={metadata.version('cloudpickle')}", "packaging")
 
 
+def client_python() -> str:
+    """This client's Python as major.minor ("3.11"): what the nodes run unless the image says."""
+    return "{}.{}".format(*sys.version_info[:2])
+
+
 def env_spec(image: Image) -> envbuild.EnvSpec:
-    """The build recipe for `image`, including the agent's own pins."""
+    """The build recipe for `image`, including the agent's own pins and the nodes' Python (the
+    client's major.minor unless `Image.python` names one)."""
     pins = worker_pins()
     pip = (
         *image.pip,
@@ -29,11 +36,14 @@ def env_spec(image: Image) -> envbuild.EnvSpec:
             not in {canonicalize_name(r.name) for r in image.requirements()}
         ),
     )
-    # The agent's pins are part of the key: a client with another cloudpickle gets a fresh env.
-    key = hashlib.sha256(f"{image.content_hash}|{'|'.join(pins)}".encode()).hexdigest()[:16]
+    python = image.python or client_python()
+    # The agent's pins and the Python are part of the key: a client with another cloudpickle,
+    # or on another Python, gets a fresh environment.
+    recipe = f"{image.content_hash}|{'|'.join(pins)}|python={python}"
+    key = hashlib.sha256(recipe.encode()).hexdigest()[:16]
     return envbuild.EnvSpec(
         hash=key,
-        python=image.python,
+        python=python,
         pip=pip,
         indexes=tuple((i.url, i.packages, i.flat) for i in image.indexes),
         setup=image.setup,

@@ -10,18 +10,24 @@ everything skyward keeps on a host lives.
 from __future__ import annotations
 
 import asyncio
+import functools
+import gzip
 import importlib.metadata as metadata
 import json
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
 from skyward.errors import BootstrapError
+from skyward.image import Index
 from skyward.providers.base import Log
+from skyward.providers.source import source_hash
 from skyward.transport.ssh import Completed, shell_env
+from skyward.worker import hostcheck, uvinstall
 
 if TYPE_CHECKING:
     from skyward.providers.remote import RemoteNode
@@ -45,25 +51,63 @@ class Bootstrap:
         return f"export {shell_env(self.build_env)}; " if self.build_env else ""
 
 
-async def install_uv(node: RemoteNode, bootstrap: Bootstrap, python: str, log: Log) -> str:
+async def install_uv(
+    node: RemoteNode,
+    bootstrap: Bootstrap,
+    report: hostcheck.Report,
+    indexes: Sequence[Index],
+    log: Log,
+) -> str:
+    """A uv on the host to build with: the one the check found (skyward's copy, or one on PATH
+    of the same minor version), else the client's own uv binary sent over the connection when
+    the host's OS, architecture and C library are the client's, else the uv wheel fetched on
+    the host from `indexes` (then the default index) with the standard library. No pip, no
+    venv module: the host needs only a shell and python3."""
+    if report.uv:
+        return report.uv
     version = bootstrap.uv_version
-    root = f"{CACHE}/bootstrap"
-    venv = f"{root}/uv-{version}"
-    # flock: hosts sharing a home (NFS, or our test namespaces) install once.
-    done = await run_step(
-        node,
-        bootstrap,
-        f'set -e; mkdir -p "{root}"; exec 9>"{venv}.lock"; flock 9; '
-        f'if [ ! -x "{venv}/bin/uv" ]; then rm -rf "{venv}"; '
-        f'{{ {shlex.quote(python)} -m venv "{venv}" && '
-        f'"{venv}/bin/python" -m pip install --disable-pip-version-check -q '
-        f'{shlex.quote(f"uv=={version}")}; }} || {{ rm -rf "{venv}"; exit 1; }}; fi; '
-        f'echo "{venv}/bin/uv"',
-        f"installing uv=={version} (python -m venv + pip install)",
-        log,
-        merge=True,
+    dest = f"{CACHE}/bootstrap/uv-{version}/bin/uv"
+    command = (
+        f'{pythonpath()} exec {shlex.quote(report.python)} -m skyward.worker.uvinstall "{dest}" '
+        f"{shlex.quote(version)}"
     )
-    return done.stdout.decode(errors="replace").strip().splitlines()[-1]
+    sendable = client_uv(version)
+    if sendable is not None and sendable[0] == (report.system, report.machine, report.libc):
+        binary = await asyncio.to_thread(compressed_uv, sendable[1])
+        what = f"sending this client's uv {version} to the host ({len(binary) >> 20} MiB)"
+        done = await json_step(node, bootstrap, f"{command} --receive", what, log, binary)
+    else:
+        # Scoped indexes serve uv only when they name it; unscoped ones serve everything.
+        serving = [[i.url, i.flat] for i in indexes if not i.packages or "uv" in i.packages]
+        what = f"fetching uv {version} for {report.system} {report.machine} from the indexes"
+        done = await json_step(
+            node, bootstrap, f"{command} --fetch {shlex.quote(json.dumps(serving))}", what, log
+        )
+    return str(json.loads(done)["uv"])
+
+
+def client_uv(version: str) -> tuple[tuple[str, str, str], str] | None:
+    """This client's uv binary when it is `version`: ((system, machine, libc), path)."""
+    try:
+        from uv import find_uv_bin
+
+        path = find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        return None
+    if metadata.version("uv") != version:
+        return None
+    return uvinstall.platform_key(), str(path)
+
+
+@functools.cache
+def compressed_uv(path: str) -> bytes:
+    """The uv binary at `path`, gzip-compressed once per process (about half its size)."""
+    return gzip.compress(Path(path).read_bytes(), compresslevel=1)
+
+
+def pythonpath() -> str:
+    """``PYTHONPATH=`` skyward's shipped source on a host, as a shell word."""
+    return f'PYTHONPATH="{CACHE}/src/{source_hash()}"'
 
 
 async def apt_install(

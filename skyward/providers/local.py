@@ -5,10 +5,11 @@ accelerator gives every node its own GPUs (`local_gpus`).
 
 The embedded default. Nodes talk to each other over loopback; the client talks to each agent over
 its stdin/stdout pipes. What the nodes run is decided as on a remote host, by
-`skyward.worker.hostcheck` (here in-process): an environment already built for the image, else
-this interpreter when it satisfies the image, else an environment built with uv once per image
-hash. skyward reaches the nodes as it reaches remote hosts (`skyward.providers.source`): the
-content-hashed copy under the cache directory, first on their ``PYTHONPATH``.
+`skyward.worker.hostcheck` (here in-process), the same way every time: this interpreter whenever
+it satisfies the image (its Python and every requirement), else the environment built for the
+image with uv, once per image hash; never one chosen because an earlier run left it. skyward
+reaches the nodes as it reaches remote hosts (`skyward.providers.source`): the content-hashed
+copy under the cache directory, first on their ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class Local(Provider):
             )
         if not report.src:
             await asyncio.to_thread(_unpack_source, cache)
-        decision = hostcheck.decide(report, image.python, bool(spec.setup))
+        decision = hostcheck.decide(report, spec.python, bool(spec.setup))
         try:
             if decision.python is None:
                 built = await asyncio.to_thread(

@@ -16,10 +16,12 @@ Plain functions, used by `sky.SSH`, `sky.AWS` and `sky.GCP` once their hosts are
     ``<cache>/src/<hash>/skyward`` (PYTHONPATH points there for envbuild and the agent), where
     ``<cache>`` is the host's (`CACHE`);
   - apt packages (``sudo -n`` when not root);
-  - uv, only when an environment must be built: ``python3 -m venv`` +
-    ``pip install uv==<client's uv>`` under ``<cache>/bootstrap``;
+  - uv, only when an environment must be built and the host has none that fits
+    (`hoststeps.install_uv`: the client's own binary, or the wheel from the image's indexes,
+    under ``<cache>/bootstrap``; no pip or venv module needed);
   - the image's environment with `skyward.worker.envbuild`, once per hash under
-    ``<cache>/envs``, or only the image's setup commands when the host's interpreter
+    ``<cache>/envs``, on the client's Python (uv provides it where the host's python3 is
+    another version), or only the image's setup commands when the host's interpreter
     already satisfies the image (`hostcheck.decide`);
 
 - `RemoteNode`: a node on one `SSHHost`; it starts the agent in the prepared interpreter.
@@ -86,7 +88,7 @@ class RemoteNode(Node):
         full = {**self.gpu_env, **env, "PYTHONUNBUFFERED": "1"}
         words = shell_env({k: v for k, v in full.items() if k != "PYTHONPATH"})
         command = (
-            f'cd "$HOME" && exec env {_pythonpath()} {words} '
+            f'cd "$HOME" && exec env {hoststeps.pythonpath()} {words} '
             f"{shlex.quote(self.python)} -m skyward.worker"
         )
         try:
@@ -194,24 +196,24 @@ async def prepare_host(
         )
     if report.apt_missing:
         await hoststeps.apt_install(node, bootstrap, report.apt_missing, report.uid, host_log)
-    if report.env is None and report.satisfied is None:  # first contact: skyward is there now
+    if report.satisfied is None:  # skyward (the probe) was not there: it is now
         report = hostcheck.Report.from_json(
             await hoststeps.json_step(
                 node,
                 bootstrap,
-                f"cd && {_pythonpath()} exec {base} -m skyward.worker.hostcheck "
+                f"cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.hostcheck "
                 f'{shlex.quote(_query(image, bootstrap, gpus=False).to_json())} "{CACHE}"',
                 "checking the host's packages",
                 host_log,
             )
         )
-    decision = hostcheck.decide(report, image.python, bool(spec.setup))
+    decision = hostcheck.decide(report, spec.python, bool(spec.setup))
     if decision.python is None:
-        uv = report.uv or await hoststeps.install_uv(node, bootstrap, report.python, host_log)
+        uv = await hoststeps.install_uv(node, bootstrap, report, image.indexes, host_log)
         built = await hoststeps.json_step(
             node,
             bootstrap,
-            f"cd && {_pythonpath()} exec {base} -m skyward.worker.envbuild "
+            f"cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.envbuild "
             f'"{CACHE}" {shlex.quote(uv)}',
             f"building the environment for image {image.content_hash}",
             host_log,
@@ -222,7 +224,8 @@ async def prepare_host(
         await hoststeps.json_step(
             node,
             bootstrap,
-            f'cd && {_pythonpath()} exec {base} -m skyward.worker.envbuild "{CACHE}" --setup-only',
+            f"cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.envbuild "
+            f'"{CACHE}" --setup-only',
             "running the image's setup commands",
             host_log,
             spec.to_json().encode(),
@@ -293,10 +296,6 @@ def _own_gpus(node: RemoteNode, inventory: Inventory, accelerator: Accelerator |
     node.gpu_env = visible_env(node.gpus)
 
 
-def _pythonpath() -> str:
-    return f'PYTHONPATH="{CACHE}/src/{source_hash()}"'
-
-
 def module_command(
     python: str, module: str, *args: str, site: bool = True, cwd: str = '"$HOME"'
 ) -> str:
@@ -306,4 +305,5 @@ def module_command(
     stdlib."""
     words = " ".join(shlex.quote(a) for a in args)
     flags = "" if site else "-S "
-    return f"cd {cwd} && {_pythonpath()} exec {shlex.quote(python)} {flags}-m {module} {words}"
+    path = hoststeps.pythonpath()
+    return f"cd {cwd} && {path} exec {shlex.quote(python)} {flags}-m {module} {words}"

@@ -2,20 +2,30 @@
 
 Runs on the node (``python -m skyward.worker.envbuild`` reads a JSON `EnvSpec` on stdin and prints
 the environment's interpreter path, or with ``--setup-only`` only runs the setup commands once)
-and in-process for the Local provider. Standard library only (with `skyward.info`, itself
-standard library only): it runs before the environment it builds exists.
+and in-process for the Local provider. Standard library only, Python 3.8+: it runs with the
+host's own python3, before the environment it builds exists.
+
+The environment's Python is the spec's (the client's major.minor unless the image names one):
+the interpreter this runs with when it is that version, else whatever uv finds for the version
+(a ``python3.X`` on PATH, a Python uv manages, one uv downloads: under ``<cache>/python`` unless
+``UV_PYTHON_INSTALL_DIR`` says otherwise). The image's indexes reach uv as configuration it
+reads: unscoped ones as ``[[index]]`` entries of a ``--config-file``, ahead of the default index;
+ones scoped to packages as explicit indexes of the requirements' pyproject.toml, with a source
+for each package.
 
 Layout of the cache directory::
 
     <cache>/envs/<hash>/            the virtual environment (built in place under a lock)
     <cache>/envs/<hash>/.skyward-ready   written last: the environment is complete
     <cache>/envs/<hash>.lock        flock held while building, so concurrent pools wait
+<cache>/python/                 Pythons uv downloads for environments (when the host has none)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -24,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from skyward.info import from_json
 from skyward.worker.filelock import locked
 from skyward.worker.hostcheck import READY_MARKER as READY_MARKER
+from skyward.worker.hostcheck import same_python
 
 OUTPUT_TAIL_LINES = 40
 
@@ -36,7 +46,7 @@ class EnvSpec:
     """Everything needed to build one environment; travels as JSON to remote nodes."""
 
     hash: str
-    python: str | None = None
+    python: str | None = None  # "3.11": the environment's Python; None: the base interpreter's
     pip: tuple[str, ...] = ()
     # [url, [package, ...], flat]; an index with packages serves only those packages
     indexes: tuple[tuple[str, tuple[str, ...], bool], ...] = ()
@@ -48,7 +58,11 @@ class EnvSpec:
 
     @classmethod
     def from_json(cls, text: str) -> EnvSpec:
-        return from_json(cls, text)
+        data = json.loads(text)
+        data["pip"] = tuple(data.get("pip", ()))
+        data["indexes"] = tuple((u, tuple(p), bool(f)) for u, p, f in data.get("indexes", ()))
+        data["setup"] = tuple(data.get("setup", ()))
+        return cls(**data)
 
 
 class BuildFailed(Exception):
@@ -73,7 +87,8 @@ def build(
 ) -> Path:
     """Return the interpreter of the environment for `spec`, building it if it is not there.
 
-    `base_python` is the interpreter the environment is made from when the spec names no version.
+    `base_python` (default: this interpreter) is the one the environment is made from when it
+    is the spec's Python; otherwise uv finds (or downloads) that version.
     """
     envs = cache / "envs"
     envs.mkdir(parents=True, exist_ok=True)
@@ -107,19 +122,65 @@ def run_setup_once(spec: EnvSpec, cache: Path, log: Callable[[str], None]) -> No
         done.write_text("ok\n")
 
 
+class NoPython(BuildFailed):
+    """uv found no interpreter of the spec's Python version, and could not download one."""
+
+
 def _build_into(
     spec: EnvSpec, env_dir: Path, uv: str, log: Callable[[str], None], base_python: str | None
 ) -> None:
-    python = spec.python or base_python or sys.executable
-    _run([uv, "venv", "--quiet", "--python", python, str(env_dir)], log, "uv venv")
+    base = base_python or sys.executable
+    python = base if spec.python is None or _is_version(base, spec.python) else spec.python
+    env = dict(os.environ)
+    env.setdefault("UV_PYTHON_INSTALL_DIR", str(env_dir.parent.parent / "python"))
+    try:
+        _run([uv, "venv", "--quiet", "--python", python, str(env_dir)], log, "uv venv", env=env)
+    except BuildFailed as exc:
+        if python == base:
+            raise
+        have = _version_of(base)
+        raise NoPython(
+            f"the nodes must run Python {spec.python}, the client's (functions pickled by "
+            f"cloudpickle do not cross minor versions), but this host's {base} is {have} and uv "
+            f"found no Python {spec.python} here nor could download one. Install python"
+            f"{spec.python} on the host, let uv download it (a route to GitHub, or "
+            "UV_PYTHON_INSTALL_MIRROR in the provider's build_env), or run the client on "
+            f"Python {'.'.join(have.split('.')[:2])}",
+            exc.output,
+        ) from None
     if spec.pip:
         with tempfile.TemporaryDirectory(prefix="skyward-req-") as tmp:
             project = Path(tmp) / "pyproject.toml"
             project.write_text(_requirements_project(spec))
             command = [uv, "pip", "install", "--python", str(env_python(env_dir))]
+            config = _index_config(spec)
+            if config:
+                (Path(tmp) / "uv.toml").write_text(config)
+                command += ["--config-file", str(Path(tmp) / "uv.toml")]
             command += ["-r", str(project)]
-            _run(command, log, "uv pip install")
+            _run(command, log, "uv pip install", env=env)
     _run_setup(spec, log, env_dir)
+
+
+def _version_of(python: str) -> str:
+    """The full version of interpreter `python` ("3.11.2"); "unknown" if it cannot be asked."""
+    if python == sys.executable:
+        return platform.python_version()
+    try:
+        done = subprocess.run(
+            [python, "-c", "import platform; print(platform.python_version())"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except OSError:
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
+def _is_version(python: str, wanted: str) -> bool:
+    return same_python(_version_of(python), wanted)
 
 
 def _run_setup(spec: EnvSpec, log: Callable[[str], None], env_dir: Path | None = None) -> None:
@@ -132,7 +193,8 @@ def _run_setup(spec: EnvSpec, log: Callable[[str], None], env_dir: Path | None =
 
 
 def _requirements_project(spec: EnvSpec) -> str:
-    """The requirements as a pyproject.toml: the form in which uv scopes an index to packages."""
+    """The requirements as a pyproject.toml, with the indexes scoped to packages: the form in
+    which uv takes an index for some packages only (it reads nothing else of such a file)."""
     lines = [
         "[project]",
         'name = "skyward-node-environment"',
@@ -142,18 +204,30 @@ def _requirements_project(spec: EnvSpec) -> str:
     ]
     sources: dict[str, str] = {}
     for number, (url, packages, flat) in enumerate(spec.indexes):
+        if not packages:
+            continue  # in the config file (`_index_config`)
         name = f"index-{number}"
-        lines += ["[[tool.uv.index]]", f'name = "{name}"', f"url = {json.dumps(url)}"]
-        if flat:
-            lines.append('format = "flat"')
-        if packages:
-            lines.append("explicit = true")
-            sources.update(dict.fromkeys(packages, name))
-        lines.append("")
+        lines += ["[[tool.uv.index]]", *_index_lines(name, url, flat), "explicit = true", ""]
+        sources.update(dict.fromkeys(packages, name))
     if sources:
         lines.append("[tool.uv.sources]")
         lines += [f'{pkg} = {{ index = "{index}" }}' for pkg, index in sources.items()]
     return "\n".join(lines) + "\n"
+
+
+def _index_config(spec: EnvSpec) -> str:
+    """A uv.toml with the unscoped indexes, in order, ahead of the default index ("" when there
+    are none: then uv reads its usual configuration, e.g. a host's /etc/uv/uv.toml)."""
+    lines: list[str] = []
+    for number, (url, packages, flat) in enumerate(spec.indexes):
+        if not packages:
+            lines += ["[[index]]", *_index_lines(f"index-{number}", url, flat), ""]
+    return "\n".join(lines)
+
+
+def _index_lines(name: str, url: str, flat: bool) -> list[str]:
+    lines = [f'name = "{name}"', f"url = {json.dumps(url)}"]
+    return [*lines, 'format = "flat"'] if flat else lines
 
 
 def _run(

@@ -1,18 +1,19 @@
 """What an interpreter already has for an image, and what to do about it: one check, one decision.
 
 `check` looks at the interpreter it runs in and at skyward's cache directory: the Python
-version, skyward's source, uv, an environment already built for the image, the setup marker, the
-apt packages missing, whether the interpreter satisfies the image's requirements, and (when
-asked) the machine's GPUs. `decide` turns that `Report` into the interpreter the nodes run, or a
-build. Every provider uses these two: Local calls `check` in-process; on a remote host
-`program()` runs with the host's interpreter (``python3 -c PROGRAM QUERY_JSON``), one command
-that prints the report.
+version, the machine's OS, architecture and C library, skyward's source, a usable uv (skyward's
+own copy, or one on PATH of the same minor version), an environment already built for the image,
+the setup marker, the apt packages missing, whether the interpreter satisfies the image's
+requirements, and (when asked) the machine's GPUs. `decide` turns that `Report` into the
+interpreter the nodes run, or a build, by one rule. Every provider uses these two: Local calls
+`check` in-process; on a remote host `program()` runs with the host's interpreter
+(``python3 -c PROGRAM QUERY_JSON``), one command that prints the report.
 
-Standard library only: it runs before skyward's source or any environment is on the host. The
-requirement probe is `skyward.worker.probe`, imported when skyward can be imported (on a host's
-first contact it cannot: the report says so with ``satisfied=None``). The GPU inventory
-(`skyward.worker.gpus`, standard library too) travels inside `program()`, so even a first
-contact reports the host's GPUs.
+Standard library only, and Python 3.8+: it runs with the host's own python3, before skyward's
+source or any environment is on the host. The requirement probe is `skyward.worker.probe`,
+imported when skyward can be imported (on a host's first contact it cannot: the report says so
+with ``satisfied=None``). The GPU inventory (`skyward.worker.gpus`, standard library too)
+travels inside `program()`, so even a first contact reports the host's GPUs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import inspect
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -60,15 +62,20 @@ class Report:
     version: str  # its version, e.g. "3.12.3"
     uid: int
     src: bool  # skyward's source (`Query.src`) is unpacked in the cache
-    uv: str | None  # the uv binary of `Query.uv`, when installed
+    # A uv to build with: skyward's copy of `Query.uv` in the cache, else a uv on PATH (or in
+    # ~/.local/bin) of the same minor version; None when there is neither.
+    uv: str | None
     env: str | None  # the built environment's interpreter, when complete
     setup: bool  # the image's setup commands already ran for this interpreter
     apt_missing: tuple[str, ...]
-    # Whether this interpreter has every requirement; None when not probed: an environment is
-    # already built (it wins, so a warm start skips the slowest part), or skyward (the probe)
-    # cannot be imported yet.
+    # Whether this interpreter has every requirement; None when not probed: skyward (the probe)
+    # cannot be imported yet, or the interpreter may not serve the nodes (`Query.probe`).
     satisfied: bool | None
     gpus: Inventory | None = None  # the machine's GPUs; None when not asked (`Query.gpus`)
+    # The machine, as `platform` names it: whether the client's own uv binary runs there.
+    system: str = ""
+    machine: str = ""
+    libc: str = ""  # "glibc" on most Linux machines, "" where unknown (musl)
 
     @classmethod
     def from_json(cls, text: str) -> Report:
@@ -95,38 +102,68 @@ def check(query: Query, find_gpus: Callable[[], Inventory] | None = None) -> Rep
     home = os.path.expanduser(query.cache)
     env_dir = os.path.join(home, "envs", query.env)
     ready = os.path.exists(os.path.join(env_dir, READY_MARKER))
-    uv = os.path.join(home, "bootstrap", f"uv-{query.uv}", "bin", "uv")
-    satisfied: bool | None = None if ready else False
-    if query.probe and not ready:
+    satisfied: bool | None = False
+    if query.probe:
         try:
             from skyward.worker.probe import satisfied as probe
         except ImportError:
             satisfied = None
         else:
             satisfied = probe(query.requirements)
+    system = platform.system()
     return Report(
         python=sys.executable,
         version=platform.python_version(),
         uid=os.getuid(),
         src=bool(query.src) and os.path.isfile(_source_init(home, query.src)),
-        uv=uv if query.uv and os.access(uv, os.X_OK) else None,
+        uv=_find_uv(home, query.uv) if query.uv else None,
         env=os.path.join(env_dir, "bin", "python") if ready else None,
         setup=os.path.exists(os.path.join(home, "setup", f"{query.env}.done")),
         apt_missing=tuple(p for p in query.apt if not _dpkg_installed(p)),
         satisfied=satisfied,
         gpus=(find_gpus or _find_gpus)() if query.gpus else None,
+        system=system,
+        machine=platform.machine(),
+        libc=platform.libc_ver()[0] if system == "Linux" else "",
     )
 
 
+def same_python(version: str, wanted: str) -> bool:
+    """Whether Python `version` ("3.11.2") is the `wanted` one ("3.11", or "3.11.2")."""
+    return version.split(".")[: len(wanted.split("."))] == wanted.split(".")
+
+
 def decide(report: Report, python_version: str | None, has_setup: bool) -> Decision:
-    """The interpreter for the nodes: an environment already built for the image wins; then the
-    inspected interpreter when it has the Python version and every requirement; else a build."""
-    if report.env is not None:
-        return Decision(report.env)
-    version_ok = not python_version or report.version.startswith(python_version)
+    """The interpreter for the nodes, by one rule whatever earlier runs left in the cache: the
+    inspected interpreter itself when it is the image's Python and has every requirement; else
+    the environment built for the image, when complete; else a build."""
+    version_ok = not python_version or same_python(report.version, python_version)
     if report.satisfied and version_ok:
         return Decision(report.python, setup=has_setup and not report.setup)
+    if report.env is not None:
+        return Decision(report.env)
     return Decision(None)
+
+
+def _find_uv(home: str, version: str) -> str | None:
+    """skyward's own uv `version` under `home`, else a uv on PATH or in ~/.local/bin (where
+    uv's installer puts it) of the same minor version."""
+    own = os.path.join(home, "bootstrap", f"uv-{version}", "bin", "uv")
+    if os.access(own, os.X_OK):
+        return own
+    local = os.path.expanduser("~/.local/bin/uv")
+    for found in dict.fromkeys((shutil.which("uv"), local if os.access(local, os.X_OK) else None)):
+        if found is None:
+            continue
+        try:
+            said = subprocess.run(
+                [found, "--version"], capture_output=True, text=True, timeout=30, check=False
+            ).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if len(said) > 1 and said[1].split(".")[:2] == version.split(".")[:2]:
+            return found
+    return None
 
 
 def _find_gpus() -> Inventory:

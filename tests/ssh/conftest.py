@@ -84,7 +84,10 @@ class Server:
 @pytest.fixture(scope="session")
 def keys(ssh_ready: None, tmp_path_factory: pytest.TempPathFactory) -> sshd.KeyPair:
     key = sshd.KeyPair.generate(tmp_path_factory.mktemp("ssh-keys"))
-    sshd.SshUser.ensure().authorize(key)
+    user = sshd.SshUser.ensure()
+    user.authorize(key)
+    # The test user's skyward cache holds only what this run builds there.
+    shutil.rmtree(Path(user.home) / ".cache" / "skyward", ignore_errors=True)
     return key
 
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -23,7 +24,7 @@ import skyward as sky
 from skyward.transport.ssh import HostKeyError, HostUnreachableError, SSHAuthError
 from tests.conftest import reported_pids, sigint_default
 from tests.contract import ends, zeros_with_marks
-from tests.ssh.conftest import Hosts, Server, processes_with, wait_until
+from tests.ssh.conftest import BUILD_ENV, Hosts, Server, processes_with, wait_until
 from tests.support import sshd
 
 pytestmark = pytest.mark.ssh
@@ -159,15 +160,34 @@ def test_failed_package_install_is_a_bootstrap_error_with_the_tail(local_sshd: S
     assert "last lines" in message and "skyward-no-such-package" in caught.value.output
 
 
-@pytest.mark.slow
-def test_failed_uv_install_is_a_bootstrap_error_with_pips_output(local_sshd: Server) -> None:
-    image = sky.Image(pip=[f"skyward-no-such-package-{uuid.uuid4().hex[:8]}"])
-    provider = local_sshd.provider(user=sshd.TEST_USER, uv_version="0.0.0.dev424242")
-    expected = re.escape("installing uv==0.0.0.dev424242")
-    with pytest.raises(sky.BootstrapError, match=expected) as caught:
-        launch(provider, image=image)
-    assert f"127.0.0.1:{local_sshd.port}" in str(caught.value)
-    assert "uv==0.0.0.dev424242" in caught.value.output
+def test_a_uv_no_index_serves_is_a_bootstrap_error_naming_each_index(
+    local_sshd: Server,
+) -> None:
+    """A uv version other than the client's cannot be sent: the host fetches its wheel from
+    the image's indexes, then the default one; none serves it, and the error says what each
+    answered."""
+    folder = Path(tempfile.mkdtemp(prefix="skyward-empty-index-"))
+    folder.chmod(0o755)  # the test user reads it
+    image = sky.Image(
+        pip=[f"skyward-no-such-package-{uuid.uuid4().hex[:8]}"],
+        indexes=[sky.Index(folder.as_uri() + "/", flat=True)],  # an empty folder
+    )
+    provider = local_sshd.provider(
+        user=sshd.TEST_USER,
+        uv_version="0.0.0.dev424242",
+        build_env={**BUILD_ENV, "UV_DEFAULT_INDEX": "http://127.0.0.1:9/simple/"},  # nothing
+    )
+    try:
+        expected = re.escape("fetching uv 0.0.0.dev424242")
+        with pytest.raises(sky.BootstrapError, match=expected) as caught:
+            launch(provider, image=image)
+    finally:
+        folder.rmdir()
+    message = str(caught.value)
+    assert f"127.0.0.1:{local_sshd.port}" in message
+    assert "no index served uv 0.0.0.dev424242" in message
+    assert f"{folder.as_uri()}/: no uv 0.0.0.dev424242 wheel" in caught.value.output
+    assert "http://127.0.0.1:9/simple/: " in caught.value.output
 
 
 def test_apt_packages_already_there_cost_nothing_and_missing_ones_are_installed_or_named(

@@ -148,6 +148,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+HOST_CACHE_ENV = "SKYWARD_TEST_HOST_CACHE"
+"""Set (by the test suite) to a directory: root's sessions on every sshd started here get it as
+their ``SKYWARD_CACHE_DIR``, so hosts that share this machine's filesystem keep what skyward
+builds in the suite's own directory, never in root's ~/.cache/skyward of earlier runs."""
+
+
+def _root_cache_lines(extra_config: Sequence[str]) -> list[str]:
+    """The config lines that give root's sessions the suite's host cache (last: a Match block
+    ends the file), unless the server sets its own cache directory."""
+    cache = os.environ.get(HOST_CACHE_ENV)
+    if not cache or any("SKYWARD_CACHE_DIR" in line for line in extra_config):
+        return []
+    return ["Match User root", f"    SetEnv SKYWARD_CACHE_DIR={cache}"]
+
+
 def _wait_for_ssh_banner(host: str, port: int, deadline: float) -> bool:
     """Try once to read an ``SSH-`` banner from host:port before ``deadline``."""
     timeout = max(0.05, min(1.0, deadline - time.monotonic()))
@@ -653,6 +668,7 @@ class SshdServer:
             "LogLevel INFO",
             "Subsystem sftp internal-sftp",
             *self.extra_config,
+            *_root_cache_lines(self.extra_config),
         ]
         return "".join(f"{line}\n" for line in lines)
 

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 OFFLINE_PACKAGES = ("uv", "cloudpickle", "packaging")
-"""What a node's bootstrap installs from an index: uv itself, then the agent's requirements."""
+"""What a node's bootstrap may install from an index: uv itself, then the agent's requirements."""
 
 # Written by the installer, not part of a wheel.
 _INSTALLER_FILES = {"INSTALLER", "REQUESTED", "RECORD", "direct_url.json"}
@@ -127,11 +127,9 @@ def wheelhouse(directory: Path, names: Sequence[str] = OFFLINE_PACKAGES) -> Path
 
 
 def offline_build_env(directory: Path) -> dict[str, str]:
-    """Build environment (``sky.SSH(build_env=...)``) that installs only from `directory`:
-    pip for the uv bootstrap, uv for the node's environment."""
+    """Build environment (``sky.SSH(build_env=...)``) in which uv installs only from
+    `directory` (uv itself arrives as the client's own binary)."""
     return {
-        "PIP_NO_INDEX": "1",
-        "PIP_FIND_LINKS": str(directory),
         "UV_OFFLINE": "1",  # uv has no variable for --no-index; offline, it takes find-links
         "UV_FIND_LINKS": str(directory),
     }

@@ -171,6 +171,12 @@ class ProviderContract:
     def nodes_available(self) -> int:
         return 2
 
+    def probe_image(self, directory: Path, token: str) -> sky.Image:
+        """An image that needs a real build, of the probe package saying `token`. By default
+        its wheels are files under `directory` on this machine (`offline_image`); a provider
+        whose hosts cannot see this machine's files serves them from an index instead."""
+        return offline_image(directory, token)
+
     def _pool(self, make_provider: Callable[[], object], nodes: int) -> sky.ComputePool:
         return sky.ComputePool(
             provider=make_provider(),
@@ -250,7 +256,7 @@ class ProviderContract:
         self, make_provider: Callable[[], object], nodes_available: int, tmp_path: Path
     ) -> None:
         token = uuid.uuid4().hex
-        image = offline_image(tmp_path / "wheels", token)
+        image = self.probe_image(tmp_path / "wheels", token)
         nodes = min(2, nodes_available)
         seen: list[list[tuple[int, str, str, int, int]]] = []
         try:

@@ -7,8 +7,9 @@ exists, so it is standard library only. Two ways in, chosen by the client
 - ``--receive``: the client's own uv binary arrives gzip-compressed on stdin (the client sends it
   when the host's OS, architecture and C library match its own);
 - ``--fetch INDEXES``: the uv wheel for this host's platform is found on the image's indexes
-  (flat pages or PEP 503 simple indexes, in order, then the default index), downloaded with
-  urllib, checked against the sha256 the index gives, and the binary taken out of it.
+  (flat pages or PEP 503 simple indexes, in order, then those of ``UV_INDEX`` and the default
+  index, ``UV_DEFAULT_INDEX`` or ``UV_INDEX_URL`` or PyPI, as uv would read them), downloaded
+  with urllib, checked against the sha256 the index gives, and the binary taken out of it.
 
 Either way the binary lands at DEST (``<cache>/bootstrap/uv-<version>/bin/uv``) atomically, under
 a lock, and must answer ``uv --version`` with the version asked for. The last line printed is
@@ -122,9 +123,11 @@ def fetch(version: str, indexes: list[tuple[str, bool]]) -> bytes:
     """The uv binary, from the first of `indexes` ((url, flat), then the default index) that
     serves a fitting wheel."""
     key = platform_key()
+    # The indexes uv itself would read from the build's environment come after the image's.
+    configured = [(u.split("=", 1)[-1], False) for u in os.environ.get("UV_INDEX", "").split()]
     default = os.environ.get("UV_DEFAULT_INDEX") or os.environ.get("UV_INDEX_URL") or DEFAULT_INDEX
     tried: list[str] = []
-    for url, flat in [*indexes, (default, False)]:
+    for url, flat in [*indexes, *configured, (default, False)]:
         try:
             links = candidates(url, flat, version, key)
             if not links:

@@ -169,7 +169,7 @@ async def _failed(node: RemoteNode, what: str, how: str, output: str) -> Bootstr
 
 
 # Below this much free space in the host's cache, a failed step says so: the tools that fail
-# (python -m venv, pip, uv) do not always print ENOSPC themselves.
+# (tar, uv, the uv install) do not always print ENOSPC themselves.
 LOW_DISK_BYTES = 512 << 20
 
 

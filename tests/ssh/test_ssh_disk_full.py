@@ -54,7 +54,7 @@ def test_a_full_disk_while_a_host_is_prepared_is_a_bootstrap_error_and_leaves_no
             with sky.ComputePool(provider=provider, nodes=1, image=image, stream_output=False):
                 pass
         message = str(caught.value)
-        # python -m venv does not show ensurepip's ENOSPC: the error says what the disk has.
+        # The tools that fail do not always say ENOSPC: the error says what the disk has.
         assert f"the host's skyward cache {small_disk} has only" in message, message
         assert "the disk is probably full" in message, message
         assert f"127.0.0.1:{server.port}" in message, "the error must name the host"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -169,3 +170,24 @@ def test_the_hosts_skyward_cache_dir_holds_what_skyward_keeps_there(
     assert where.startswith(f"{cache}/data/") and text == "hello", where
     # The second pool found skyward's copy where the first left it: it shipped nothing.
     assert not [c for c in commands if "tar -xzf" in c], commands
+
+
+@sky.compute
+def cache_seen() -> tuple[str, str]:
+    return os.environ.get("SKYWARD_CACHE_DIR", ""), sys.executable
+
+
+def test_the_suite_keeps_its_own_caches_on_the_client_and_on_hosts_sharing_this_machine(
+    local_sshd: Server,
+) -> None:
+    """What earlier runs left in ~/.cache/skyward must not change a result: the client's cache
+    and root's on the test sshd servers (which share this machine's filesystem) are the
+    suite's own, made empty when it started (tests/conftest.py)."""
+    home_cache = str(Path.home() / ".cache" / "skyward")
+    client = os.environ["SKYWARD_CACHE_DIR"]
+    assert not client.startswith(home_cache)
+    image = sky.Image(env={"SKYWARD_HERMETIC": uuid.uuid4().hex})
+    with sky.ComputePool(provider=local_sshd.provider(), image=image, stream_output=False) as p:
+        cache, python = cache_seen() >> p
+    assert cache == os.environ["SKYWARD_TEST_HOST_CACHE"] and not cache.startswith(home_cache)
+    assert python == sys.executable, "root's interpreter satisfies the image: it runs as it is"

@@ -64,12 +64,13 @@ async def _handshake(
         raise BootstrapError(
             f"the nodes run skyward {sorted(versions)} but this client runs {__version__}"
         )
-    client = platform.python_version()
+    wanted = client_python()
     for node, begun in zip(nodes, started, strict=True):
-        if not same_python(begun.python_version, client_python()):
+        if not same_python(begun.python_version, wanted):
             raise BootstrapError(
                 f"node {node.index} ({begun.hostname}) runs Python {begun.python_version} but "
-                f"this client runs {client}: functions pickled by cloudpickle do not cross "
+                f"this client runs {platform.python_version()}: functions pickled by "
+                "cloudpickle do not cross "
                 "minor versions, so no call was sent. Give the node this client's Python, or "
                 f"run the client on Python {begun.python_version.rsplit('.', 1)[0]}",
                 node=node.index,

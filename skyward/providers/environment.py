@@ -49,3 +49,14 @@ def env_spec(image: Image) -> envbuild.EnvSpec:
         setup=image.setup,
         env=dict(image.env),
     )
+
+
+def packaged_uv() -> str | None:
+    """The uv binary of the `uv` package this client has installed (its version is
+    ``metadata.version("uv")``), or None."""
+    try:
+        from uv import find_uv_bin
+
+        return str(find_uv_bin())
+    except (ImportError, FileNotFoundError):
+        return None

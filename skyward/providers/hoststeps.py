@@ -15,6 +15,7 @@ import gzip
 import importlib.metadata as metadata
 import json
 import shlex
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ import asyncssh
 from skyward.errors import BootstrapError
 from skyward.image import Index
 from skyward.providers.base import Log
+from skyward.providers.environment import packaged_uv
 from skyward.providers.source import source_hash
 from skyward.transport.ssh import Completed, shell_env
 from skyward.worker import hostcheck, uvinstall
@@ -88,20 +90,23 @@ async def install_uv(
 
 def client_uv(version: str) -> tuple[tuple[str, str, str], str] | None:
     """This client's uv binary when it is `version`: ((system, machine, libc), path)."""
-    try:
-        from uv import find_uv_bin
+    path = packaged_uv()
+    if path is None or metadata.version("uv") != version:
+        return None
+    return uvinstall.platform_key(), path
 
-        path = find_uv_bin()
-    except (ImportError, FileNotFoundError):
-        return None
-    if metadata.version("uv") != version:
-        return None
-    return uvinstall.platform_key(), str(path)
+
+_compressing = threading.Lock()  # the hosts of a cold pool ask at once: compress once
+
+
+def compressed_uv(path: str) -> bytes:
+    """The uv binary at `path`, gzip-compressed once per process (about half its size)."""
+    with _compressing:
+        return _compressed(path)
 
 
 @functools.cache
-def compressed_uv(path: str) -> bytes:
-    """The uv binary at `path`, gzip-compressed once per process (about half its size)."""
+def _compressed(path: str) -> bytes:
     return gzip.compress(Path(path).read_bytes(), compresslevel=1)
 
 

@@ -32,7 +32,7 @@ from skyward.image import Image
 from skyward.progress import Phase, Progress
 from skyward.providers import local_gpus
 from skyward.providers.base import Cluster, Log, Node, Provider, count
-from skyward.providers.environment import env_spec
+from skyward.providers.environment import env_spec, packaged_uv
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.base import AgentStream
 from skyward.transport.pipes import spawn
@@ -253,14 +253,9 @@ def _unpack_source(cache: Path) -> None:
 
 
 def _uv_binary() -> str:
-    try:
-        from uv import find_uv_bin
-
-        return str(find_uv_bin())
-    except (ImportError, FileNotFoundError):
-        found = shutil.which("uv")
-        if found:
-            return found
+    found = packaged_uv() or shutil.which("uv")
+    if found:
+        return found
     raise BootstrapError("uv was not found: `pip install uv` (it builds the nodes' environments)")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -214,3 +215,27 @@ class TestBareHostContract(ProviderContract):
             host.log_path.read_text(errors="replace").count("Accepted publickey")
             for host in self.bare.hosts
         )
+
+
+def test_a_uv_the_host_has_on_its_path_is_used_when_its_minor_version_fits(
+    make_bare_hosts: MakeBareHosts, bare_wheels: Path
+) -> None:
+    bare = make_bare_hosts(1)
+    client_uv = hoststeps.client_uv(UV_VERSION)
+    assert client_uv is not None
+    on_path = bare.hosts[0].root / "usr/local/bin/uv"
+    shutil.copy2(client_uv[1], on_path)
+    with bareroots.PackageIndex(bare_wheels, host=bare.net.bridge_address) as index:
+        image = _numpy_image(index, flat=False)
+        with sky.ComputePool(provider=bare.ssh_provider(), image=image, stream_output=False) as p:
+            assert (numpy_node() >> p)[3] == 45
+    assert bare.ssh(0, f"test -e {CACHE}/bootstrap/uv-{UV_VERSION}").returncode == 1, (
+        "the host's own uv was used: none was sent"
+    )
+    # A uv of another minor version is not: the client's is sent as on a bare host.
+    on_path.write_text("#!/bin/sh\necho uv 0.1.0\n")
+    with bareroots.PackageIndex(bare_wheels, host=bare.net.bridge_address) as index:
+        image = sky.Image(pip=["numpy", "packaging>=20"], indexes=[sky.Index(index.simple_url)])
+        with sky.ComputePool(provider=bare.ssh_provider(), image=image, stream_output=False) as p:
+            assert (numpy_node() >> p)[3] == 45
+    assert bare.ssh(0, f"test -x {CACHE}/bootstrap/uv-{UV_VERSION}/bin/uv").returncode == 0

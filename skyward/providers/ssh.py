@@ -3,10 +3,12 @@
 Node i runs on hosts[i]. `launch` opens one verified connection per host, all at once, kept for
 the pool's life; `survey` and `prepare` are the remote bootstrap (`skyward.providers.remote`):
 one check command per host (its GPUs too, before the plugins choose their packages), then only
-what is missing (skyward's source, apt packages, uv, the image's environment). When the
-interpreter (``python=`` or ``python3``) already satisfies the image and the agent's pins, it is
-used directly, as `Local` does; otherwise a uv environment is built from it. A second pool with
-the same image on the same hosts costs one check command and the agent start per host.
+what is missing (skyward's source, apt packages, uv, the image's environment). A host needs only
+a shell and python3: uv arrives without pip (`hoststeps.install_uv`), and the environment runs
+the client's Python minor (uv provides it where python3 is another). When the interpreter
+(``python=`` or ``python3``) already satisfies the image and the agent's pins, it is used
+directly, as `Local` does; otherwise a uv environment is built. A second pool with the same
+image on the same hosts costs one check command and the agent start per host.
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ class SSH(RemoteData, Provider):
         known_hosts: a known_hosts path, a list of ``"host keytype base64"`` lines or an
             asyncssh known-hosts object; default: ~/.ssh/known_hosts. Host keys are always
             verified.
-        python: interpreter on the hosts (default ``python3``); used directly when it already
-            satisfies the image, else the environment is built from it with uv.
+        python: interpreter on the hosts (default ``python3``, any 3.8+); used directly when
+            it already satisfies the image (the client's Python minor, every requirement),
+            else the environment is built with uv, from it when it is the client's minor.
         connect_timeout: seconds to reach and log into a host.
         keepalive: seconds between SSH keepalives (3 missed: the connection is dropped).
         config: ssh_config files to read; default ~/.ssh/config.
         uv_version: uv to install on hosts that lack it; default: the client's own uv.
-        build_env: environment variables for the build steps on the hosts (pip, uv, apt,
-            setup): proxies, ``UV_INDEX_URL``, ``SSL_CERT_FILE`` for a TLS-inspecting proxy...
+        build_env: environment variables for the build steps on the hosts (uv, apt, setup):
+            proxies, ``UV_INDEX`` / ``UV_INDEX_URL`` for a mirror, ``UV_PYTHON_INSTALL_MIRROR``,
+            ``SSL_CERT_FILE`` for a TLS-inspecting proxy...
     """
 
     name = "ssh"

@@ -156,11 +156,13 @@ builds in the suite's own directory, never in root's ~/.cache/skyward of earlier
 
 def _root_cache_lines(extra_config: Sequence[str]) -> list[str]:
     """The config lines that give root's sessions the suite's host cache (last: a Match block
-    ends the file), unless the server sets its own cache directory."""
+    ends the file), unless the server sets its own cache directory. A SetEnv in a Match block
+    replaces the server's own SetEnv list for those sessions: it repeats that list."""
     cache = os.environ.get(HOST_CACHE_ENV)
     if not cache or any("SKYWARD_CACHE_DIR" in line for line in extra_config):
         return []
-    return ["Match User root", f"    SetEnv SKYWARD_CACHE_DIR={cache}"]
+    own = [line.split(None, 1)[1] for line in extra_config if line.startswith("SetEnv ")]
+    return ["Match User root", "    SetEnv " + " ".join([*own, f"SKYWARD_CACHE_DIR={cache}"])]
 
 
 def _wait_for_ssh_banner(host: str, port: int, deadline: float) -> bool:

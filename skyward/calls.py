@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, TypeVarTuple
 
 import cloudpickle
 
+from skyward import sources
 from skyward.data import Data, collecting
 from skyward.errors import SerializationError, SkywardError
 from skyward.transport.frames import PROTOCOL, Buffer
@@ -42,7 +43,6 @@ Ts2 = TypeVarTuple("Ts2")
 Stage = Callable[[list[Data]], bool]
 
 _function_ids = itertools.count(1)
-_by_value: set[str] = set()
 _EMPTY_ARGS: list[Buffer] = [bytes(segment) for segment in cloud_dumps(((), {}))]
 
 
@@ -253,7 +253,7 @@ def _ship_by_value(fn: Callable[..., Any]) -> None:
     packages (site-packages, the standard library) stay by reference.
     """
     top = (getattr(fn, "__module__", None) or "__main__").split(".")[0]
-    if top in ("__main__", "skyward") or top in _by_value:
+    if top == "skyward" or top in sources.shipped:
         return
     module = sys.modules.get(top)
     origin = getattr(module, "__file__", None)
@@ -263,7 +263,7 @@ def _ship_by_value(fn: Callable[..., Any]) -> None:
     if any(path.is_relative_to(root) for root in _installed_roots()):
         return
     cloudpickle.register_pickle_by_value(module)
-    _by_value.add(top)
+    sources.shipped.add(top)
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -11,6 +11,7 @@ import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from skyward import sources
 from skyward.errors import RemoteError, WorkerError
 from skyward.transport import frames, messages
 
@@ -64,6 +65,7 @@ def rebuild_exception(
 ) -> BaseException:
     """The node's exception as itself, with the remote traceback as its cause."""
     exc: BaseException
+    text = sources.with_sources(report.traceback.rstrip())
     try:
         if not segments:
             raise ValueError("no pickled exception")
@@ -72,8 +74,7 @@ def rebuild_exception(
             # SystemExit or KeyboardInterrupt from a node must not end the client's program
             raise TypeError("not an ordinary exception")
     except Exception:
-        exc = RemoteError(report.type_name, report.message, report.traceback, node=node)
-    text = report.traceback.rstrip()
+        exc = RemoteError(report.type_name, report.message, text, node=node)
     exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback on node {node}:\n{text}\n"""')
     with contextlib.suppress(Exception):
         exc.add_note(f"(raised on node {node})")

@@ -52,6 +52,33 @@ def pid() -> int:
     return os.getpid()
 
 
+def _check_positive(value: int) -> int:
+    if value < 0:
+        raise ArithmeticError(f"negative: {value}")
+    return value
+
+
+@sky.compute
+def through_a_helper(value: int) -> int:
+    return _check_positive(value) + 1
+
+
+def test_the_remote_traceback_shows_this_files_lines_for_code_sent_by_value() -> None:
+    """The nodes run this module's functions from their pickled code, which cloudpickle names
+    ``<dynamic-code>``: the client puts back the file and the source line of every frame."""
+    with sky.ComputePool(nodes=1, stream_output=False) as pool:
+        with pytest.raises(ArithmeticError, match="negative: -3") as caught:
+            through_a_helper(-3) >> pool
+    text = str(caught.value.__cause__)
+    assert "<dynamic-code>" not in text
+    for function, source in (
+        ("through_a_helper", "return _check_positive(value) + 1"),
+        ("_check_positive", 'raise ArithmeticError(f"negative: {value}")'),
+    ):
+        assert f'File "{__file__}", line ' in text and f"in {function}\n" in text
+        assert f"\n    {source}\n" in text, text
+
+
 def test_user_exception_keeps_type_message_node_and_remote_traceback() -> None:
     with sky.ComputePool(nodes=2, stream_output=False) as pool:
         with pytest.raises(ValueError, match="bad value 42") as caught:

@@ -1,5 +1,7 @@
 """Fixtures for the AWS provider: moto (in process, or as a real server on 127.0.0.1), narrow
-stubs for the calls moto does not implement, and an "EC2" of network-namespace sshd hosts.
+stubs for the calls moto does not implement, and an "EC2" whose instances are fresh Debian roots
+behind sshd in network namespaces (`tests.support.bareroots`), reaching only a package index the
+test serves.
 
 Safety: moto only listens on 127.0.0.1; every subnet the tests give EC2 lies in 10.213.0.0/16,
 which `tests.support.sshd.NetnsHosts` routes as ``unreachable`` except for the namespace hosts it
@@ -11,11 +13,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib.metadata
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +35,7 @@ from botocore.awsrequest import AWSResponse
 
 import skyward as sky
 from skyward.providers.aws import resources
-from tests.support import sshd, wheels
+from tests.support import bareroots, sshd
 
 REGION = "us-east-1"
 MOTO_AMI = "ami-1e749f67"  # one of moto's built-in public images (an Ubuntu)
@@ -232,43 +234,99 @@ def moto_server() -> Iterator[MotoServer]:
             process.wait(10)
 
 
-# -- EC2 instances that are real sshd hosts ----------------------------------------------------
+# -- EC2 instances that are fresh Debian machines ---------------------------------------------
+
+INSTANCE_SUITE = "bookworm"  # a stock Debian 12 image: python3 3.11, no venv, no pip
+INSTANCE_HOST_OFFSET = 4  # moto hands out a fresh subnet's addresses from .4 up (EC2 reserves
+# .0-.3), so the hosts sit exactly where moto's instances claim to be.
+POWEROFF = "/usr/local/sbin/poweroff"
+"""The fake ``poweroff`` on every instance, first on its PATH (a minimal Debian has none)."""
+POWEROFF_MARKER = "/var/lib/skyward-test/powered-off"
+"""What the fake ``poweroff`` writes, inside the instance, each time it is called."""
 
 
-class _FirstAddressHosts(sshd.NetnsHosts):
-    # moto hands out a fresh subnet's addresses from .4 up (EC2 reserves .0-.3), so the
-    # namespaces sit exactly where moto's instances claim to be.
-    HOST_OFFSET = 4
+def instance_requirements() -> list[str]:
+    """What the instances' environments need from the served index: the agent's requirements
+    (cloudpickle pinned to this client's, as skyward asks), and JAX's CPU wheels at this
+    interpreter's versions for the JAX test."""
+    jax = importlib.metadata.version("jax")
+    return [
+        f"cloudpickle=={importlib.metadata.version('cloudpickle')}",
+        "packaging",
+        f"jax=={jax}",
+        f"jaxlib=={jax}",
+    ]
+
+
+@pytest.fixture(scope="session")
+def instance_root() -> Path:
+    """The cached debootstrapped root every instance boots from (never written into)."""
+    if not sshd.is_root():
+        pytest.skip("EC2 instances are network namespaces with chroots: that needs root")
+    reason = sshd.netns_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    bareroots.remove_stale_bare_resources()  # only what crashed runs (dead owners) left
+    try:
+        return bareroots.cached_root(INSTANCE_SUITE)
+    except Exception as exc:  # no network, no debootstrap: skip, do not fail
+        pytest.skip(f"cannot build a Debian {INSTANCE_SUITE} root: {exc}")
+
+
+@pytest.fixture(scope="session")
+def instance_wheels(instance_root: Path) -> Path:
+    """Read-only cache dir of `instance_requirements` wheels for the instances' Python."""
+    try:
+        return bareroots.download_wheels(
+            None, instance_requirements(), python_version=bareroots.SUITE_PYTHON[INSTANCE_SUITE]
+        )
+    except Exception as exc:  # no network: skip, do not fail
+        pytest.skip(f"cannot download wheels for the instances: {exc}")
+
+
+def install_fake_poweroff(host: bareroots.BareHost) -> Path:
+    """Put the fake ``poweroff`` on `host`; return the marker it writes, as seen from here."""
+    fake = host.root / POWEROFF.lstrip("/")
+    fake.parent.mkdir(parents=True, exist_ok=True)
+    marker = Path(POWEROFF_MARKER)
+    fake.write_text(f"#!/bin/sh\nmkdir -p {marker.parent}\ndate >> {marker}\n")
+    fake.chmod(0o755)
+    return host.root / POWEROFF_MARKER.lstrip("/")
 
 
 @dataclass
 class Ec2Hosts:
-    """Plays the part of EC2's boot for instances moto reports on the namespace subnet.
+    """Plays the part of EC2's boot for instances moto reports on the hosts' subnet.
 
-    For each new instance it runs the provider's real user-data script inside the matching
-    namespace (against a scratch root, with a fake ``poweroff`` first on PATH), restarts that
-    host's sshd with the host key the script installed, and authorizes the pool's key pair the
-    way cloud-init would. Instances that moto reports terminated lose their sshd. With
-    `boot_at_most`, instances past that many never boot: their host's sshd is stopped, as on an
-    instance that hangs in boot.
+    The hosts are fresh Debian roots (`tests.support.bareroots.BareHosts`), one per address
+    moto hands out, reaching nothing but `index`. For each new instance it does what the
+    machine would: cloud-init authorizes the pool's key pair for root, then runs the provider's
+    real user-data script inside the host (with a fake ``poweroff`` first on PATH); the host's
+    sshd (which the harness supervises, as init would) is down meanwhile and then starts again,
+    serving the host key the script installed in /etc/ssh. Instances that moto reports
+    terminated lose every process (a power cut; their disk stays for the next instance at that
+    address). With `boot_at_most`, instances past that many never boot: their host's sshd is
+    stopped, as on an instance that hangs in boot. With ``install_host_key=False`` the host
+    keeps the key it had, one the client does not know.
     """
 
-    net: sshd.NetnsHosts
+    net: bareroots.BareHosts
+    index: bareroots.PackageIndex
     ec2: Any
     subnet_id: str
-    workdir: Path
     install_host_key: bool = True
     boot_at_most: int | None = None
     booted: dict[str, str] = field(default_factory=dict)  # instance id -> address
+    boot_logs: dict[str, str] = field(default_factory=dict)  # instance id -> user data output
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def host(self, address: str) -> sshd.NetnsHost:
+    def host(self, address: str) -> bareroots.BareHost:
         for host in self.net.hosts:
             if host.address == address:
                 return host
-        raise AssertionError(f"moto reported {address}, which is not a namespace host")
+        raise AssertionError(f"moto reported {address}, which is not one of the hosts")
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="ec2-sim", daemon=True)
@@ -290,52 +348,69 @@ class Ec2Hosts:
         reply = self.ec2.describe_instances(
             Filters=[{"Name": "subnet-id", "Values": [self.subnet_id]}]
         )
-        for reservation in reply["Reservations"]:
-            for instance in reservation["Instances"]:
-                iid, state = instance["InstanceId"], instance["State"]["Name"]
-                address = instance.get("PrivateIpAddress")
-                if state == "running" and iid not in self.booted and address:
-                    if self.boot_at_most is not None and len(self.booted) >= self.boot_at_most:
-                        server = self.host(address).server
-                        if server is not None:
-                            server.stop()
-                    else:
-                        self._boot(instance)
-                    self.booted[iid] = address
-                elif state == "terminated" and iid in self.booted:
-                    server = self.host(self.booted.pop(iid)).server
-                    if server is not None:
-                        server.stop()
+        instances = [i for r in reply["Reservations"] for i in r["Instances"]]
+        # Terminations first: moto may already have given a terminated instance's address to
+        # a new one, which must not be powered off with it.
+        for instance in instances:
+            iid = instance["InstanceId"]
+            if instance["State"]["Name"] == "terminated" and iid in self.booted:
+                self.host(self.booted.pop(iid)).kill_all()
+        for instance in instances:
+            iid, address = instance["InstanceId"], instance.get("PrivateIpAddress")
+            if instance["State"]["Name"] == "running" and iid not in self.booted and address:
+                if self.boot_at_most is not None and len(self.booted) >= self.boot_at_most:
+                    self.host(address).stop()
+                else:
+                    self._boot(instance)
+                self.booted[iid] = address
 
     def _boot(self, instance: dict[str, Any]) -> None:
         host = self.host(instance["PrivateIpAddress"])
-        assert host.server is not None
         iid = instance["InstanceId"]
         data = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
         script = base64.b64decode(data["UserData"]["Value"]).decode()
         pair = self.ec2.describe_key_pairs(KeyNames=[instance["KeyName"]], IncludePublicKey=True)
-        public_key = pair["KeyPairs"][0]["PublicKey"].strip()
-        root = self.workdir / iid
-        (root / "bin").mkdir(parents=True)
-        poweroff = root / "bin" / "poweroff"
-        poweroff.write_text(f"#!/bin/sh\ntouch {root}/powered-off\n")
-        poweroff.chmod(0o755)
-        (root / "user-data.sh").write_text(script)
-        host.run(
-            "env",
-            f"SKYWARD_ROOT={root}",
-            f"PATH={root / 'bin'}:{os.environ['PATH']}",
-            "bash",
-            str(root / "user-data.sh"),
-        )
-        server = host.server
-        server.set_authorized_keys([public_key])
-        if self.install_host_key:
-            private = root / "etc/ssh/ssh_host_ed25519_key"
-            public = private.with_suffix(".pub")
-            server.restart(sshd.KeyPair(private, public, public.read_text().strip()))
-        else:
-            server.restart()
+        # No sshd while the instance boots: the one running reads its host key from the file
+        # the script replaces, and a client could log in through it before the restart ends
+        # its session.
+        host.stop()
+        # cloud-init: the key pair for the image's user before the user data runs.
+        host.set_authorized_keys([pair["KeyPairs"][0]["PublicKey"].strip()])
+        install_fake_poweroff(host)
+        # The image's sysv script for sshd ("service ssh restart", the user data's fallback
+        # where there is no systemd) must leave sshd to the harness, which supervises it here.
+        (host.root / "etc/ssh/sshd_not_to_be_run").write_text("sshd runs under the harness\n")
+        where = f"/var/lib/cloud/instances/{iid}/user-data.txt"  # where cloud-init keeps it
+        path = host.root / where.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(script)
+        proc = host.run("bash", where, check=False)
+        self.boot_logs[iid] = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            self.errors.append(
+                f"user data of {iid} on {host.name} exited {proc.returncode}:\n"
+                f"{proc.stdout}\n{proc.stderr}"
+            )
+        if not self.install_host_key:  # the host's own key, not the one the script installed
+            key = host.root / "etc/ssh/ssh_host_ed25519_key"
+            shutil.copyfile(host.host_key.private_path, key)
+            key.chmod(0o600)
+            key.with_suffix(".pub").write_text(host.host_key.public_line + "\n")
+        host.start()
+
+
+def close_hosts(net: bareroots.BareHosts) -> None:
+    """Close `net`; raise if anything of it is left but the guard route over the test /16.
+
+    That route is shared by every test network on this machine: another run may be adding it
+    this very moment (it adds the route before its bridge, which is how `leftovers` tells it is
+    in use), so its presence here is not ours to report.
+    """
+    net.close(raise_on_leftovers=False)
+    guard = f"route unreachable {net.net.guard_network}"
+    left = [item for item in net.leftovers() if item != guard]
+    if left:
+        raise RuntimeError(f"BareHosts {net.run_id} left behind: {', '.join(left)}")
 
 
 @pytest.fixture
@@ -343,36 +418,39 @@ def ec2_hosts(
     moto_server: MotoServer,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
+    instance_root: Path,
+    instance_wheels: Path,
 ) -> Iterator[Callable[..., Ec2Hosts]]:
-    """Three namespace "instances" behind the moto server; call with install_host_key=...,
-    boot_at_most=..."""
-    if not sshd.is_root():
-        pytest.skip("needs root (network namespaces and sshd)")
-    reason = sshd.netns_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    sshd.ensure_openssh_server()
+    """Three fresh Debian "instances" behind the moto server and a package index they reach;
+    call with install_host_key=..., boot_at_most=..."""
     moto_server.reset()
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.url)
     made: list[Ec2Hosts] = []
-    net = _FirstAddressHosts(3, subnet=E2E_SUBNET)
-    # Each namespace gets its own /etc/hosts (bind-mounted by `ip netns exec`) that maps the
-    # shared hostname to its own address, as on separate machines: gloo binds to that address.
-    folders = [Path("/etc/netns") / host.netns for host in net.hosts]
-    for host, folder in zip(net.hosts, folders, strict=True):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "hosts").write_text(
-            f"127.0.0.1 localhost\n{host.address} {socket.gethostname()}\n"
-        )
+    # The index's own directory (links to `instance_wheels`): a test may add wheels to it.
+    wheels = tmp_path / "index"
+    wheels.mkdir()
+    for wheel in instance_wheels.iterdir():
+        try:
+            os.link(wheel, wheels / wheel.name)
+        except OSError:  # another filesystem
+            shutil.copy2(wheel, wheels / wheel.name)
     with contextlib.ExitStack() as cleanup:
-        for folder in folders:
-            cleanup.callback(shutil.rmtree, folder, True)
-        cleanup.enter_context(net)
+        # Each host has its own hostname, mapped to its own address in its /etc/hosts, as on
+        # separate machines: gloo binds to that address.
+        net = bareroots.BareHosts(
+            3,
+            suite=INSTANCE_SUITE,
+            subnet=E2E_SUBNET,
+            root=instance_root,
+            host_offset=INSTANCE_HOST_OFFSET,
+        ).build()
+        cleanup.callback(close_hosts, net)
+        index = cleanup.enter_context(bareroots.PackageIndex(wheels, host=net.bridge_address))
 
         def make(install_host_key: bool = True, boot_at_most: int | None = None) -> Ec2Hosts:
             ec2 = boto3.client("ec2", region_name=REGION)
             subnet = make_vpc(ec2, E2E_SUBNET)
-            sim = Ec2Hosts(net, ec2, subnet, tmp_path, install_host_key, boot_at_most)
+            sim = Ec2Hosts(net, index, ec2, subnet, install_host_key, boot_at_most)
             sim.start()
             made.append(sim)
             return sim
@@ -383,24 +461,19 @@ def ec2_hosts(
             for sim in made:
                 sim.stop()
                 assert not sim.errors, sim.errors
-        # Closing the namespaces also ends the watchdogs the user data started inside them.
-
-
-@pytest.fixture(scope="session")
-def offline_wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Wheels of this client's uv, cloudpickle and packaging, for hosts with no route to an
-    index: the namespace "instances" bootstrap from here (`wheels.offline_build_env`)."""
-    return wheels.wheelhouse(tmp_path_factory.mktemp("wheelhouse"))
+        # Closing the hosts also ends the watchdogs the user data started inside them.
 
 
 def aws_for(sim: Ec2Hosts, stubs: Stubs, **kwargs: Any) -> sky.AWS:
-    """The provider as the E2E tests use it: private addresses on the namespace subnet."""
+    """The provider as the E2E tests use it: private addresses on the hosts' subnet, the nodes'
+    own python3, and builds from the index the test serves (``UV_INDEX``; give ``build_env``
+    to replace it)."""
     options: dict[str, Any] = {
         "subnet_id": sim.subnet_id,
         "use_private_ips": True,
         "ami": MOTO_AMI,
         "user": "root",
-        "python": sys.executable,  # already has everything; no package downloads
+        "build_env": {"UV_INDEX": sim.index.simple_url},
         "poll_interval": 0.1,
         "boot_timeout": 30.0,
         "connect_timeout": 3.0,

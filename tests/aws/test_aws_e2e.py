@@ -1,17 +1,17 @@
-"""End to end: moto as a real server on 127.0.0.1, its instances real sshd hosts.
+"""End to end: moto as a real server on 127.0.0.1, its instances fresh Debian machines.
 
-The moto VPC subnet is the namespace test subnet, so the instances moto reports are the sshd hosts
-`ec2_hosts` runs; those take their host keys from the user data the provider wrote. The whole path
-(EC2 API, verified SSH, bootstrap, agents, JAX, teardown) runs for real except EC2 itself.
+The moto VPC subnet is the hosts' subnet, so the instances moto reports are the bare Debian 12
+hosts `ec2_hosts` runs (python3 without venv or pip, reaching nothing but the package index the
+test serves); they run the user data the provider wrote and take their host keys from it. The
+whole path (EC2 API, user data, verified SSH, bootstrap, agents, JAX, teardown) runs for real
+except EC2 itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,15 +23,17 @@ import skyward as sky
 from skyward.errors import ProvisionError
 from skyward.providers.aws import resources, userdata
 from tests.aws.conftest import (
+    POWEROFF_MARKER,
     Ec2Hosts,
     Stubs,
     aws_for,
+    install_fake_poweroff,
     leftovers,
     new_session,
 )
-from tests.contract import ProviderContract
+from tests.contract import PROBE, ProviderContract
 from tests.ssh.conftest import wait_until
-from tests.support import wheels
+from tests.support import bareroots, sshd, wheels
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -39,12 +41,11 @@ pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 class TestAWSContract(ProviderContract):
     @pytest.fixture
     def make_provider(
-        self, ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs, offline_wheelhouse: Path
+        self, ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs
     ) -> Callable[[], object]:
         self.sim = ec2_hosts()
         self.stubs = stubs
-        build_env = wheels.offline_build_env(offline_wheelhouse)
-        return lambda: aws_for(self.sim, stubs, build_env=build_env)
+        return lambda: aws_for(self.sim, stubs)
 
     @pytest.fixture
     def make_broken_provider(
@@ -58,6 +59,20 @@ class TestAWSContract(ProviderContract):
     @pytest.fixture
     def nodes_available(self) -> int:
         return 3
+
+    def probe_image(self, directory: Path, token: str) -> sky.Image:
+        """The instances cannot see this machine's files: the probe wheel is served by the
+        index they reach."""
+        wheels.make_wheel(
+            self.sim.index.directory,
+            PROBE,
+            "1.0",
+            {"skyward_contract_probe/__init__.py": f"TOKEN = {token!r}\n"},
+        )
+        return sky.Image(pip=[f"{PROBE}==1.0"], indexes=[sky.Index(self.sim.index.simple_url)])
+
+    def discard_environment(self, prefix: str) -> None:
+        """The environments live on the instances' disks, which go with the test's hosts."""
 
     @pytest.fixture(autouse=True)
     def _nothing_left(self, make_provider: Callable[[], object]) -> Any:
@@ -78,8 +93,7 @@ class TestAWSContract(ProviderContract):
         groups = ec2.describe_security_groups()["SecurityGroups"]
         assert [g["GroupName"] for g in groups if g["GroupName"] != "default"] == []
         for host in self.sim.net.hosts:
-            server = host.server
-            assert server is None or wait_until(lambda s=server: not s.session_processes(), 10)
+            assert wait_until(lambda h=host: not sessions(h), 10), f"sessions on {host.name}"
 
     @contextlib.contextmanager
     def expect_nothing_launched(self, provider: object, pool: sky.ComputePool) -> Iterator[None]:
@@ -93,9 +107,8 @@ class TestAWSContract(ProviderContract):
 
     def assert_outputs_removed(self, where: str) -> None:
         """An instance's disk goes with the instance: terminated is removed. (The simulated
-        instances are namespaces on this machine, whose files stay: they go here.)"""
+        instances' disks stay until the test's hosts go.)"""
         self.assert_gone(None, [])
-        shutil.rmtree(Path(where).parent, ignore_errors=True)
 
     def assert_gone(self, provider: object, pids: list[int]) -> None:
         ec2 = new_session(self.stubs).client("ec2")
@@ -106,6 +119,11 @@ class TestAWSContract(ProviderContract):
             for i in r["Instances"]
         }
         assert states == {"terminated"}
+
+
+def sessions(host: bareroots.BareHost) -> dict[int, int]:
+    """The processes below a host's listening sshd: its SSH sessions."""
+    return sshd._descendants(host.sshd_pid) if host.sshd_pid is not None else {}
 
 
 @sky.compute
@@ -121,9 +139,12 @@ def jax_sum() -> tuple[int, int, float]:
 
 def test_jax_across_three_instances(ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs) -> None:
     sim = ec2_hosts()
-    aws = aws_for(sim, stubs)
+    # As on a private network: the image names the one index the nodes reach (a mirror with
+    # JAX's CPU wheels); the provider adds none.
+    aws = aws_for(sim, stubs, build_env={})
+    image = sky.Image(indexes=[sky.Index(sim.index.simple_url)])
     with sky.ComputePool(
-        provider=aws, nodes=3, plugins=[sky.plugins.jax()], stream_output=False
+        provider=aws, nodes=3, image=image, plugins=[sky.plugins.jax()], stream_output=False
     ) as pool:
         results = jax_sum() @ pool
     assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]
@@ -169,30 +190,45 @@ def test_failed_bootstrap_leaves_nothing(ec2_hosts: Callable[..., Ec2Hosts], stu
     assert leftovers(new_session(stubs).client("ec2")) == []
 
 
+def test_user_data_boots_a_bare_debian_image(
+    ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs
+) -> None:
+    """The user data runs on a minimal Debian with no systemd (its sshd restart goes through
+    ``service``): it installs the host key (the pool connects, verified) and starts the idle
+    watchdog, which leaves the instance up while the pool is connected."""
+    sim = ec2_hosts()
+    with sky.ComputePool(provider=aws_for(sim, stubs), nodes=1, stream_output=False) as pool:
+        host = sim.host(pool.nodes[0].private_addr)
+        pid = int((host.root / "var/log/skyward-watchdog.pid").read_text())
+        assert pid in host.pids(), "the user data started the watchdog"
+        assert "skyward-watchdog" in Path(f"/proc/{pid}/cmdline").read_text()
+        assert not (host.root / POWEROFF_MARKER.lstrip("/")).exists()
+    (log,) = sim.boot_logs.values()
+    assert "sshd_not_to_be_run" in log, f"sshd was restarted through the image's init: {log}"
+
+
 def test_watchdog_powers_off_only_once_no_client_is_connected(
-    ec2_hosts: Callable[..., Ec2Hosts], tmp_path: Path
+    ec2_hosts: Callable[..., Ec2Hosts],
 ) -> None:
     host = ec2_hosts().net.hosts[0]
-    script = tmp_path / "skyward-watchdog"
-    script.write_text(userdata.watchdog_script())
-    (tmp_path / "bin").mkdir()
-    off = tmp_path / "powered-off"
-    fake = tmp_path / "bin" / "poweroff"  # first on PATH: the real one is never reached
-    fake.write_text(f"#!/bin/sh\ntouch {off}\n")
-    fake.chmod(0o755)
+    (host.root / "usr/local/sbin/skyward-watchdog").write_text(userdata.watchdog_script())
+    off = install_fake_poweroff(host)  # first on PATH: the real one is never reached
     client = socket.create_connection((host.address, 22), timeout=5)  # a connected client
-    watchdog = subprocess.Popen(
-        ["ip", "netns", "exec", host.netns, "env", f"PATH={tmp_path / 'bin'}:{os.environ['PATH']}",
-         "bash", str(script), "2", "0.2"],
-    )  # fmt: skip
+    # Inside the host, detached as the user data starts it; its exit status lands in a file.
+    status = host.root / "var/log/watchdog.status"
+    host.run(
+        "bash",
+        "-c",
+        "setsid bash -c 'bash /usr/local/sbin/skyward-watchdog 2 0.2; echo $? >"
+        " /var/log/watchdog.status' </dev/null >/dev/null 2>&1 &",
+    )
     try:
         time.sleep(3.5)  # longer than idle_timeout=2 s, but a client is connected all along
         assert not off.exists()
         client.close()
         assert wait_until(off.exists, 10), "no client any more: the watchdog must power off"
-        assert watchdog.wait(5) == 0
+        assert wait_until(lambda: status.is_file() and status.read_text().endswith("\n"), 5)
+        assert status.read_text().strip() == "0", "the watchdog exits 0 once it powered off"
+        assert len(off.read_text().splitlines()) == 1, "powered off once"
     finally:
         client.close()
-        if watchdog.poll() is None:
-            watchdog.kill()
-            watchdog.wait()

@@ -601,9 +601,25 @@ class BareHosts:
         sshd_extra_config: Sequence[str] = (),
         start_timeout: float = 15.0,
         subnet_wait: float = 600.0,
+        host_offset: int | None = None,
     ) -> None:
-        """Describe (not build) ``count`` hosts; ``root`` overrides ``cached_root(suite)``."""
-        self.net = sshd.NetnsHosts(count, subnet=subnet, run_id=run_id, start_sshd=False)
+        """Describe (not build) ``count`` hosts; ``root`` overrides ``cached_root(suite)``.
+
+        ``host_offset`` places host i at the subnet's address ``host_offset + i`` (default:
+        :attr:`tests.support.sshd.NetnsHosts.HOST_OFFSET`), e.g. 4 where the hosts must sit
+        where a cloud's API hands out addresses (EC2 reserves .0-.3 of a subnet).
+        """
+        net_class: type[sshd.NetnsHosts] = sshd.NetnsHosts
+        if host_offset is not None:
+            if host_offset < 2:
+                raise ValueError("host_offset must be at least 2 (.1 is the bridge)")
+            offset: int = host_offset
+
+            class NetnsHostsAt(sshd.NetnsHosts):
+                HOST_OFFSET = offset
+
+            net_class = NetnsHostsAt
+        self.net = net_class(count, subnet=subnet, run_id=run_id, start_sshd=False)
         self.run_id = self.net.run_id
         self.suite = suite
         self.subnet = str(self.net.subnet)

@@ -41,6 +41,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from skyward.worker.filelock import locked
 from tests.support import sshd
 from tests.support.sshd import KeyPair
 
@@ -107,14 +108,10 @@ def wheels_dir() -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if needed) across processes."""
+    """Hold an exclusive ``flock`` on ``path`` (its folder made if needed) across processes."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with locked(path):
+        yield
 
 
 def _short_hash(data: object) -> str:
@@ -577,7 +574,7 @@ def _claim_subnet(subnet: str, timeout: float) -> contextlib.ExitStack:
     return stack
 
 
-class BareHosts:
+class BareHosts(sshd.HostSet[BareHost]):
     """K fresh Debian hosts (network namespaces running a chrooted sshd) on a private bridge.
 
     Each host is a namespace of a :class:`~tests.support.sshd.NetnsHosts` (its own address,
@@ -743,23 +740,6 @@ class BareHosts:
 
     # -- conveniences
 
-    def __iter__(self) -> Iterator[BareHost]:
-        """Iterate over the hosts."""
-        return iter(self.hosts)
-
-    def __len__(self) -> int:
-        """Return the number of hosts."""
-        return len(self.hosts)
-
-    def __getitem__(self, index: int) -> BareHost:
-        """Return the ``index``-th host."""
-        return self.hosts[index]
-
-    @property
-    def addresses(self) -> list[str]:
-        """Addresses of all hosts, in order."""
-        return [h.address for h in self.hosts]
-
     @property
     def bridge_address(self) -> str:
         """The client's address on the hosts' bridge (bind a server here for the hosts)."""
@@ -778,16 +758,6 @@ class BareHosts:
     def pids(self) -> list[int]:
         """PIDs of every process on every host."""
         return [pid for host in self.hosts for pid in host.pids()]
-
-    def known_hosts_lines(self) -> list[str]:
-        """known_hosts lines of every host."""
-        return [h.known_hosts_line() for h in self.hosts]
-
-    def write_known_hosts(self, path: Path | str) -> Path:
-        """Write a known_hosts file with every host's line; return its path."""
-        path = Path(path)
-        path.write_text("".join(f"{line}\n" for line in self.known_hosts_lines()))
-        return path
 
 
 def remove_stale_bare_resources() -> list[str]:

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Generic, Protocol, Self, TypeVar
 
 __all__ = [
     "APT_PACKAGES",
@@ -45,6 +45,7 @@ __all__ = [
     "ROUTE_PROTO",
     "SSHD",
     "TEST_USER",
+    "HostSet",
     "KeyPair",
     "NetnsHost",
     "NetnsHosts",
@@ -862,6 +863,49 @@ class NetnsHost:
         return self.server.known_hosts_line()
 
 
+class _Host(Protocol):
+    address: str
+
+    def known_hosts_line(self) -> str: ...
+
+
+H = TypeVar("H", bound=_Host)
+
+
+class HostSet(Generic[H]):
+    """A set of test hosts as a sequence (`hosts`, in order), with their addresses and the
+    known_hosts lines a client needs. `NetnsHosts` and `bareroots.BareHosts` are ones."""
+
+    hosts: list[H]
+
+    def __iter__(self) -> Iterator[H]:
+        """Iterate over the hosts."""
+        return iter(self.hosts)
+
+    def __len__(self) -> int:
+        """Return the number of hosts."""
+        return len(self.hosts)
+
+    def __getitem__(self, index: int) -> H:
+        """Return the ``index``-th host."""
+        return self.hosts[index]
+
+    @property
+    def addresses(self) -> list[str]:
+        """Addresses of all hosts, in order."""
+        return [h.address for h in self.hosts]
+
+    def known_hosts_lines(self) -> list[str]:
+        """known_hosts lines of every host's sshd."""
+        return [h.known_hosts_line() for h in self.hosts]
+
+    def write_known_hosts(self, path: Path | str) -> Path:
+        """Write a known_hosts file with every host's line; return its path."""
+        path = Path(path)
+        path.write_text("".join(f"{line}\n" for line in self.known_hosts_lines()))
+        return path
+
+
 def _link_exists(name: str, netns: str | None = None) -> bool:
     prefix = [_ip(), "-n", netns] if netns else [_ip()]
     return _run([*prefix, "link", "show", "dev", name], check=False).returncode == 0
@@ -889,7 +933,7 @@ def _delete_netns(netns: str) -> None:
         _run([_ip(), "netns", "del", netns], check=False)
 
 
-class NetnsHosts:
+class NetnsHosts(HostSet[NetnsHost]):
     """K network namespaces on a private bridge, each running sshd on port 22.
 
     Layout for run id ``ID`` (random 6 hex chars unless given) and subnet 10.213.0.0/24:
@@ -1106,37 +1150,10 @@ class NetnsHosts:
 
     # -- conveniences
 
-    def __iter__(self) -> Iterator[NetnsHost]:
-        """Iterate over the hosts."""
-        return iter(self.hosts)
-
-    def __len__(self) -> int:
-        """Return the number of hosts."""
-        return len(self.hosts)
-
-    def __getitem__(self, index: int) -> NetnsHost:
-        """Return the ``index``-th host."""
-        return self.hosts[index]
-
     @property
     def netns_names(self) -> list[str]:
         """Names of all namespaces."""
         return [h.netns for h in self.hosts]
-
-    @property
-    def addresses(self) -> list[str]:
-        """Addresses of all hosts, in order."""
-        return [h.address for h in self.hosts]
-
-    def known_hosts_lines(self) -> list[str]:
-        """known_hosts lines of every host's sshd."""
-        return [h.known_hosts_line() for h in self.hosts]
-
-    def write_known_hosts(self, path: Path | str) -> Path:
-        """Write a known_hosts file with every host's line; return its path."""
-        path = Path(path)
-        path.write_text("".join(f"{line}\n" for line in self.known_hosts_lines()))
-        return path
 
 
 def remove_stale_resources() -> list[str]:

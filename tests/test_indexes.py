@@ -187,3 +187,54 @@ def test_wheel_tags_pick_the_hosts_platform() -> None:
     assert uvinstall.wheel_fits(f"uv-{v}-py3-none-macosx_11_0_arm64.whl", v, arm)
     assert not uvinstall.wheel_fits(f"uv-{v}-py3-none-macosx_10_12_x86_64.whl", v, arm)
     assert not uvinstall.wheel_fits(f"uv-{v}.tar.gz", v, linux)
+
+
+def _old_python() -> str | None:
+    """A Python 3.8 or 3.9 on this machine (pyenv's, where there is one), as on an Ubuntu 20.04
+    or Debian 11 host; None where there is none."""
+    import glob
+
+    for version in ("3.8", "3.9"):
+        candidates = sorted(glob.glob(f"/root/.pyenv/versions/{version}*/bin/python{version}"))
+        candidates += [f"/usr/bin/python{version}"]
+        for found in candidates:
+            if os.access(found, os.X_OK):
+                return found
+    return None
+
+
+def test_the_host_side_runs_with_an_old_python3_and_builds_the_clients_python(
+    index: PackageIndex, tmp_path: Path
+) -> None:
+    """A host whose python3 is 3.8 (Ubuntu 20.04): the check, uv's fetch and the build run
+    with it (standard library only), and the environment is the client's Python, which uv
+    finds on the host."""
+    old = _old_python()
+    if old is None:
+        pytest.skip("no Python 3.8 or 3.9 on this machine to play an old host's python3")
+    env = {**os.environ, "PYTHONPATH": str(Path(sky.__file__).parent.parent)}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # the client's Python is there
+    query = json.dumps({"cache": "", "env": "h", "src": "", "uv": UV_VERSION, "apt": [],
+                        "requirements": ["cloudpickle"], "probe": True, "gpus": True})  # fmt: skip
+    checked = subprocess.run(
+        [old, "-m", "skyward.worker.hostcheck", query, str(tmp_path / "cache")],
+        capture_output=True, text=True, check=True, env=env,
+    )  # fmt: skip
+    report = json.loads(checked.stdout)
+    assert report["version"].startswith(("3.8", "3.9")) and report["satisfied"] is False
+    spec = {"hash": "h", "python": "{}.{}".format(*sys.version_info[:2]),
+            "pip": ["skyward-alpha"], "indexes": [[index.simple_url, [], False]],
+            "setup": [], "env": {}}  # fmt: skip
+    uv = hoststeps.client_uv(UV_VERSION)
+    assert uv is not None
+    built = subprocess.run(
+        [old, "-m", "skyward.worker.envbuild", str(tmp_path / "cache"), uv[1]],
+        input=json.dumps(spec), capture_output=True, text=True, check=False, env=env,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr
+    python = json.loads(built.stdout.splitlines()[-1])["python"]
+    said = subprocess.run(
+        [python, "-c", "import sys, skyward_alpha as a; print(sys.version_info[:2], a.TOKEN)"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert said.stdout.strip() == f"{tuple(sys.version_info[:2])} unscoped"

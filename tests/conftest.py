@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -95,8 +97,44 @@ def import_example(filename: str) -> ModuleType:
     return module
 
 
+# The fixtures that need a debootstrapped root, by the Debian suite they need.
+_ROOT_FIXTURES = {"bookworm_root": "bookworm", "instance_root": "bookworm", "trixie_root": "trixie"}
+_root_builds: list[threading.Thread] = []
+
+
+def _start_root_builds(items: list[pytest.Item]) -> None:
+    """Build the Debian roots the selected tests need at once, in the background, as soon as
+    they are collected: each takes about 45 s, mostly waiting on the archive, and the first
+    test that needs one then waits only for what is left (tests/support/bareroots.py)."""
+    suites = {
+        _ROOT_FIXTURES[name]
+        for item in items
+        for name in getattr(item, "fixturenames", ())
+        if name in _ROOT_FIXTURES
+    }
+    if not suites or os.geteuid() != 0:
+        return
+    from tests.support import bareroots
+
+    def build(suite: str) -> None:
+        with contextlib.suppress(Exception):  # the fixture that needs it says why, or skips
+            bareroots.cached_root(suite)
+
+    for suite in sorted(suites):
+        thread = threading.Thread(target=build, args=(suite,), name=f"root-{suite}")
+        thread.start()
+        _root_builds.append(thread)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for thread in _root_builds:  # a build is never left half-done behind the suite
+        thread.join()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu`-marked tests need a real NVIDIA GPU: skipped, saying so, where there is none."""
+    """Start the Debian roots' builds the tests need (`_start_root_builds`); `gpu`-marked tests
+    need a real NVIDIA GPU: skipped, saying so, where there is none."""
+    _start_root_builds(items)
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return

@@ -72,6 +72,19 @@ def test_gpu_accelerator_gets_cuda12_and_the_jax_index_scoped_to_jax() -> None:
     assert image.indexes == (sky.Index(JAX_RELEASES, packages=("jax", "jaxlib"), flat=True),)
 
 
+@pytest.mark.parametrize("accelerator", ["A100:8", "TPU-V5E:4"])
+def test_an_image_with_its_own_index_for_everything_gets_no_release_index(accelerator: str) -> None:
+    """A private network's mirror serves jax too: a scoped release index would be the only
+    place uv looked for jax, and such hosts cannot reach it."""
+    mirror = sky.Index("http://10.0.0.1:8000/simple/")
+    image = sky.plugins.jax().transform(sky.Image(indexes=[mirror]), cluster(accelerator))
+    assert image.indexes == (mirror,)
+    assert image.pip[-1].startswith("jax[")
+    scoped = sky.Index("http://10.0.0.1:8000/mine/", packages=["mypkg"])
+    image = sky.plugins.jax().transform(sky.Image(indexes=[scoped]), cluster(accelerator))
+    assert image.indexes[0] == scoped and JAX_RELEASES in {i.url for i in image.indexes}
+
+
 @pytest.mark.parametrize(
     ("driver_cuda", "wheel"),
     [

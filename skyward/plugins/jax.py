@@ -2,7 +2,8 @@
 
 `transform` picks the wheel from the accelerator and the nodes' driver (CPU, ``jax[cuda12]``,
 ``jax[cuda13]`` where the driver supports CUDA 13, ``jax[tpu]``), adds the JAX release index
-scoped to jax and jaxlib, and drops the user's own jax/jaxlib pins that would shadow it.
+scoped to jax and jaxlib (unless the image names an index for everything, a private mirror),
+and drops the user's own jax/jaxlib pins that would shadow it.
 `around_app` exports ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
 then calls ``jax.distributed.initialize`` and, at shutdown, ``jax.distributed.shutdown``. A
 script written for another JAX launcher runs unchanged: its own ``initialize()`` with no
@@ -98,6 +99,11 @@ class JaxPlugin(Plugin):
         flavour = self.flavour(cluster)
         pin = f"=={self.version}" if self.version else ""
         image = image.without_packages(["jax", "jaxlib"]).with_pip(f"jax[{flavour}]{pin}")
+        if any(not index.packages for index in image.indexes):
+            # The image names an index for everything (a private network's mirror): jax comes
+            # from it too. A release index scoped to jax would be the only place uv looked for
+            # it, and such hosts cannot reach it.
+            return image
         if flavour == "tpu":
             image = image.with_indexes(
                 Index(JAX_RELEASES, packages=("jax", "jaxlib"), flat=True),

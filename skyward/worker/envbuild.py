@@ -18,7 +18,7 @@ Layout of the cache directory::
     <cache>/envs/<hash>/            the virtual environment (built in place under a lock)
     <cache>/envs/<hash>/.skyward-ready   written last: the environment is complete
     <cache>/envs/<hash>.lock        flock held while building, so concurrent pools wait
-<cache>/python/                 Pythons uv downloads for environments (when the host has none)
+    <cache>/python/                 Pythons uv downloads (where the host has not the client's)
 """
 
 from __future__ import annotations
@@ -122,10 +122,6 @@ def run_setup_once(spec: EnvSpec, cache: Path, log: Callable[[str], None]) -> No
         done.write_text("ok\n")
 
 
-class NoPython(BuildFailed):
-    """uv found no interpreter of the spec's Python version, and could not download one."""
-
-
 def _build_into(
     spec: EnvSpec, env_dir: Path, uv: str, log: Callable[[str], None], base_python: str | None
 ) -> None:
@@ -139,7 +135,7 @@ def _build_into(
         if python == base:
             raise
         have = _version_of(base)
-        raise NoPython(
+        raise BuildFailed(
             f"the nodes must run Python {spec.python}, the client's (functions pickled by "
             f"cloudpickle do not cross minor versions), but this host's {base} is {have} and uv "
             f"found no Python {spec.python} here nor could download one. Install python"

@@ -193,3 +193,36 @@ def mypy_report(tmp_path_factory: pytest.TempPathFactory) -> MypyReport:
     from tests.support.typecheck import check
 
     return check(tmp_path_factory.mktemp("typed"))
+
+
+@pytest.fixture(scope="session")
+def instance_root() -> Path:
+    """The cached debootstrapped root every simulated cloud machine (AWS, GCP) boots from,
+    never written into; the suite starts building it as soon as tests are collected."""
+    from tests.support import bareroots, sshd
+
+    if not sshd.is_root():
+        pytest.skip("cloud machines are network namespaces with chroots: that needs root")
+    reason = sshd.netns_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    bareroots.remove_stale_bare_resources()  # only what crashed runs (dead owners) left
+    try:
+        return bareroots.cached_root(bareroots.MACHINE_SUITE)
+    except Exception as exc:  # no network, no debootstrap: skip, do not fail
+        pytest.skip(f"cannot build a Debian {bareroots.MACHINE_SUITE} root: {exc}")
+
+
+@pytest.fixture(scope="session")
+def instance_wheels(instance_root: Path) -> Path:
+    """Read-only cache dir of the cloud machines' wheels (`bareroots.machine_requirements`)."""
+    from tests.support import bareroots
+
+    try:
+        return bareroots.download_wheels(
+            None,
+            bareroots.machine_requirements(),
+            python_version=bareroots.SUITE_PYTHON[bareroots.MACHINE_SUITE],
+        )
+    except Exception as exc:  # no network: skip, do not fail
+        pytest.skip(f"cannot download wheels for the machines: {exc}")

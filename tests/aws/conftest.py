@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -236,64 +235,10 @@ def moto_server() -> Iterator[MotoServer]:
 
 # -- EC2 instances that are fresh Debian machines ---------------------------------------------
 
-INSTANCE_SUITE = "bookworm"  # a stock Debian 12 image: python3 3.11, no venv, no pip
 INSTANCE_HOST_OFFSET = 4  # moto hands out a fresh subnet's addresses from .4 up (EC2 reserves
+
+
 # .0-.3), so the hosts sit exactly where moto's instances claim to be.
-POWEROFF = "/usr/local/sbin/poweroff"
-"""The fake ``poweroff`` on every instance, first on its PATH (a minimal Debian has none)."""
-POWEROFF_MARKER = "/var/lib/skyward-test/powered-off"
-"""What the fake ``poweroff`` writes, inside the instance, each time it is called."""
-
-
-def instance_requirements() -> list[str]:
-    """What the instances' environments need from the served index: the agent's requirements
-    (cloudpickle pinned to this client's, as skyward asks), and JAX's CPU wheels at this
-    interpreter's versions for the JAX test."""
-    jax = importlib.metadata.version("jax")
-    return [
-        f"cloudpickle=={importlib.metadata.version('cloudpickle')}",
-        "packaging",
-        f"jax=={jax}",
-        f"jaxlib=={jax}",
-    ]
-
-
-@pytest.fixture(scope="session")
-def instance_root() -> Path:
-    """The cached debootstrapped root every instance boots from (never written into)."""
-    if not sshd.is_root():
-        pytest.skip("EC2 instances are network namespaces with chroots: that needs root")
-    reason = sshd.netns_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    bareroots.remove_stale_bare_resources()  # only what crashed runs (dead owners) left
-    try:
-        return bareroots.cached_root(INSTANCE_SUITE)
-    except Exception as exc:  # no network, no debootstrap: skip, do not fail
-        pytest.skip(f"cannot build a Debian {INSTANCE_SUITE} root: {exc}")
-
-
-@pytest.fixture(scope="session")
-def instance_wheels(instance_root: Path) -> Path:
-    """Read-only cache dir of `instance_requirements` wheels for the instances' Python."""
-    try:
-        return bareroots.download_wheels(
-            None, instance_requirements(), python_version=bareroots.SUITE_PYTHON[INSTANCE_SUITE]
-        )
-    except Exception as exc:  # no network: skip, do not fail
-        pytest.skip(f"cannot download wheels for the instances: {exc}")
-
-
-def install_fake_poweroff(host: bareroots.BareHost) -> Path:
-    """Put the fake ``poweroff`` on `host`; return the marker it writes, as seen from here."""
-    fake = host.root / POWEROFF.lstrip("/")
-    fake.parent.mkdir(parents=True, exist_ok=True)
-    marker = Path(POWEROFF_MARKER)
-    fake.write_text(f"#!/bin/sh\nmkdir -p {marker.parent}\ndate >> {marker}\n")
-    fake.chmod(0o755)
-    return host.root / POWEROFF_MARKER.lstrip("/")
-
-
 @dataclass
 class Ec2Hosts:
     """Plays the part of EC2's boot for instances moto reports on the hosts' subnet.
@@ -376,7 +321,7 @@ class Ec2Hosts:
         host.stop()
         # cloud-init: the key pair for the image's user before the user data runs.
         host.set_authorized_keys([pair["KeyPairs"][0]["PublicKey"].strip()])
-        install_fake_poweroff(host)
+        bareroots.install_fake_poweroff(host)
         # The image's sysv script for sshd ("service ssh restart", the user data's fallback
         # where there is no systemd) must leave sshd to the harness, which supervises it here.
         (host.root / "etc/ssh/sshd_not_to_be_run").write_text("sshd runs under the harness\n")
@@ -439,7 +384,7 @@ def ec2_hosts(
         # separate machines: gloo binds to that address.
         net = bareroots.BareHosts(
             3,
-            suite=INSTANCE_SUITE,
+            suite=bareroots.MACHINE_SUITE,
             subnet=E2E_SUBNET,
             root=instance_root,
             host_offset=INSTANCE_HOST_OFFSET,

@@ -22,15 +22,7 @@ import pytest
 import skyward as sky
 from skyward.errors import ProvisionError
 from skyward.providers.aws import resources, userdata
-from tests.aws.conftest import (
-    POWEROFF_MARKER,
-    Ec2Hosts,
-    Stubs,
-    aws_for,
-    install_fake_poweroff,
-    leftovers,
-    new_session,
-)
+from tests.aws.conftest import Ec2Hosts, Stubs, aws_for, leftovers, new_session
 from tests.contract import PROBE, ProviderContract
 from tests.ssh.conftest import wait_until
 from tests.support import bareroots, sshd, wheels
@@ -202,7 +194,7 @@ def test_user_data_boots_a_bare_debian_image(
         pid = int((host.root / "var/log/skyward-watchdog.pid").read_text())
         assert pid in host.pids(), "the user data started the watchdog"
         assert "skyward-watchdog" in Path(f"/proc/{pid}/cmdline").read_text()
-        assert not (host.root / POWEROFF_MARKER.lstrip("/")).exists()
+        assert not (host.root / bareroots.POWEROFF_MARKER.lstrip("/")).exists()
     (log,) = sim.boot_logs.values()
     assert "sshd_not_to_be_run" in log, f"sshd was restarted through the image's init: {log}"
 
@@ -212,7 +204,7 @@ def test_watchdog_powers_off_only_once_no_client_is_connected(
 ) -> None:
     host = ec2_hosts().net.hosts[0]
     (host.root / "usr/local/sbin/skyward-watchdog").write_text(userdata.watchdog_script())
-    off = install_fake_poweroff(host)  # first on PATH: the real one is never reached
+    off = bareroots.install_fake_poweroff(host)  # first on PATH: the real one is never reached
     client = socket.create_connection((host.address, 22), timeout=5)  # a connected client
     # Inside the host, detached as the user data starts it; its exit status lands in a file.
     status = host.root / "var/log/watchdog.status"

@@ -1,9 +1,11 @@
 """Fixtures for the GCP provider: the fake Compute API (tests/support/fakegcp.py) driven by the
-real google-cloud-compute client, and "VMs" that are network-namespace sshd hosts.
+real google-cloud-compute client, and "VMs" that are fresh Debian roots behind sshd in network
+namespaces (`tests.support.bareroots`), reaching only a package index the test serves.
 
 Safety: the fake listens on 127.0.0.1 only; every address it hands out is a namespace host on
-10.213.20.0/24, inside the /16 that `tests.support.sshd.NetnsHosts` routes as unreachable, and
-the provider runs with ``use_private_ips=True``: no test can reach a real machine or Google.
+10.213.20.0/24 (TPU hosts: 10.213.22.0/24), inside the /16 that `tests.support.sshd.NetnsHosts`
+routes as unreachable, and the provider runs with ``use_private_ips=True``: no test can reach a
+real machine or Google.
 """
 
 from __future__ import annotations
@@ -11,10 +13,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,12 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 
 import skyward as sky
-from tests.support import sshd, wheels
+from tests.support import bareroots
 from tests.support.fakegcp import FakeGCP
 
 PROJECT = "skyward-test"
 ZONE = "us-central1-a"
-SUBNET = "10.213.20.0/24"  # the namespace hosts of `gce_hosts`
+SUBNET = "10.213.20.0/24"  # the hosts of `gce_hosts`
 TPU_SUBNET = "10.213.22.0/24"  # those of `tpu_hosts` (4: one v5litepod-16 slice)
 API_ADDRESSES = [f"10.213.20.{200 + i}" for i in range(20)]  # no host: unreachable
 
@@ -51,115 +52,217 @@ def api_fake() -> Iterator[FakeGCP]:
         assert fake.errors == []
 
 
+# -- VMs that are fresh Debian machines --------------------------------------------------------
+
+STARTUP_SCRIPT = "/tmp/metadata-scripts/startup-script"
+"""Where the simulated guest agent writes the ``startup-script`` metadata before running it."""
+
+
+# What the guest agent does for a non-root ``USER:KEY`` line of ``ssh-keys``: create the user if
+# missing with its default ``useradd_cmd`` (a home, bash, and the password "*": no password
+# login, yet not a locked account, which sshd would refuse), then write its authorized_keys
+# (stdin), owned by it. (It also adds the user to groups such as google-sudoers, which a
+# minimal Debian does not have.)
+_GUEST_AGENT_USER = """\
+set -e
+user=$1
+id -u "$user" >/dev/null 2>&1 || useradd -m -s /bin/bash -p '*' "$user"
+home=$(getent passwd "$user" | cut -d: -f6)
+install -d -m 700 -o "$user" -g "$user" "$home/.ssh"
+cat > "$home/.ssh/authorized_keys"
+chown "$user:$user" "$home/.ssh/authorized_keys"
+chmod 600 "$home/.ssh/authorized_keys"
+"""
+
+
+def authorize(host: bareroots.BareHost, ssh_keys: str) -> None:
+    """Authorize the ``ssh-keys`` metadata's ``USER:KEY`` lines on `host`, as the guest agent
+    does: root's keys in /root, any other user created first (``useradd``, inside the host)."""
+    keys: dict[str, list[str]] = {}
+    for line in ssh_keys.splitlines():
+        if ":" in line:
+            user, key = line.split(":", 1)
+            keys.setdefault(user.strip(), []).append(key.strip())
+    for user, lines in keys.items():
+        if user == "root":
+            host.set_authorized_keys(lines)
+        else:
+            text = "".join(f"{line}\n" for line in lines)
+            host.run("sh", "-c", _GUEST_AGENT_USER, "sh", user, input=text)
+
+
 @dataclass
 class GceHosts:
-    """Plays GCE's boot for the fake's VMs: each address is a namespace host.
+    """Plays GCE's boot for the fake's VMs: each address the fake hands out is a fresh Debian
+    machine (`tests.support.bareroots.BareHosts`) reaching nothing but `index`.
 
-    When the fake reports a VM RUNNING, the VM's real startup-script runs inside the matching
-    namespace (against a scratch root, a fake ``poweroff`` first on PATH), that host's sshd
-    restarts with the host key the script installed and authorizes the ``ssh-keys`` metadata,
-    as the guest agent would. A VM that goes (deleted, preempted) loses its sshd. With
-    `boot_at_most`, VMs past that many never boot: sshd stays down.
+    An address with no VM is a machine that is off: no process at all. When the fake reports a
+    VM RUNNING, its machine boots as a GCE image would: the guest agent authorizes the
+    ``ssh-keys`` metadata (creating a user other than root with ``useradd``), then runs the
+    VM's real ``startup-script`` as root inside the machine (a fake ``poweroff`` first on PATH);
+    the machine's sshd (which the harness supervises, as init would) is down meanwhile and then
+    starts, serving the host key the script installed in /etc/ssh. A VM that goes (deleted,
+    preempted) loses every process of its machine (a power cut; the disk stays for the next VM
+    at that address). Each machine boots and goes in its own thread, in the order the fake
+    reports, so a slow boot never holds the fake's clock. With `boot_at_most`, VMs past that
+    many never boot: nothing answers at their address. With ``install_host_key=False`` the
+    machine serves a host key of its own, one the client does not know.
     """
 
-    net: sshd.NetnsHosts
-    workdir: Path
+    net: bareroots.BareHosts
+    index: bareroots.PackageIndex
     fake: FakeGCP | None = None
     boot_at_most: int | None = None
     install_host_key: bool = True
     booted: dict[str, str] = field(default_factory=dict)  # VM name -> address
+    boot_logs: dict[str, str] = field(default_factory=dict)  # VM name -> startup-script output
+    errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _machines: dict[str, ThreadPoolExecutor] = field(default_factory=dict)
 
-    def host(self, address: str) -> sshd.NetnsHost:
+    def host(self, address: str) -> bareroots.BareHost:
         for host in self.net.hosts:
             if host.address == address:
                 return host
-        raise AssertionError(f"the fake handed out {address}, which is not a namespace host")
+        raise AssertionError(f"the fake handed out {address}, which is not one of the hosts")
+
+    def _later(self, address: str, what: Callable[[], None]) -> None:
+        """Run `what` on the thread of the machine at `address`, after what it was given."""
+        with self.lock:
+            machine = self._machines.get(address)
+            if machine is None:
+                machine = ThreadPoolExecutor(1, thread_name_prefix=f"gce-{address}")
+                self._machines[address] = machine
+
+        def run() -> None:
+            try:
+                what()
+            except Exception as exc:
+                self.errors.append(f"{address}: {exc!r}")
+
+        machine.submit(run)
+
+    def settle(self, timeout: float = 60.0) -> None:
+        """Wait until every machine has done what it was given."""
+        with self.lock:
+            machines = list(self._machines.values())
+        for machine in machines:
+            machine.submit(lambda: None).result(timeout)
+
+    def close(self) -> None:
+        with self.lock:
+            machines, self._machines = list(self._machines.values()), {}
+        for machine in machines:
+            machine.shutdown(wait=True)
 
     def on_running(self, instance: dict[str, Any]) -> None:
         name = instance["name"]
         address = instance["networkInterfaces"][0]["networkIP"]
-        server = self.host(address).server
-        assert server is not None
+        self.host(address)  # an address of ours, or fail the fake's hook now
         with self.lock:
             late = self.boot_at_most is not None and len(self.booted) >= self.boot_at_most
             self.booted[name] = address
-        if late:
-            server.stop()
-            return
+        if not late:
+            self._later(address, lambda: self._boot(instance))
+
+    def _boot(self, instance: dict[str, Any]) -> None:
+        name = instance["name"]
+        host = self.host(instance["networkInterfaces"][0]["networkIP"])
         items = {i["key"]: i["value"] for i in instance["metadata"]["items"]}
-        root = self.workdir / name
-        (root / "bin").mkdir(parents=True, exist_ok=True)
-        poweroff = root / "bin" / "poweroff"
-        poweroff.write_text(f"#!/bin/sh\ntouch {root}/powered-off\n")
-        poweroff.chmod(0o755)
-        (root / "startup-script.sh").write_text(items["startup-script"])
-        self.host(address).run(
-            "env",
-            f"SKYWARD_ROOT={root}",
-            f"PATH={root / 'bin'}:{os.environ['PATH']}",
-            "bash",
-            str(root / "startup-script.sh"),
-        )
-        server.set_authorized_keys(
-            [line.split(":", 1)[1] for line in items["ssh-keys"].splitlines() if ":" in line]
-        )
-        if self.install_host_key:
-            private = root / "etc/ssh/ssh_host_ed25519_key"
-            public = private.with_suffix(".pub")
-            server.restart(sshd.KeyPair(private, public, public.read_text().strip()))
-        else:
-            server.restart()
+        host.stop()  # not running: a new VM's machine was off
+        authorize(host, items["ssh-keys"])
+        bareroots.install_fake_poweroff(host)
+        # The image's sysv script for sshd ("service ssh restart", the script's fallback where
+        # there is no systemd) must leave sshd to the harness, which supervises it here.
+        (host.root / "etc/ssh/sshd_not_to_be_run").write_text("sshd runs under the harness\n")
+        path = host.root / STARTUP_SCRIPT.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(items["startup-script"])
+        proc = host.run("bash", STARTUP_SCRIPT, check=False)  # the agent's default shell
+        self.boot_logs[name] = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            self.errors.append(
+                f"startup-script of {name} on {host.name} exited {proc.returncode}:\n"
+                f"{proc.stdout}\n{proc.stderr}"
+            )
+        if not self.install_host_key:  # the machine's own key, not the one the script installed
+            key = host.root / "etc/ssh/ssh_host_ed25519_key"
+            shutil.copyfile(host.host_key.private_path, key)
+            key.chmod(0o600)
+            key.with_suffix(".pub").write_text(host.host_key.public_line + "\n")
+        host.start()
 
     def on_gone(self, instance: dict[str, Any]) -> None:
         address = instance["networkInterfaces"][0]["networkIP"]
-        server = self.host(address).server
-        if server is not None:
-            server.stop()
         with self.lock:
-            self.booted.pop(instance["name"], None)
+            if self.booted.get(instance["name"]) != address:
+                return  # already gone (a preempted VM is deleted afterwards)
+            del self.booted[instance["name"]]
+        self._later(address, self.host(address).kill_all)
+
+    def processes(self) -> dict[str, list[int]]:
+        """Every machine's processes, by host name (empty where no VM runs)."""
+        return {h.name: pids for h in self.net.hosts if (pids := h.pids())}
+
+
+def close_hosts(net: bareroots.BareHosts) -> None:
+    """Close `net`; raise if anything of it is left but the guard route over the test /16.
+
+    That route is shared by every test network on this machine: another run may be adding it
+    this very moment (it adds the route before its bridge, which is how `leftovers` tells it is
+    in use), so its presence here is not ours to report.
+    """
+    net.close(raise_on_leftovers=False)
+    guard = f"route unreachable {net.net.guard_network}"
+    left = [item for item in net.leftovers() if item != guard]
+    if left:
+        raise RuntimeError(f"BareHosts {net.run_id} left behind: {', '.join(left)}")
 
 
 @pytest.fixture
-def gce_hosts(tmp_path: Path) -> Iterator[Callable[..., GceHosts]]:
-    """Three namespace "VMs" behind a fake Compute API; call with boot_at_most=...,
-    install_host_key=..."""
-    yield from _simulated(tmp_path, 3, SUBNET)
+def gce_hosts(
+    tmp_path: Path, instance_root: Path, instance_wheels: Path
+) -> Iterator[Callable[..., GceHosts]]:
+    """Three fresh Debian "VMs" behind a fake Compute API and a package index they reach; call
+    with boot_at_most=..., install_host_key=..."""
+    yield from _simulated(tmp_path, 3, SUBNET, instance_root, instance_wheels)
 
 
 @pytest.fixture
-def tpu_hosts(tmp_path: Path) -> Iterator[Callable[..., GceHosts]]:
-    """Four namespace hosts behind the fake (TPU and Compute) API: the hosts of one simulated
+def tpu_hosts(
+    tmp_path: Path, instance_root: Path, instance_wheels: Path
+) -> Iterator[Callable[..., GceHosts]]:
+    """Four fresh Debian hosts behind the fake (TPU and Compute) API: the hosts of one simulated
     v5litepod-16 slice, or of smaller ones; called as `gce_hosts`."""
-    yield from _simulated(tmp_path, 4, TPU_SUBNET)
+    yield from _simulated(tmp_path, 4, TPU_SUBNET, instance_root, instance_wheels)
 
 
-def _simulated(tmp_path: Path, count: int, subnet: str) -> Iterator[Callable[..., GceHosts]]:
-    if not sshd.is_root():
-        pytest.skip("needs root (network namespaces and sshd)")
-    reason = sshd.netns_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    sshd.ensure_openssh_server()
+def _simulated(
+    tmp_path: Path, count: int, subnet: str, root: Path, instance_wheels: Path
+) -> Iterator[Callable[..., GceHosts]]:
     made: list[GceHosts] = []
+    # The index's own directory (links to `instance_wheels`): a test may add wheels to it.
+    wheels = tmp_path / "index"
+    wheels.mkdir()
+    for wheel in instance_wheels.iterdir():
+        try:
+            os.link(wheel, wheels / wheel.name)
+        except OSError:  # another filesystem
+            shutil.copy2(wheel, wheels / wheel.name)
     with contextlib.ExitStack() as stack:
-        net = sshd.NetnsHosts(count, subnet=subnet)
-        # The namespaces share this machine's hostname, which /etc/hosts maps to 127.0.0.1, and
-        # gloo (JAX's CPU collectives) binds to what it resolves to: each host gets its own
-        # address in /etc/netns/<name>/hosts (`ip netns exec` mounts it), as real hosts have.
+        # Each host has its own hostname, mapped to its own address in its /etc/hosts, as on
+        # separate machines: gloo (JAX's CPU collectives) binds to that address.
+        net = bareroots.BareHosts(
+            count, suite=bareroots.MACHINE_SUITE, subnet=subnet, root=root
+        ).build()
+        stack.callback(close_hosts, net)
         for host in net.hosts:
-            folder = Path("/etc/netns") / host.netns
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "hosts").write_text(
-                f"127.0.0.1 localhost\n{host.address} {socket.gethostname()}\n"
-            )
-            stack.callback(shutil.rmtree, folder, True)
-        stack.enter_context(net)
+            host.stop()  # no VM there yet: the machine is off
+        index = stack.enter_context(bareroots.PackageIndex(wheels, host=net.bridge_address))
 
         def make(boot_at_most: int | None = None, install_host_key: bool = True) -> GceHosts:
-            sim = GceHosts(
-                net, tmp_path, boot_at_most=boot_at_most, install_host_key=install_host_key
-            )
+            sim = GceHosts(net, index, boot_at_most=boot_at_most, install_host_key=install_host_key)
+            stack.callback(sim.close)  # after the fake stopped calling it
             sim.fake = stack.enter_context(
                 FakeGCP(PROJECT, net.addresses, on_running=sim.on_running, on_gone=sim.on_gone)
             )
@@ -169,13 +272,10 @@ def _simulated(tmp_path: Path, count: int, subnet: str) -> Iterator[Callable[...
         yield make
         for sim in made:
             assert sim.fake is not None
+            sim.settle()
             assert sim.fake.errors == []
-
-
-@pytest.fixture(scope="session")
-def offline_wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Wheels for hosts with no route to an index (`wheels.offline_build_env`)."""
-    return wheels.wheelhouse(tmp_path_factory.mktemp("wheelhouse"))
+            assert sim.errors == []
+        # Closing the hosts also ends the watchdogs the startup scripts started inside them.
 
 
 def gcp_for(fake: FakeGCP, **kwargs: Any) -> sky.GCP:
@@ -186,7 +286,6 @@ def gcp_for(fake: FakeGCP, **kwargs: Any) -> sky.GCP:
         "use_private_ips": True,
         "ssh_cidr": SUBNET,
         "user": "root",
-        "python": sys.executable,  # already has everything; no package downloads
         "poll_interval": 0.1,
         "boot_timeout": 30.0,
         "connect_timeout": 3.0,
@@ -196,3 +295,12 @@ def gcp_for(fake: FakeGCP, **kwargs: Any) -> sky.GCP:
     }
     options.update(kwargs)
     return sky.GCP(**options)
+
+
+def gce_for(sim: GceHosts, **kwargs: Any) -> sky.GCP:
+    """`gcp_for` the fake of `sim`, its VMs' own python3 building from the index the test
+    serves (``UV_INDEX``; give ``build_env`` to replace it)."""
+    assert sim.fake is not None
+    options: dict[str, Any] = {"build_env": {"UV_INDEX": sim.index.simple_url}}
+    options.update(kwargs)
+    return gcp_for(sim.fake, **options)

@@ -1,11 +1,16 @@
-"""End to end: the real google-cloud-compute client against the fake Compute API, its VMs real
-sshd hosts in network namespaces that take their host keys from the provider's startup script.
-The whole path (API, verified SSH, bootstrap, agents, teardown) runs for real except GCE."""
+"""End to end: the real google-cloud-compute client against the fake Compute API, its VMs fresh
+Debian machines.
+
+Each address the fake hands out is a bare Debian 12 host of `gce_hosts` (python3 without venv or
+pip, reaching nothing but the package index the test serves); a VM's machine runs the provider's
+startup-script and takes its host key from it. The whole path (API, startup script, verified SSH,
+bootstrap, agents, teardown) runs for real except GCE itself.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import shutil
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,44 +22,55 @@ import pytest
 import skyward as sky
 from skyward import cli
 from skyward.errors import ProvisionError
-from tests.contract import ProviderContract
-from tests.gcp.conftest import PROJECT, GceHosts, gcp_for
+from tests.contract import PROBE, ProviderContract
+from tests.gcp.conftest import PROJECT, GceHosts, gce_for
 from tests.ssh.conftest import wait_until
-from tests.support import wheels
+from tests.support import bareroots, wheels
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
 
 def nothing_left(sim: GceHosts) -> None:
+    """Nothing of any pool exists in the fake, and no machine runs a process: every VM went,
+    and with it everything its machine ran (sessions, agents, the watchdog)."""
     assert sim.fake is not None
     assert sim.fake.labelled() == []
-    for host in sim.net.hosts:
-        server = host.server
-        assert server is None or wait_until(lambda s=server: not s.session_processes(), 10)
+    assert wait_until(lambda: not sim.processes(), 10), f"still running: {sim.processes()}"
+
+
+def probe_image(sim: GceHosts, token: str) -> sky.Image:
+    """The contract's probe image for VMs that cannot see this machine's files: the probe
+    wheel is served by the index they reach."""
+    wheels.make_wheel(
+        sim.index.directory,
+        PROBE,
+        "1.0",
+        {"skyward_contract_probe/__init__.py": f"TOKEN = {token!r}\n"},
+    )
+    return sky.Image(pip=[f"{PROBE}==1.0"], indexes=[sky.Index(sim.index.simple_url)])
 
 
 class TestGCPContract(ProviderContract):
     @pytest.fixture
-    def make_provider(
-        self, gce_hosts: Callable[..., GceHosts], offline_wheelhouse: Path
-    ) -> Callable[[], object]:
+    def make_provider(self, gce_hosts: Callable[..., GceHosts]) -> Callable[[], object]:
         self.sim = gce_hosts()
-        build_env = wheels.offline_build_env(offline_wheelhouse)
-        assert self.sim.fake is not None
-        fake = self.sim.fake
-        return lambda: gcp_for(fake, build_env=build_env)
+        return lambda: gce_for(self.sim)
 
     @pytest.fixture
     def make_broken_provider(self, gce_hosts: Callable[..., GceHosts]) -> Callable[[], object]:
         """Both VMs launch; only the first ever boots, the second never answers SSH."""
         self.sim = gce_hosts(boot_at_most=1)
-        assert self.sim.fake is not None
-        fake = self.sim.fake
-        return lambda: gcp_for(fake, boot_timeout=3.0)
+        return lambda: gce_for(self.sim, boot_timeout=3.0)
 
     @pytest.fixture
     def nodes_available(self) -> int:
         return 3
+
+    def probe_image(self, directory: Path, token: str) -> sky.Image:
+        return probe_image(self.sim, token)
+
+    def discard_environment(self, prefix: str) -> None:
+        """The environments live on the VMs' disks, which go with the test's hosts."""
 
     @pytest.fixture(autouse=True)
     def _nothing_left(self, make_provider: Callable[[], object]) -> Iterator[None]:
@@ -74,23 +90,22 @@ class TestGCPContract(ProviderContract):
         for call in ("instances.bulkInsert", "firewalls.insert"):
             assert after[call] == before.get(call, 0), call
         assert self.sim.fake.labelled() == []
+        assert self.sim.booted == {}
 
     def assert_outputs_removed(self, where: str) -> None:
-        """A VM's disk goes with the VM (the namespaces share this machine's files)."""
+        """A VM's disk goes with the VM: deleted is removed. (The simulated VMs' disks stay
+        until the test's hosts go.)"""
         nothing_left(self.sim)
-        shutil.rmtree(Path(where).parent, ignore_errors=True)
 
     def assert_gone(self, provider: object, pids: list[int]) -> None:
-        nothing_left(self.sim)
+        nothing_left(self.sim)  # every process of every machine, the agents with `pids` too
 
 
 def test_a_host_key_other_than_ours_is_never_accepted(gce_hosts: Callable[..., GceHosts]) -> None:
     sim = gce_hosts(install_host_key=False)  # the "VM" keeps its own host key
     assert sim.fake is not None
     with pytest.raises(ProvisionError, match="did not accept the verified SSH login"):
-        with sky.ComputePool(
-            provider=gcp_for(sim.fake, boot_timeout=3.0), nodes=2, stream_output=False
-        ):
+        with sky.ComputePool(provider=gce_for(sim, boot_timeout=3.0), nodes=2, stream_output=False):
             pytest.fail("must not connect")
     nothing_left(sim)
 
@@ -100,7 +115,7 @@ def test_capacity_error_at_insert_leaves_nothing(gce_hosts: Callable[..., GceHos
     assert sim.fake is not None
     sim.fake.capacity = False
     with pytest.raises(ProvisionError, match="ZONE_RESOURCE_POOL_EXHAUSTED") as caught:
-        with sky.ComputePool(provider=gcp_for(sim.fake), nodes=2, stream_output=False):
+        with sky.ComputePool(provider=gce_for(sim), nodes=2, stream_output=False):
             pytest.fail("must not start")
     assert "Try another zone" in str(caught.value)
     assert sim.fake.calls["firewalls.insert"] == 2  # made, then removed
@@ -110,7 +125,7 @@ def test_capacity_error_at_insert_leaves_nothing(gce_hosts: Callable[..., GceHos
 def test_a_500_on_delete_is_retried(gce_hosts: Callable[..., GceHosts]) -> None:
     sim = gce_hosts()
     assert sim.fake is not None
-    with sky.ComputePool(provider=gcp_for(sim.fake), nodes=2, stream_output=False) as pool:
+    with sky.ComputePool(provider=gce_for(sim), nodes=2, stream_output=False) as pool:
         assert len(pool.nodes) == 2
         sim.fake.fail["instances.delete"] = 3
     assert sim.fake.calls["instances.delete"] >= 5  # 3 failures, then both VMs
@@ -122,7 +137,7 @@ def test_a_delete_that_keeps_failing_names_what_remains_and_skyward_down_removes
 ) -> None:
     sim = gce_hosts()
     assert sim.fake is not None
-    gcp = gcp_for(sim.fake, teardown_timeout=2.0)
+    gcp = gce_for(sim, teardown_timeout=2.0)
     with pytest.raises(ProvisionError) as caught:
         with sky.ComputePool(provider=gcp, nodes=1, stream_output=False) as pool:
             sim.fake.fail["instances.delete"] = -1
@@ -162,7 +177,7 @@ def test_a_preempted_node_is_named_and_replaced(gce_hosts: Callable[..., GceHost
     sim = gce_hosts()
     fake = sim.fake
     assert fake is not None
-    with sky.ComputePool(provider=gcp_for(fake, spot=True), nodes=2, stream_output=False) as pool:
+    with sky.ComputePool(provider=gce_for(sim, spot=True), nodes=2, stream_output=False) as pool:
         assert node_index() @ pool == [0, 1]
         victim = sorted(sim.booted)[1]
         timer = threading.Timer(1.0, fake.preempt, [victim])
@@ -176,4 +191,46 @@ def test_a_preempted_node_is_named_and_replaced(gce_hosts: Callable[..., GceHost
         assert node_index() @ pool == [0, 1]
         names = {i["name"] for i in fake.instances.values() if i["status"] == "RUNNING"}
         assert victim not in names and len(names) == 2
+    nothing_left(sim)
+
+
+def test_the_startup_script_boots_a_bare_debian_image(gce_hosts: Callable[..., GceHosts]) -> None:
+    """The startup-script runs on a minimal Debian with no systemd (its sshd restart goes
+    through ``service``): it installs the host key (the pool connects, verified) and starts the
+    idle watchdog, which leaves the VM up while the pool is connected."""
+    sim = gce_hosts()
+    with sky.ComputePool(provider=gce_for(sim), nodes=1, stream_output=False) as pool:
+        host = sim.host(pool.nodes[0].private_addr)
+        pid = int((host.root / "var/log/skyward-watchdog.pid").read_text())
+        assert pid in host.pids(), "the startup-script started the watchdog"
+        assert "skyward-watchdog" in Path(f"/proc/{pid}/cmdline").read_text()
+        assert not (host.root / bareroots.POWEROFF_MARKER.lstrip("/")).exists()
+    (log,) = sim.boot_logs.values()
+    assert "sshd_not_to_be_run" in log, f"sshd was restarted through the image's init: {log}"
+    nothing_left(sim)
+
+
+@sky.compute
+def who() -> tuple[str, int, str, str]:
+    import getpass
+    import os
+    import sys
+
+    return getpass.getuser(), os.getuid(), os.environ["HOME"], sys.prefix
+
+
+def test_the_default_login_user_is_the_one_the_guest_agent_creates(
+    gce_hosts: Callable[..., GceHosts],
+) -> None:
+    """Not root: the provider's default user, which the guest agent creates from ``ssh-keys``
+    (here with ``useradd``, as it does), builds and runs in its own home."""
+    assert inspect.signature(sky.GCP).parameters["user"].default == "skyward"
+    sim = gce_hosts()
+    with sky.ComputePool(
+        provider=gce_for(sim, user="skyward"), nodes=2, stream_output=False
+    ) as pool:
+        seen = who() @ pool
+    assert [row[:3] for row in seen] == [("skyward", seen[0][1], "/home/skyward")] * 2
+    assert seen[0][1] != 0
+    assert all(row[3].startswith("/home/skyward/") for row in seen), seen
     nothing_left(sim)

@@ -1,13 +1,14 @@
 """TPU slices end to end: the real google-cloud-tpu client against the fake TPU API, each host
-of a slice a namespace sshd host that takes the pool's host key and login key from the node's
-metadata (the boot simulator of the VMs). The hosts are CPUs: JAX runs with its CPU wheel
-(``sky.plugins.jax(cuda="cpu")``); libtpu and real TPU chips are only exercised on GCP."""
+of a slice a fresh Debian machine (python3 without venv or pip, reaching nothing but the package
+index the test serves) that runs the node's startup-script and takes the pool's host key and
+login key from the node's metadata (the boot simulator of the VMs). The hosts are CPUs: JAX
+runs with its CPU wheel (``sky.plugins.jax(cuda="cpu")``) from the served index; libtpu and
+real TPU chips are only exercised on GCP."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,9 +19,8 @@ import pytest
 import skyward as sky
 from skyward.errors import ProvisionError
 from tests.contract import ProviderContract
-from tests.gcp.conftest import TPU_SUBNET, GceHosts, gcp_for
-from tests.gcp.test_gcp_e2e import nothing_left
-from tests.support import wheels
+from tests.gcp.conftest import TPU_SUBNET, GceHosts, gce_for
+from tests.gcp.test_gcp_e2e import nothing_left, probe_image
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -36,8 +36,7 @@ _ONE_NODE_TESTS = (
 
 def tpu_for(sim: GceHosts, accelerator: str, **kwargs: Any) -> sky.GCP:
     """The provider with its pools fixed to one TPU slice type (``machine_type=``)."""
-    assert sim.fake is not None
-    return gcp_for(sim.fake, machine_type=accelerator, ssh_cidr=TPU_SUBNET, **kwargs)
+    return gce_for(sim, machine_type=accelerator, ssh_cidr=TPU_SUBNET, **kwargs)
 
 
 class TestTPUSliceContract(ProviderContract):
@@ -45,21 +44,23 @@ class TestTPUSliceContract(ProviderContract):
 
     @pytest.fixture
     def make_provider(
-        self,
-        tpu_hosts: Callable[..., GceHosts],
-        offline_wheelhouse: Path,
-        request: pytest.FixtureRequest,
+        self, tpu_hosts: Callable[..., GceHosts], request: pytest.FixtureRequest
     ) -> Callable[[], object]:
         self.sim = tpu_hosts()
-        build_env = wheels.offline_build_env(offline_wheelhouse)
         one = request.node.originalname in _ONE_NODE_TESTS
-        return lambda: tpu_for(self.sim, "v4-8" if one else "v4-16", build_env=build_env)
+        return lambda: tpu_for(self.sim, "v4-8" if one else "v4-16")
 
     @pytest.fixture
     def make_broken_provider(self, tpu_hosts: Callable[..., GceHosts]) -> Callable[[], object]:
         """A v4-16 slice whose second host never answers SSH."""
         self.sim = tpu_hosts(boot_at_most=1)
         return lambda: tpu_for(self.sim, "v4-16", boot_timeout=3.0)
+
+    def probe_image(self, directory: Path, token: str) -> sky.Image:
+        return probe_image(self.sim, token)
+
+    def discard_environment(self, prefix: str) -> None:
+        """The environments live on the hosts' disks, which go with the test's hosts."""
 
     @pytest.fixture(autouse=True)
     def _nothing_left(self, make_provider: Callable[[], object]) -> Iterator[None]:
@@ -78,10 +79,12 @@ class TestTPUSliceContract(ProviderContract):
         for call in ("tpu.nodes.create", "tpu.queuedResources.create", "firewalls.insert"):
             assert after[call] == before.get(call, 0), call
         assert self.sim.fake.labelled() == []
+        assert self.sim.booted == {}
 
     def assert_outputs_removed(self, where: str) -> None:
+        """A host's disk goes with the slice (the simulated disks stay until the test's hosts
+        go)."""
         nothing_left(self.sim)
-        shutil.rmtree(Path(where).parent, ignore_errors=True)
 
     def assert_gone(self, provider: object, pids: list[int]) -> None:
         nothing_left(self.sim)
@@ -103,9 +106,12 @@ def test_jax_psum_across_the_four_hosts_of_a_v5litepod_16(
     tpu_hosts: Callable[..., GceHosts],
 ) -> None:
     sim = tpu_hosts()
+    # As on a private network: the image names the one index the hosts reach (a mirror with
+    # JAX's CPU wheels); the provider adds none, and neither does the plugin.
     with sky.ComputePool(
-        provider=tpu_for(sim, "v5litepod-16"),
+        provider=tpu_for(sim, "v5litepod-16", build_env={}),
         accelerator="tpu-v5litepod-16",  # 4 hosts: nodes=4 without saying so
+        image=sky.Image(indexes=[sky.Index(sim.index.simple_url)]),
         plugins=[sky.plugins.jax(cuda="cpu")],  # the hosts are CPUs, not TPU chips
         stream_output=False,
     ) as pool:
@@ -116,6 +122,9 @@ def test_jax_psum_across_the_four_hosts_of_a_v5litepod_16(
     assert sim.fake is not None
     assert sim.fake.calls["tpu.nodes.create"] == 1  # one slice, not four VMs
     assert sim.fake.calls["instances.bulkInsert"] == 0
+    wheels = [r.rsplit("/", 1)[-1] for r in sim.index.requests if r.endswith(".whl")]
+    served = {name.split("-", 1)[0] for name in wheels}
+    assert {"jax", "jaxlib"} <= served, f"JAX did not come from the served index: {served}"
     nothing_left(sim)
 
 

@@ -1090,3 +1090,38 @@ def download_wheels(
         except OSError:
             shutil.copy2(wheel, target)
     return dest
+
+
+# -- cloud machines ---------------------------------------------------------------------------
+# What the AWS and GCP simulators share: their instances are bookworm hosts booted by the
+# provider's real first-boot script.
+
+MACHINE_SUITE = "bookworm"
+"""The cloud machines' image: a stock Debian 12 (python3 3.11, no venv, no pip)."""
+FAKE_POWEROFF = "/usr/local/sbin/poweroff"
+"""The fake ``poweroff`` on every machine, first on its PATH (a minimal Debian has none)."""
+POWEROFF_MARKER = "/var/lib/skyward-test/powered-off"
+"""What the fake ``poweroff`` writes, inside the machine, each time it is called."""
+
+
+def machine_requirements() -> list[str]:
+    """What the machines' environments need from the served index: the agent's requirements
+    (cloudpickle pinned to this client's, as skyward asks), and JAX's CPU wheels at this
+    interpreter's versions for the JAX tests."""
+    jax = importlib.metadata.version("jax")
+    return [
+        f"cloudpickle=={importlib.metadata.version('cloudpickle')}",
+        "packaging",
+        f"jax=={jax}",
+        f"jaxlib=={jax}",
+    ]
+
+
+def install_fake_poweroff(host: BareHost) -> Path:
+    """Put the fake ``poweroff`` on `host`; return the marker it writes, as seen from here."""
+    fake = host.root / FAKE_POWEROFF.lstrip("/")
+    fake.parent.mkdir(parents=True, exist_ok=True)
+    marker = Path(POWEROFF_MARKER)
+    fake.write_text(f"#!/bin/sh\nmkdir -p {marker.parent}\ndate >> {marker}\n")
+    fake.chmod(0o755)
+    return host.root / POWEROFF_MARKER.lstrip("/")

@@ -21,7 +21,7 @@ from google.auth.credentials import AnonymousCredentials
 from skyward.cluster import ClusterSpec
 from skyward.providers.bootscript import HostKey
 from skyward.providers.gcp import instances, machine_types, startup, teardown
-from skyward.providers.gcp.settings import Access, Clients
+from skyward.providers.gcp.settings import Access, Clients, Placement
 from tests.support.fakegcp import FakeGCP
 
 PROJECT, ZONE = "bench", "us-central1-a"
@@ -38,7 +38,7 @@ def measure(fake: FakeGCP, nodes: int) -> tuple[Counter[str], Counter[str]]:
     body = instances.set_up(
         clients,
         access,
-        instances.Placement(use_private_ips=True),
+        Placement(use_private_ips=True),
         spec,
         machine_types.choose(None),
         metadata,

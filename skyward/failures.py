@@ -1,22 +1,36 @@
 """How a node's failures read on the client: exit statuses in words, a node's exception rebuilt
 as itself, and reports of where the other nodes were when one failed or the pool got stuck.
 
-Plain functions over values and `NodeSession`s; nothing here changes a session.
+Plain functions over values and sessions (`NodeState`: what they read of a `NodeSession`);
+nothing here changes a session.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from skyward import sources
 from skyward.errors import RemoteError, WorkerError
 from skyward.transport import frames, messages
 
-if TYPE_CHECKING:
-    from skyward.session import NodeSession
+
+class NodeState(Protocol):
+    """What the reports read of a node's session (`skyward.session.NodeSession` is one)."""
+
+    @property
+    def node(self) -> int: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def plugin(self) -> str | None: ...
+    @property
+    def where(self) -> str: ...
+    @property
+    def lines(self) -> Iterable[str]: ...
+
 
 TAIL_LINES = 20
 REPORT_LINES = 10
@@ -81,7 +95,7 @@ def rebuild_exception(
     return exc
 
 
-def laggards(failed: NodeSession, sessions: Sequence[NodeSession], plugin: str | None) -> list[str]:
+def laggards(failed: NodeState, sessions: Sequence[NodeState], plugin: str | None) -> list[str]:
     """Where the other nodes were when `failed` failed in `plugin`: often the real culprit."""
     lines = []
     for other in sessions:
@@ -98,7 +112,7 @@ def laggards(failed: NodeSession, sessions: Sequence[NodeSession], plugin: str |
     return lines
 
 
-def stuck_report(headline: str, sessions: Sequence[NodeSession]) -> str:
+def stuck_report(headline: str, sessions: Sequence[NodeState]) -> str:
     """Why the pool is not ready: every node that is not, where it is, its last output."""
     lines = [headline + ":"]
     for session in sessions:
@@ -109,5 +123,5 @@ def stuck_report(headline: str, sessions: Sequence[NodeSession]) -> str:
     return "\n".join(lines)
 
 
-def _tail(session: NodeSession) -> list[str]:
+def _tail(session: NodeState) -> list[str]:
     return [f"    {line}" for line in list(session.lines)[-REPORT_LINES:]] or ["    (nothing)"]

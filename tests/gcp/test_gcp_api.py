@@ -19,7 +19,7 @@ import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.providers.bootscript import HostKey
 from skyward.providers.gcp import instances, machine_types, resources, startup, teardown
-from skyward.providers.gcp.settings import Access, Clients, resolve
+from skyward.providers.gcp.settings import Access, Clients, Placement, resolve
 from tests.gcp.conftest import PROJECT, ZONE
 from tests.support.fakegcp import FakeGCP
 
@@ -119,7 +119,7 @@ def test_without_the_extra_the_error_names_it(monkeypatch: pytest.MonkeyPatch) -
 
 
 def launch(
-    fake: FakeGCP, spec: ClusterSpec, placement: instances.Placement, accelerator: str | None
+    fake: FakeGCP, spec: ClusterSpec, placement: Placement, accelerator: str | None
 ) -> tuple[Clients, Access, teardown.Made]:
     """The API half of a launch (what `GCP._provision` runs), without connecting."""
     clients = Clients(AnonymousCredentials(), fake.url)
@@ -144,9 +144,7 @@ def launch(
 
 def test_a_spot_gpu_pool_asks_for_what_gce_needs(api_fake: FakeGCP) -> None:
     spec = ClusterSpec(2, "pool-req12345")
-    placement = instances.Placement(
-        spot=True, ssh_cidr="203.0.113.7/32", service_account="sa@p.iam"
-    )
+    placement = Placement(spot=True, ssh_cidr="203.0.113.7/32", service_account="sa@p.iam")
     clients, _, made = launch(api_fake, spec, placement, "H100:8")
     vms = sorted(api_fake.instances.values(), key=lambda i: i["name"])
     assert [vm["name"] for vm in vms] == ["skyward-pool-req12345-001", "skyward-pool-req12345-002"]
@@ -177,7 +175,7 @@ def test_a_spot_gpu_pool_asks_for_what_gce_needs(api_fake: FakeGCP) -> None:
 
 def test_private_cpu_pool_has_no_external_address(api_fake: FakeGCP) -> None:
     spec = ClusterSpec(1, "pool-cpu12345")
-    clients, _, made = launch(api_fake, spec, instances.Placement(use_private_ips=True), None)
+    clients, _, made = launch(api_fake, spec, Placement(use_private_ips=True), None)
     (vm,) = api_fake.instances.values()
     assert "accessConfigs" not in vm["networkInterfaces"][0]
     assert vm["scheduling"]["provisioningModel"] == "STANDARD"
@@ -191,7 +189,7 @@ def test_private_cpu_pool_has_no_external_address(api_fake: FakeGCP) -> None:
 def pool_calls(fake: FakeGCP, nodes: int) -> Counter[str]:
     before = Counter(fake.calls)
     spec = ClusterSpec(nodes, f"pool-n{nodes:07d}")
-    clients, _, made = launch(fake, spec, instances.Placement(use_private_ips=True), None)
+    clients, _, made = launch(fake, spec, Placement(use_private_ips=True), None)
     teardown.remove_pool(clients, PROJECT, spec.pool_id, made, timeout=10, poll=0.05)
     assert fake.labelled() == []
     return fake.calls - before

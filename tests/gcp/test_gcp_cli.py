@@ -10,7 +10,8 @@ from google.auth.credentials import AnonymousCredentials
 from skyward import cli, profiles, runner
 from skyward.cluster import ClusterSpec
 from skyward.profiles import Profile
-from skyward.providers.gcp import instances, teardown
+from skyward.providers.gcp import teardown
+from skyward.providers.gcp.settings import Placement
 from tests.gcp.conftest import PROJECT, ZONE
 from tests.gcp.test_gcp_api import launch
 from tests.support.fakegcp import FakeGCP
@@ -33,7 +34,7 @@ def test_status_lists_this_users_gcp_pools(
     assert runner.print_gcp_pools(profile) == 0
     assert capsys.readouterr().out == ""
     spec = ClusterSpec(nodes=2, pool_id="pool-status1", provider="gcp")
-    placement = instances.Placement(use_private_ips=True)
+    placement = Placement(use_private_ips=True)
     clients, _, made = launch(api_fake, spec, placement, None)
     try:
         assert runner.print_gcp_pools(profile) == 1

@@ -12,6 +12,7 @@ import skyward as sky
 from skyward import cli
 from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.gcp import tpu_types
+from skyward.providers.gcp.settings import Placement
 from tests.gcp.conftest import PROJECT, ZONE, gcp_for
 from tests.support.fakegcp import FakeGCP
 
@@ -98,18 +99,18 @@ def test_skyward_ls_and_down_include_tpu_nodes(
     api_fake: FakeGCP, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     from skyward.providers.bootscript import HostKey
-    from skyward.providers.gcp import instances, startup, teardown, tpus
+    from skyward.providers.gcp import startup, teardown, tpus
 
     gcp = gcp_for(api_fake)
     access, clients = gcp.access(), gcp.clients()
     tpu = tpu_types.parse("v4-16")
     metadata = startup.metadata("left-1", HostKey.generate("x"), 60, "root", "ssh-ed25519 AAAA")
-    body = tpus.node_body(access, instances.Placement(), "left-1", tpu, metadata, None)
+    body = tpus.node_body(access, Placement(), "left-1", tpu, metadata, None)
     made = teardown.Made()
     tpus.create(clients, access, "left-1", body, tpu, False, made.add)
     tpus.create(clients, access, "left-2", body, tpu_types.parse("v6e-8"), True, made.add)
     elsewhere = dataclasses.replace(access, zone="us-east5-a")  # ls and down cover every zone
-    body3 = tpus.node_body(elsewhere, instances.Placement(), "left-3", tpu, metadata, None)
+    body3 = tpus.node_body(elsewhere, Placement(), "left-3", tpu, metadata, None)
     tpus.create(clients, elsewhere, "left-3", body3, tpu, False, made.add)
     import google.auth
     from google.auth.credentials import AnonymousCredentials

@@ -19,7 +19,6 @@ import logging
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from google.api_core import exceptions as gexc
@@ -32,7 +31,7 @@ from skyward.providers.cloud import check_cidr
 from skyward.providers.gcp import api, resources, teardown
 from skyward.providers.gcp.machine_types import Choice
 from skyward.providers.gcp.resources import network_url, subnetwork_url
-from skyward.providers.gcp.settings import Access, Clients
+from skyward.providers.gcp.settings import Access, Clients, Placement
 
 CHECK_IP_URL = "https://checkip.amazonaws.com"
 PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
@@ -49,22 +48,6 @@ PREEMPTED = "compute.instances.preempted"
 
 CheckCancel = Callable[[], None]
 logger = logging.getLogger("skyward.gcp")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where and how a pool's VMs run: the `sky.GCP` settings the API calls need."""
-
-    image: str | None = None
-    spot: bool = False
-    network: str | None = None
-    subnetwork: str | None = None
-    use_private_ips: bool = False
-    ssh_cidr: str | None = None
-    idle_timeout: float = 300.0
-    service_account: str | None = None
-    disk_size_gb: int = 100
-    user: str = "skyward"
 
 
 def set_up(

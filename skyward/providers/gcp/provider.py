@@ -48,7 +48,7 @@ from skyward.providers.gcp import (
 )
 from skyward.providers.gcp.instances import logger
 from skyward.providers.gcp.provision import GCPCluster
-from skyward.providers.gcp.settings import Access, Clients, endpoint_of, resolve
+from skyward.providers.gcp.settings import Access, Clients, Placement, endpoint_of, resolve
 from skyward.providers.remote import RemoteNode
 
 
@@ -128,7 +128,7 @@ class GCP(CloudProvider):
         self.zone = zone
         self.machine_type = machine_type
         self.runtime_version = runtime_version
-        self.placement = instances.Placement(
+        self.placement = Placement(
             image,
             spot,
             network,

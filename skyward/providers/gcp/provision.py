@@ -14,8 +14,8 @@ from skyward.errors import ProvisionError
 from skyward.providers.bootscript import write_login_key
 from skyward.providers.cloud import CloudCluster
 from skyward.providers.gcp import api, instances, machine_types, startup, teardown, tpu_types, tpus
-from skyward.providers.gcp.instances import Placement, logger
-from skyward.providers.gcp.settings import Access, Clients
+from skyward.providers.gcp.instances import logger
+from skyward.providers.gcp.settings import Access, Clients, Placement
 
 T = TypeVar("T")
 

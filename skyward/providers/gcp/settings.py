@@ -151,3 +151,19 @@ class Clients:
     zone_operations = _Client("ZoneOperationsClient")
     global_operations = _Client("GlobalOperationsClient")
     tpu = _Client("TpuClient")  # the TPU v2 API (google-cloud-tpu), REST as for Compute
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how a pool's VMs run: the `sky.GCP` settings the API calls need."""
+
+    image: str | None = None
+    spot: bool = False
+    network: str | None = None
+    subnetwork: str | None = None
+    use_private_ips: bool = False
+    ssh_cidr: str | None = None
+    idle_timeout: float = 300.0
+    service_account: str | None = None
+    disk_size_gb: int = 100
+    user: str = "skyward"

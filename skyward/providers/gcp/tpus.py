@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
@@ -25,11 +25,8 @@ from skyward.errors import ProvisionError
 from skyward.providers.base import NodeLoss
 from skyward.providers.gcp import api, resources
 from skyward.providers.gcp.resources import network_url, subnetwork_url
-from skyward.providers.gcp.settings import Access, Clients
+from skyward.providers.gcp.settings import Access, Clients, Placement
 from skyward.providers.gcp.tpu_types import TpuType
-
-if TYPE_CHECKING:
-    from skyward.providers.gcp.instances import Placement
 
 CheckCancel = Callable[[], None]
 logger = logging.getLogger("skyward.gcp")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,10 @@ class Receiver:
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
         self.peer: Peer | None = None
+
+
+# Each node's receiver, kept while the node is (a replaced node's goes with it).
+_receivers: weakref.WeakKeyDictionary[RemoteNode, Receiver] = weakref.WeakKeyDictionary()
 
 
 async def push_tree(
@@ -127,9 +132,7 @@ async def push_tree(
 
 
 def _receiver(node: RemoteNode) -> Receiver:
-    if node.receiver is None:
-        node.receiver = Receiver()
-    return node.receiver
+    return _receivers.setdefault(node, Receiver())
 
 
 async def _open(nodes: Sequence[RemoteNode], receivers: Sequence[Receiver]) -> list[Peer]:

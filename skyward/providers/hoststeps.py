@@ -19,7 +19,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import asyncssh
 
@@ -28,11 +28,19 @@ from skyward.image import Index
 from skyward.providers.base import Log
 from skyward.providers.environment import packaged_uv
 from skyward.providers.source import source_hash
-from skyward.transport.ssh import Completed, shell_env
+from skyward.transport.ssh import Completed, SSHHost, shell_env
 from skyward.worker import hostcheck, uvinstall
 
-if TYPE_CHECKING:
-    from skyward.providers.remote import RemoteNode
+
+class NodeOnHost(Protocol):
+    """What a step needs of a node (`skyward.providers.remote.RemoteNode` is one): its index,
+    for errors, and the connection to its host."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def host(self) -> SSHHost: ...
+
 
 # skyward's cache directory on a host as its shell spells it, by the rule of
 # `skyward.info.cache_root` (which the agent follows there): $SKYWARD_CACHE_DIR in the host's
@@ -54,7 +62,7 @@ class Bootstrap:
 
 
 async def install_uv(
-    node: RemoteNode,
+    node: NodeOnHost,
     bootstrap: Bootstrap,
     report: hostcheck.Report,
     indexes: Sequence[Index],
@@ -116,7 +124,7 @@ def pythonpath() -> str:
 
 
 async def apt_install(
-    node: RemoteNode, bootstrap: Bootstrap, packages: Sequence[str], uid: int, log: Log
+    node: NodeOnHost, bootstrap: Bootstrap, packages: Sequence[str], uid: int, log: Log
 ) -> None:
     sudo = "" if uid == 0 else "sudo -n "
     names = " ".join(shlex.quote(p) for p in packages)
@@ -132,7 +140,7 @@ async def apt_install(
 
 
 async def send_step(
-    node: RemoteNode, bootstrap: Bootstrap, command: str, what: str, log: Log, input: bytes
+    node: NodeOnHost, bootstrap: Bootstrap, command: str, what: str, log: Log, input: bytes
 ) -> Completed:
     log(what)  # the step's name, then its output lines: the node's detail as it builds
     try:
@@ -144,7 +152,7 @@ async def send_step(
 
 
 async def run_step(
-    node: RemoteNode,
+    node: NodeOnHost,
     bootstrap: Bootstrap,
     command: str,
     what: str,
@@ -163,7 +171,7 @@ async def run_step(
     return done
 
 
-async def _failed(node: RemoteNode, what: str, how: str, output: str) -> BootstrapError:
+async def _failed(node: NodeOnHost, what: str, how: str, output: str) -> BootstrapError:
     """The error of a failed step: `how` it failed, a word on a nearly full cache, its last
     lines."""
     return BootstrapError(
@@ -178,7 +186,7 @@ async def _failed(node: RemoteNode, what: str, how: str, output: str) -> Bootstr
 LOW_DISK_BYTES = 512 << 20
 
 
-async def _low_disk(node: RemoteNode) -> str:
+async def _low_disk(node: NodeOnHost) -> str:
     """A sentence for a failed step when the host's cache is nearly full; "" otherwise."""
     probe = f'C="{CACHE}"; mkdir -p "$C" 2>/dev/null; echo "$C"; df -Pk "$C" | tail -n 1'
     try:
@@ -197,7 +205,7 @@ async def _low_disk(node: RemoteNode) -> str:
 
 
 async def json_step(
-    node: RemoteNode, bootstrap: Bootstrap, command: str, what: str, log: Log, input: bytes = b""
+    node: NodeOnHost, bootstrap: Bootstrap, command: str, what: str, log: Log, input: bytes = b""
 ) -> str:
     """Run a command that prints one JSON object (or ``{"error", "output"}``) last; its text."""
     done = await send_step(node, bootstrap, command, what, log, input)

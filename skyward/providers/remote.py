@@ -37,7 +37,6 @@ import json
 import shlex
 from collections.abc import Mapping
 from functools import cache
-from typing import TYPE_CHECKING
 
 import asyncssh
 
@@ -56,9 +55,6 @@ from skyward.transport.ssh import SSHHost, shell_env
 from skyward.worker import hostcheck
 from skyward.worker.gpus import Inventory, visible_env
 
-if TYPE_CHECKING:
-    from skyward.providers.files import Receiver
-
 
 class RemoteNode(Node):
     """A node on one SSH host: its connection and, once prepared, the interpreter to run."""
@@ -75,7 +71,6 @@ class RemoteNode(Node):
         self.trees: set[str] = set()  # digests of the `sky.Data` trees pushed to it
         self.pulled: frozenset[str] = frozenset()  # what the last pull of its outputs listed
         self.agent_env: dict[str, str] = {}  # the pool's env= and the image's, once started
-        self.receiver: Receiver | None = None  # its data receiver, opened by the first push
 
     async def start_agent(self, env: Mapping[str, str]) -> AgentStream:
         if self.python is None:

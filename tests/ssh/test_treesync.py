@@ -30,6 +30,7 @@ import skyward as sky
 from skyward.cluster import ClusterSpec
 from skyward.errors import DataError
 from skyward.progress import Progress
+from skyward.providers import files
 from skyward.providers.files import PullStats, PushStats, pull_tree, push_tree
 from skyward.providers.remote import RemoteNode, close_hosts, remote_nodes
 from skyward.worker import treemanifest, treestore
@@ -243,8 +244,9 @@ def test_two_pushes_of_the_same_tree_at_once(
 
 
 def receiver_pid(remote: RemoteNode) -> int:
-    assert remote.receiver is not None and remote.receiver.peer is not None
-    pid = remote.receiver.peer.proc.pid  # the group's leader, which exec'd the interpreter
+    receiver = files._receivers.get(remote)
+    assert receiver is not None and receiver.peer is not None
+    pid = receiver.peer.proc.pid  # the group's leader, which exec'd the interpreter
     assert b"skyward.worker.treestore" in Path(f"/proc/{pid}/cmdline").read_bytes()
     return pid
 

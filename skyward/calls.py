@@ -13,9 +13,9 @@ import site
 import sys
 import sysconfig
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, TypeVarTuple, overload
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, TypeVarTuple, overload
 
 import cloudpickle
 
@@ -25,11 +25,9 @@ from skyward.errors import SerializationError, SkywardError
 from skyward.transport.frames import PROTOCOL, Buffer
 from skyward.transport.pickling import cloud_dumps
 
-if TYPE_CHECKING:
-    from skyward.pool import ComputePool
-
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 T1 = TypeVar("T1")
 T2 = TypeVar("T2")
 T3 = TypeVar("T3")
@@ -38,6 +36,16 @@ T5 = TypeVar("T5")
 T6 = TypeVar("T6")
 Ts = TypeVarTuple("Ts")
 Ts2 = TypeVarTuple("Ts2")
+
+
+class Runner(Protocol):
+    """What the operators ask of a pool (`sky.ComputePool` is one): run a call on one node,
+    on every node, or several calls at once."""
+
+    def run(self, call: PendingCall[T]) -> T: ...
+    def broadcast(self, call: PendingCall[T]) -> list[T]: ...
+    def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]: ...
+
 
 # Places each `sky.Data` of a call's arguments; True when a placement changed.
 Stage = Callable[[list[Data]], bool]
@@ -141,10 +149,10 @@ class PendingCall(Generic[R]):
         """Run this call here, in this process (for debugging)."""
         return self.function.fn(*self.args, **self.kwargs)
 
-    def __matmul__(self, pool: ComputePool) -> list[R]:
+    def __matmul__(self, pool: Runner) -> list[R]:
         return pool.broadcast(self)
 
-    def __rshift__(self, pool: ComputePool) -> R:
+    def __rshift__(self, pool: Runner) -> R:
         return pool.run(self)
 
     @overload
@@ -184,7 +192,7 @@ class Gather(Generic[*Ts]):
         more = other.calls if isinstance(other, Gather) else (other,)
         return Gather(*self.calls, *more)
 
-    def __rshift__(self, pool: ComputePool) -> tuple[*Ts]:
+    def __rshift__(self, pool: Runner) -> tuple[*Ts]:
         return pool.gather(self.calls)
 
     def local(self) -> tuple[*Ts]:

@@ -25,13 +25,9 @@ from skyward.worker.hostcheck import same_python
 
 
 def checked(
-    provider: Provider | None, nodes: int | None, image: Image | None, plugins: Sequence[Plugin]
+    provider: object, nodes: int | None, image: Image | None, plugins: Sequence[Plugin]
 ) -> Provider:
-    """The pool's provider (`sky.Local()` by default), once its arguments are of the right kinds."""
-    if provider is None:
-        from skyward.providers.local import Local
-
-        provider = Local()
+    """The pool's provider, once its arguments are of the right kinds."""
     if not isinstance(provider, Provider):
         raise ConfigError(f"provider must be e.g. sky.Local() or sky.SSH([...]): {provider!r}")
     if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):

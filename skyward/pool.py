@@ -30,6 +30,7 @@ from skyward.plugins import hooks
 from skyward.plugins.base import Plugin
 from skyward.progress import Phase
 from skyward.providers.base import Cluster, Node, Provider
+from skyward.providers.local import Local
 from skyward.reports import Report
 from skyward.session import NodeSession, ping_agents, watch_heartbeats
 from skyward.transfers import Transfers
@@ -89,7 +90,9 @@ class ComputePool:
         name: str = "pool",
         on_report: Callable[[Report], object] | None = None,
     ) -> None:
-        self.provider = plan.checked(provider, nodes, image, plugins)
+        self.provider = plan.checked(
+            Local() if provider is None else provider, nodes, image, plugins
+        )
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
         self.env: dict[str, str] = dict(env or {})
         self.pool_id = f"{name}-{uuid.uuid4().hex[:8]}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,17 +30,81 @@ def test_mypy_strict_on_the_package(mypy_report: MypyReport) -> None:
     assert mypy_report.errors["skyward"] == [], mypy_report.output
 
 
-# Small modules with one job each (docs/architecture.md): past these sizes a module is doing
-# more than one job and wants splitting, and the pool keeps its lifecycle only.
-MAX_MODULE_LINES = 450
-MAX_POOL_LINES = 350
+def _imports() -> dict[str, set[str]]:
+    """Which skyward modules each skyward module imports: every import statement, at the top,
+    inside a function or under TYPE_CHECKING (a circle for the type checker only still means a
+    name lives in the wrong place). ``skyward/__init__.py`` is left out: it imports nothing
+    itself, its public names load lazily."""
+    paths = {}
+    for path in (ROOT / "skyward").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def module_of(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {name: set() for name in paths}
+    for name, path in paths.items():
+        if name == "skyward":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [module_of(alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [
+                    module_of(f"{node.module}.{alias.name}")
+                    if f"{node.module}.{alias.name}" in paths
+                    else module_of(node.module)
+                    for alias in node.names
+                ]
+            else:
+                continue
+            graph[name].update(t for t in targets if t and t != name)
+    return graph
 
 
-def test_no_module_is_too_long() -> None:
-    sizes = {
-        path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
-        for path in (ROOT / "skyward").rglob("*.py")
-    }
-    too_long = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
-    assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
-    assert sizes["skyward/pool.py"] <= MAX_POOL_LINES, sizes["skyward/pool.py"]
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(name: str) -> None:
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        for target in sorted(graph[name]):
+            if target not in index:
+                visit(target)
+                low[name] = min(low[name], low[target])
+            elif target in stack:
+                low[name] = min(low[name], index[target])
+        if low[name] == index[name]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == name:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return found
+
+
+def test_imports_go_one_way() -> None:
+    """No import circles: DESIGN.md's one-way imports, typing-only and lazy imports included."""
+    graph = _imports()
+    assert "skyward.session" in graph["skyward.dispatch"], "the import graph was not read"
+    circles = _circles(graph)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]

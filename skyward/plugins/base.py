@@ -9,18 +9,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from skyward.cluster import ClusterSpec
 from skyward.image import Image
 from skyward.info import InstanceInfo
 
-if TYPE_CHECKING:
-    from skyward.pool import ComputePool
+
+class ClientPool(Protocol):
+    """What an `around_client` hook gets: the pool itself (a `sky.ComputePool`), read through
+    what a client-side hook needs of it."""
+
+    @property
+    def pool_id(self) -> str: ...
+    @property
+    def spec(self) -> ClusterSpec: ...
+    @property
+    def image(self) -> Image: ...
+
 
 Transform = Callable[[Image, ClusterSpec], Image]
 AroundApp = Callable[[InstanceInfo], AbstractContextManager[Any] | None]
-AroundClient = Callable[["ComputePool"], AbstractContextManager[Any] | None]
+AroundClient = Callable[[ClientPool], AbstractContextManager[Any] | None]
 
 
 class Plugin:
@@ -61,7 +71,7 @@ class Plugin:
         """A context entered in every agent before the first call and exited at shutdown."""
         return self._around_app(info) if self._around_app else None
 
-    def around_client(self, pool: ComputePool) -> AbstractContextManager[Any] | None:
+    def around_client(self, pool: ClientPool) -> AbstractContextManager[Any] | None:
         """A context entered on the client around the pool's life."""
         return self._around_client(pool) if self._around_client else None
 

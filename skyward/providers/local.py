@@ -34,10 +34,10 @@ from skyward.providers import local_gpus
 from skyward.providers.base import Cluster, Log, Node, Provider, count
 from skyward.providers.environment import env_spec, packaged_uv
 from skyward.providers.source import source_hash, source_tarball, unpack_command
+from skyward.transport.agentwire import LINGER_ENV
 from skyward.transport.base import AgentStream
 from skyward.transport.pipes import spawn
 from skyward.worker import envbuild, gpus, hostcheck
-from skyward.worker.agent import LINGER_ENV
 from skyward.worker.gpus import Inventory
 
 LOOPBACK = "127.0.0.1"

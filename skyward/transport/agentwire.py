@@ -46,6 +46,11 @@ from skyward.transport.frames import (
 )
 from skyward.transport.messages import Call, Message, Result, from_wire
 
+# How long the agent polls for the next call after answering one (see AgentWire.linger). The
+# provider sets it, and only where the agent has a core to itself: polling agents that share
+# cores would slow each other down.
+LINGER_ENV = "SKYWARD_AGENT_LINGER_US"
+
 
 class _Held(Protocol):
     def locked(self) -> bool: ...

@@ -35,15 +35,11 @@ from skyward import reports
 from skyward.errors import PluginError, SerializationError
 from skyward.plugins import hooks
 from skyward.transport import frames, messages, pickling
-from skyward.transport.agentwire import AgentWire
+from skyward.transport.agentwire import LINGER_ENV, AgentWire
 
 HEARTBEAT_SECONDS = 2.0
 # After the client disappears, how long a graceful exit (plugin hooks unwinding) may take.
 ORPHAN_GRACE_SECONDS = 3.0
-# How long the agent polls for the next call after answering one (see AgentWire.linger). The
-# provider sets it, and only where the agent has a core to itself: polling agents that share
-# cores would slow each other down.
-LINGER_ENV = "SKYWARD_AGENT_LINGER_US"
 
 M = TypeVar("M", messages.Open, messages.Hello)
 

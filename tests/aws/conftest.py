@@ -322,26 +322,14 @@ class Ec2Hosts:
         # cloud-init: the key pair for the image's user before the user data runs.
         host.set_authorized_keys([pair["KeyPairs"][0]["PublicKey"].strip()])
         bareroots.install_fake_poweroff(host)
-        # The image's sysv script for sshd ("service ssh restart", the user data's fallback
-        # where there is no systemd) must leave sshd to the harness, which supervises it here.
-        (host.root / "etc/ssh/sshd_not_to_be_run").write_text("sshd runs under the harness\n")
         where = f"/var/lib/cloud/instances/{iid}/user-data.txt"  # where cloud-init keeps it
-        path = host.root / where.lstrip("/")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(script)
-        proc = host.run("bash", where, check=False)
+        proc = bareroots.first_boot(host, script, where, install_host_key=self.install_host_key)
         self.boot_logs[iid] = proc.stdout + proc.stderr
         if proc.returncode != 0:
             self.errors.append(
                 f"user data of {iid} on {host.name} exited {proc.returncode}:\n"
                 f"{proc.stdout}\n{proc.stderr}"
             )
-        if not self.install_host_key:  # the host's own key, not the one the script installed
-            key = host.root / "etc/ssh/ssh_host_ed25519_key"
-            shutil.copyfile(host.host_key.private_path, key)
-            key.chmod(0o600)
-            key.with_suffix(".pub").write_text(host.host_key.public_line + "\n")
-        host.start()
 
 
 def close_hosts(net: bareroots.BareHosts) -> None:

@@ -172,25 +172,15 @@ class GceHosts:
         host.stop()  # not running: a new VM's machine was off
         authorize(host, items["ssh-keys"])
         bareroots.install_fake_poweroff(host)
-        # The image's sysv script for sshd ("service ssh restart", the script's fallback where
-        # there is no systemd) must leave sshd to the harness, which supervises it here.
-        (host.root / "etc/ssh/sshd_not_to_be_run").write_text("sshd runs under the harness\n")
-        path = host.root / STARTUP_SCRIPT.lstrip("/")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(items["startup-script"])
-        proc = host.run("bash", STARTUP_SCRIPT, check=False)  # the agent's default shell
+        proc = bareroots.first_boot(
+            host, items["startup-script"], STARTUP_SCRIPT, install_host_key=self.install_host_key
+        )
         self.boot_logs[name] = proc.stdout + proc.stderr
         if proc.returncode != 0:
             self.errors.append(
                 f"startup-script of {name} on {host.name} exited {proc.returncode}:\n"
                 f"{proc.stdout}\n{proc.stderr}"
             )
-        if not self.install_host_key:  # the machine's own key, not the one the script installed
-            key = host.root / "etc/ssh/ssh_host_ed25519_key"
-            shutil.copyfile(host.host_key.private_path, key)
-            key.chmod(0o600)
-            key.with_suffix(".pub").write_text(host.host_key.public_line + "\n")
-        host.start()
 
     def on_gone(self, instance: dict[str, Any]) -> None:
         address = instance["networkInterfaces"][0]["networkIP"]

@@ -1125,3 +1125,26 @@ def install_fake_poweroff(host: BareHost) -> Path:
     fake.write_text(f"#!/bin/sh\nmkdir -p {marker.parent}\ndate >> {marker}\n")
     fake.chmod(0o755)
     return host.root / POWEROFF_MARKER.lstrip("/")
+
+
+def first_boot(
+    host: BareHost, script: str, where: str, *, install_host_key: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run a cloud provider's first-boot `script` on `host` as its image would, then start the
+    host's sshd again (the caller stopped it, and authorized the login key). The script runs as
+    root from `where`, inside the machine; the image's sysv script for sshd (the script's
+    ``service ssh restart`` where there is no systemd) leaves sshd to the harness, which
+    supervises it. With ``install_host_key=False`` the machine keeps its own host key rather than
+    the one the script installed. Returns the script's process, for its output and status."""
+    (host.root / "etc/ssh/sshd_not_to_be_run").write_text("sshd runs under the harness\n")
+    path = host.root / where.lstrip("/")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(script)
+    proc = host.run("bash", where, check=False)
+    if not install_host_key:
+        key = host.root / "etc/ssh/ssh_host_ed25519_key"
+        shutil.copyfile(host.host_key.private_path, key)
+        key.chmod(0o600)
+        key.with_suffix(".pub").write_text(host.host_key.public_line + "\n")
+    host.start()
+    return proc

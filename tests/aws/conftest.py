@@ -332,20 +332,6 @@ class Ec2Hosts:
             )
 
 
-def close_hosts(net: bareroots.BareHosts) -> None:
-    """Close `net`; raise if anything of it is left but the guard route over the test /16.
-
-    That route is shared by every test network on this machine: another run may be adding it
-    this very moment (it adds the route before its bridge, which is how `leftovers` tells it is
-    in use), so its presence here is not ours to report.
-    """
-    net.close(raise_on_leftovers=False)
-    guard = f"route unreachable {net.net.guard_network}"
-    left = [item for item in net.leftovers() if item != guard]
-    if left:
-        raise RuntimeError(f"BareHosts {net.run_id} left behind: {', '.join(left)}")
-
-
 @pytest.fixture
 def ec2_hosts(
     moto_server: MotoServer,
@@ -377,7 +363,7 @@ def ec2_hosts(
             root=instance_root,
             host_offset=INSTANCE_HOST_OFFSET,
         ).build()
-        cleanup.callback(close_hosts, net)
+        cleanup.callback(net.close)
         index = cleanup.enter_context(bareroots.PackageIndex(wheels, host=net.bridge_address))
 
         def make(install_host_key: bool = True, boot_at_most: int | None = None) -> Ec2Hosts:

@@ -195,20 +195,6 @@ class GceHosts:
         return {h.name: pids for h in self.net.hosts if (pids := h.pids())}
 
 
-def close_hosts(net: bareroots.BareHosts) -> None:
-    """Close `net`; raise if anything of it is left but the guard route over the test /16.
-
-    That route is shared by every test network on this machine: another run may be adding it
-    this very moment (it adds the route before its bridge, which is how `leftovers` tells it is
-    in use), so its presence here is not ours to report.
-    """
-    net.close(raise_on_leftovers=False)
-    guard = f"route unreachable {net.net.guard_network}"
-    left = [item for item in net.leftovers() if item != guard]
-    if left:
-        raise RuntimeError(f"BareHosts {net.run_id} left behind: {', '.join(left)}")
-
-
 @pytest.fixture
 def gce_hosts(
     tmp_path: Path, instance_root: Path, instance_wheels: Path
@@ -245,7 +231,7 @@ def _simulated(
         net = bareroots.BareHosts(
             count, suite=bareroots.MACHINE_SUITE, subnet=subnet, root=root
         ).build()
-        stack.callback(close_hosts, net)
+        stack.callback(net.close)
         for host in net.hosts:
             host.stop()  # no VM there yet: the machine is off
         index = stack.enter_context(bareroots.PackageIndex(wheels, host=net.bridge_address))

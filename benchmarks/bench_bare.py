@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["SKYWARD_QUIET"] = "1"  # no status lines between the table's
 
 import skyward as sky
-from skyward.providers import hoststeps
 from skyward.providers.environment import packaged_uv
+from skyward.providers.remote import hoststeps
 from skyward.providers.source import source_tarball
-from skyward.transport.ssh import ENCRYPTION_ALGS
+from skyward.transport.sshhost import ENCRYPTION_ALGS
 from tests.support import bareroots, sshd
 
 SUBNET = "10.213.14.0/24"  # the test suite's bare hosts use 10.213.12 and 10.213.13

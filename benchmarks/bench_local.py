@@ -35,7 +35,7 @@ import cloudpickle
 
 from skyward.calls import compute, gather
 from skyward.plugins import Plugin
-from skyward.plugins import jax as jax_plugin
+from skyward.plugins.jax_plugin import jax as jax_plugin
 from skyward.pool import ComputePool
 from skyward.reports import report
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import skyward as sky
 from skyward.providers.ssh import SSH
-from skyward.transport.ssh import ENCRYPTION_ALGS
+from skyward.transport.sshhost import ENCRYPTION_ALGS
 from tests.support import sshd, wheels
 
 

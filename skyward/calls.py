@@ -19,8 +19,8 @@ from typing import Any, Generic, ParamSpec, Protocol, TypeVar, TypeVarTuple, ove
 
 import cloudpickle
 
-from skyward import sources
-from skyward.data import Data, collecting
+from skyward.client import sources
+from skyward.data import Stager, collecting
 from skyward.errors import SerializationError, SkywardError
 from skyward.transport.frames import PROTOCOL, Buffer
 from skyward.transport.pickling import cloud_dumps
@@ -46,9 +46,6 @@ class Runner(Protocol):
     def broadcast(self, call: PendingCall[T]) -> list[T]: ...
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]: ...
 
-
-# Places each `sky.Data` of a call's arguments; True when a placement changed.
-Stage = Callable[[list[Data]], bool]
 
 _function_ids = itertools.count(1)
 _EMPTY_ARGS: list[Buffer] = [bytes(segment) for segment in cloud_dumps(((), {}))]
@@ -109,7 +106,7 @@ class PendingCall(Generic[R]):
         self.args = args
         self.kwargs = kwargs
 
-    def serialized_args(self, stage: Stage | None = None) -> list[Buffer]:
+    def serialized_args(self, stage: Stager | None = None) -> list[Buffer]:
         """The pickled ``(args, kwargs)`` as wire segments (large buffers out of band); raises
         `SerializationError` naming the culprit.
 

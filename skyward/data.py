@@ -23,11 +23,15 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from skyward.errors import ConfigError, DataError, SerializationError
+
+# Places each `sky.Data` of a call's arguments (the pool syncs it to the nodes); True when a
+# placement changed.
+Stager = Callable[[list["Data"]], bool]
 
 S3_SCHEME = "s3://"
 

@@ -17,23 +17,23 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from skyward import activity, plan, teardown
-from skyward.console import Console
+from skyward.client import activity, plan, shutdown
+from skyward.client.dispatch import Dispatch
+from skyward.client.handshake import handshake
+from skyward.client.loop import LoopThread, sigterm_unwinds
+from skyward.client.session import NodeSession, ping_agents, watch_heartbeats
+from skyward.client.transfers import Transfers
+from skyward.console.console import Console
+from skyward.console.progress import Phase
 from skyward.data import Data
-from skyward.dispatch import Dispatch
 from skyward.errors import ConfigError, PoolClosedError
-from skyward.handshake import handshake
 from skyward.image import Image
 from skyward.info import InstanceInfo
-from skyward.loop import LoopThread, sigterm_unwinds
 from skyward.plugins import hooks
 from skyward.plugins.base import Plugin
-from skyward.progress import Phase
 from skyward.providers.base import Cluster, Node, Provider
 from skyward.providers.local import Local
 from skyward.reports import Report
-from skyward.session import NodeSession, ping_agents, watch_heartbeats
-from skyward.transfers import Transfers
 
 if TYPE_CHECKING:
     from skyward.calls import PendingCall
@@ -168,7 +168,7 @@ class ComputePool:
         with self.console.calling():
             try:
                 if self._loop is not None:
-                    teardown.tear_down(
+                    shutdown.tear_down(
                         loop=self._loop,
                         console=self.console,
                         provider=self.provider,
@@ -267,7 +267,7 @@ class ComputePool:
         await self.provider.replace(cluster, index)
         # The whole cluster: the others' environments are there, so that costs a check each.
         await self.provider.prepare(cluster, self.image, self.console)
-        await teardown.stop_agents(self._sessions, self.shutdown_timeout)
+        await shutdown.stop_agents(self._sessions, self.shutdown_timeout)
         await self._start_agents()
         self._dispatch.broken = None
         self.console.phase(None, Phase.READY)
@@ -298,7 +298,8 @@ class ComputePool:
 
     def run(self, call: PendingCall[T], node: int | None = None) -> T:
         """Run `call` on one node and return its result (what ``call >> pool`` does)."""
-        return self._calling(self._check_open().run, call, node)
+        result: T = self._calling(self._check_open().run, call, node)
+        return result
 
     def broadcast(self, call: PendingCall[T]) -> list[T]:
         """Run `call` on every node; results in node order (what ``call @ pool`` does).

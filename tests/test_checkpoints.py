@@ -1,5 +1,5 @@
 """Collections of a node's outputs never overlap, and none begins after the pool's last one
-(`skyward.checkpoints.Checkpoints`).
+(`skyward.client.checkpoints.Checkpoints`).
 
 A checkpoint's copy runs in the background when it is reported; the pool's last collection
 comes right before the nodes' directories are removed. A copy that overlapped it, or listed a
@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from skyward.checkpoints import Checkpoints
+from skyward.client.checkpoints import Checkpoints
+from skyward.client.loop import LoopThread
 from skyward.cluster import ClusterSpec
-from skyward.loop import LoopThread
 from skyward.providers.base import Cluster, Log, Node
 from skyward.providers.local import Local, LocalCluster, LocalNode
 from skyward.reports import Report

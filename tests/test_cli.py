@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from skyward import __version__
-from skyward.cli import main
+from skyward.cli.main import main
 from skyward.providers.source import source_hash
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
-from skyward import profiles, runner
-from skyward.cli import main
+from skyward.cli import profiles, runner
+from skyward.cli.main import main
 from tests.conftest import alive, sigint_default, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,7 +102,9 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_imports_go_one_way() -> None:
     """No import circles: DESIGN.md's one-way imports, typing-only and lazy imports included."""
     graph = _imports()
-    assert "skyward.session" in graph["skyward.dispatch"], "the import graph was not read"
+    assert "skyward.client.session" in graph["skyward.client.dispatch"], (
+        "the import graph was not read"
+    )
     circles = _circles(graph)
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
@@ -108,3 +112,33 @@ def test_imports_go_one_way() -> None:
 def test_the_circle_finder_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(graph) == [["a", "b", "c"]]
+
+
+def _documented_agent_imports() -> list[str]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = re.search(r"<!-- agent-imports -->\n```\n(.*?)```\n<!-- /agent-imports -->", text, re.S)
+    assert block, "docs/architecture.md lost its list of the agent's imports"
+    return block.group(1).split()
+
+
+def test_an_agent_imports_only_the_wire_and_the_hook_runner() -> None:
+    """An agent loads the wire, the hook runner and the vocabulary it reports with: not the
+    plugins, the image, packaging or the client (what docs/architecture.md lists)."""
+    probe = (
+        "import sys, skyward.worker.agent; "
+        "print(*sorted(m for m in sys.modules if m.split('.')[0] == 'skyward'))"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert found == _documented_agent_imports()
+    assert (
+        "packaging"
+        not in subprocess.run(
+            [sys.executable, "-c", "import sys, skyward.worker.agent; print(*sys.modules)"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+    )

@@ -22,8 +22,8 @@ import pytest
 from rich.console import Console as RichConsole
 
 import skyward as sky
-from skyward.console import MAX_ROWS, Console
-from skyward.progress import Phase
+from skyward.console.console import MAX_ROWS, Console
+from skyward.console.progress import Phase
 from tests.support import terminal
 
 ROOT = Path(__file__).resolve().parent.parent

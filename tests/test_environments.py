@@ -192,7 +192,7 @@ def test_a_node_on_another_python_is_refused_at_the_handshake_before_any_call(
 ) -> None:
     """The handshake compares each agent's Python with the client's, as it does skyward's
     version. Real agents on this interpreter; the client is told it runs another minor."""
-    from skyward import handshake
+    from skyward.client import handshake
 
     monkeypatch.setattr(handshake, "client_python", lambda: "3.1")
     with pytest.raises(sky.BootstrapError) as caught:

@@ -119,7 +119,7 @@ def test_every_message_travels_as_itself() -> None:
         messages.Call(5, 2, None),  # packed, as the next calls of a function are
         messages.Shutdown(),
         messages.Started(10, "host", "3.11.7", "0.1.0", {"head": 5000}),
-        messages.Progress("jax", "around_app"),
+        messages.HookStarted("jax", "around_app"),
         messages.Ready(),
         messages.HookFailed("jax", "around_app", messages.ErrorReport("ValueError", "no", "Tb")),
         messages.Result(3),

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
-from skyward.providers import hoststeps
+from skyward.providers.remote import hoststeps
 from skyward.worker import uvinstall
 from tests.support import wheels
 from tests.support.bareroots import PackageIndex

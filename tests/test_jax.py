@@ -20,7 +20,7 @@ import pytest
 
 import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
-from skyward.plugins.jax import JAX_RELEASES, LIBTPU_RELEASES
+from skyward.plugins.jax_plugin import JAX_RELEASES, LIBTPU_RELEASES
 from tests.conftest import import_example, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -207,7 +207,7 @@ def test_a_pool_in_one_cell_shows_in_one_display(notebook: tuple[Any, Recorder])
 
 
 def test_a_view_keeps_the_last_lines_and_says_how_many_went() -> None:
-    from skyward.notebook import LINES, Notebook
+    from skyward.console.notebook import LINES, Notebook
 
     sent: list[str] = []
     board = Notebook()

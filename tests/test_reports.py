@@ -17,7 +17,7 @@ import pytest
 
 import skyward as sky
 from skyward import reports
-from skyward.session import NodeSession
+from skyward.client.session import NodeSession
 from skyward.transport import messages
 
 

@@ -29,7 +29,7 @@ the provider object: one provider object may serve several pools at once.
 
 A `Node` knows its index, its addresses and how to start the agent on itself.
 
-`launch` and `prepare` report each node's phase to their `Progress` (`skyward.progress`):
+`launch` and `prepare` report each node's phase to their `Progress` (`skyward.console.progress`):
 booting, connecting, building environment (with the build's output lines as detail); the pool
 sets the phases around them (requested, starting agent, ready, stopping). `Progress` is also a
 plain `Log`: ``progress("message")`` is a status line.
@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from skyward.cluster import Accelerator, ClusterSpec, Hardware
+from skyward.console.progress import Progress
 from skyward.data import Data, Placement
 from skyward.errors import ConfigError
 from skyward.image import Image
-from skyward.progress import Progress
 from skyward.transport.base import AgentStream
 from skyward.worker.gpus import Gpu
 

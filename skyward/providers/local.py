@@ -27,9 +27,9 @@ from pathlib import Path
 
 from skyward import info
 from skyward.cluster import ClusterSpec, Hardware
+from skyward.console.progress import Phase, Progress
 from skyward.errors import BootstrapError
 from skyward.image import Image
-from skyward.progress import Phase, Progress
 from skyward.providers import local_gpus
 from skyward.providers.base import Cluster, Log, Node, Provider, count
 from skyward.providers.environment import env_spec, packaged_uv

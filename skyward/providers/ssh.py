@@ -1,7 +1,7 @@
 """The SSH provider: pools on machines that already exist, reached with asyncssh.
 
 Node i runs on hosts[i]. `launch` opens one verified connection per host, all at once, kept for
-the pool's life; `survey` and `prepare` are the remote bootstrap (`skyward.providers.remote`):
+the pool's life; `survey` and `prepare` are the remote bootstrap (`remote.bootstrap`):
 one check command per host (its GPUs too, before the plugins choose their packages), then only
 what is missing (skyward's source, apt packages, uv, the image's environment). A host needs only
 a shell and python3: uv arrives without pip (`hoststeps.install_uv`), and the environment runs
@@ -19,13 +19,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from skyward.cluster import ClusterSpec, Hardware
+from skyward.console.progress import Phase, Progress
 from skyward.errors import ConfigError
 from skyward.image import Image
-from skyward.progress import Phase, Progress
-from skyward.providers import connect, hoststeps, remote
 from skyward.providers.base import Cluster, Node, Provider, count
-from skyward.providers.remote_data import RemoteData, remove_outputs
-from skyward.transport.ssh import Endpoint, KnownHosts, load_known_hosts
+from skyward.providers.remote import bootstrap, connect, hoststeps
+from skyward.providers.remote.data import RemoteData, remove_outputs
+from skyward.transport.sshhost import Endpoint, KnownHosts, load_known_hosts
 
 
 class SSH(RemoteData, Provider):
@@ -108,25 +108,25 @@ class SSH(RemoteData, Provider):
         for index, endpoint in enumerate(endpoints):
             progress.phase(index, Phase.CONNECTING, str(endpoint))
         hosts = await connect.connect_all(endpoints, self.connect_options)
-        nodes: list[Node] = [remote.RemoteNode(i, h) for i, h in enumerate(hosts)]
+        nodes: list[Node] = [bootstrap.RemoteNode(i, h) for i, h in enumerate(hosts)]
         return Cluster(spec, nodes)
 
     async def replace(self, cluster: Cluster, index: int) -> Node:
         """The same host again, on a new connection (it rebooted, or sshd was restarted)."""
-        await remote.remote_nodes(cluster)[index].host.close()
+        await bootstrap.remote_nodes(cluster)[index].host.close()
         host = await self.connect_options.connect(self.endpoints[index])
-        cluster.nodes[index] = remote.RemoteNode(index, host)
+        cluster.nodes[index] = bootstrap.RemoteNode(index, host)
         return cluster.nodes[index]
 
     async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
-        return await remote.survey_nodes(cluster, image, self.bootstrap, progress)
+        return await bootstrap.survey_nodes(cluster, image, self.bootstrap, progress)
 
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
-        await remote.prepare_nodes(cluster, image, self.bootstrap, progress)
+        await bootstrap.prepare_nodes(cluster, image, self.bootstrap, progress)
 
     def teardown_summary(self, cluster: Cluster) -> str:
         return f"closed {count(len(cluster.nodes), 'connection')}"
 
     async def terminate(self, cluster: Cluster) -> None:
         await remove_outputs(cluster)  # the hosts stay: what the pool wrote on them goes
-        await remote.close_hosts(cluster)
+        await bootstrap.close_hosts(cluster)

@@ -164,7 +164,7 @@ class AgentWire:
 
         Each `Call` runs here, with `host`'s functions, and its result is sent as its `Result`
         (an exception goes to `host.fail_call`). Any other message goes to `other`, which
-        returns False to stop. After each call the channel polls for the next one for `linger`
+        returns False to stop. After each call the wire polls for the next one for `linger`
         seconds. `shared`: another thread may take frames meanwhile (`read_ahead`), so reads
         take the lock and mark `last_input`; without it, a call's path touches neither.
         """

@@ -6,7 +6,7 @@ A conversation with one agent::
     Open(port_names)            ->                          (written right after the agent starts)
                                 <-  Started(pid, hostname, python, skyward, ports)
     Hello(info) + plugins       ->
-                                <-  Progress(plugin, hook)   (before each plugin's around_app)
+                                <-  HookStarted(plugin, hook) (before each plugin's around_app)
                                 <-  Ready()  or  HookFailed(plugin, hook, ...) + exception
     Call(call_id, fn_id, fn) + args ->
                                 <-  Reported(entries)        (sky.report, while the call runs)
@@ -85,7 +85,7 @@ class Started:
 
 
 @dataclass(frozen=True, slots=True)
-class Progress:
+class HookStarted:
     """agent -> client: entering `hook` of `plugin` (so a hang can be pinned on it)."""
 
     KIND: ClassVar[int] = 11
@@ -159,7 +159,7 @@ Message = (
     | Shutdown
     | Ping
     | Started
-    | Progress
+    | HookStarted
     | Ready
     | HookFailed
     | Result
@@ -175,7 +175,7 @@ _TYPES: tuple[type[Any], ...] = (
     Shutdown,
     Ping,
     Started,
-    Progress,
+    HookStarted,
     Ready,
     HookFailed,
     Result,

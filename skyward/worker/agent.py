@@ -47,14 +47,14 @@ M = TypeVar("M", messages.Open, messages.Hello)
 class Agent:
     """The agent's state: the stream and the function cache."""
 
-    def __init__(self, channel: AgentWire) -> None:
-        self._channel = channel
+    def __init__(self, wire: AgentWire) -> None:
+        self._wire = wire
         self.functions: dict[int, Callable[..., Any]] = {}
         self._linger = _linger_seconds()
         self.reports = reports.Outbox(lambda entries: self.send(messages.Reported(entries)))
 
     def send(self, message: messages.Message, segments: frames.Segments = ()) -> None:
-        self._channel.send(message, segments)
+        self._wire.send(message, segments)
 
     def run(self) -> int:
         first = self._expect(messages.Open)
@@ -86,7 +86,7 @@ class Agent:
                 return 3
             self.send(messages.Ready())
             # the watcher reads ahead only when the client pings (see `_watch`)
-            self._channel.serve(self, _not_shutdown, self._linger, hello.silence_timeout > 0)
+            self._wire.serve(self, _not_shutdown, self._linger, hello.silence_timeout > 0)
         with contextlib.suppress(OSError):  # what the plugins reported while unwinding
             self.reports.flush()
         return 0
@@ -94,7 +94,7 @@ class Agent:
     def _expect(self, kind: type[M]) -> tuple[M, list[bytes]] | None:
         """The next message, which must be a `kind`, and its segments; None if the client went
         away first."""
-        frame = self._channel.read()
+        frame = self._wire.read()
         if frame is None:
             return None
         message, segments = frame
@@ -109,7 +109,7 @@ class Agent:
 
         def progress(name: str) -> None:
             current[0] = name
-            self.send(messages.Progress(name, "around_app"))
+            self.send(messages.HookStarted(name, "around_app"))
 
         try:
             hooks.enter_hooks(
@@ -165,13 +165,13 @@ class Agent:
         (`read_ahead`); no word for that long and the agent stops.
         """
         poller = select.poll()
-        poller.register(self._channel.fileno_in, 0)  # 0: only hang-ups and errors wake us
+        poller.register(self._wire.fileno_in, 0)  # 0: only hang-ups and errors wake us
         while True:
             if poller.poll(HEARTBEAT_SECONDS * 1000):
                 break
             if silence_timeout > 0:
-                self._channel.read_ahead(_not_a_ping)
-                quiet = time.monotonic() - self._channel.last_input
+                self._wire.read_ahead(_not_a_ping)
+                quiet = time.monotonic() - self._wire.last_input
                 if quiet > silence_timeout:
                     print(
                         f"[skyward] no word from the client for {quiet:.0f} s (more than its "
@@ -267,10 +267,10 @@ def _take_over_stdio() -> AgentWire:
 
 def main() -> None:
     """Run the agent on this process's stdin/stdout."""
-    channel = _take_over_stdio()
+    wire = _take_over_stdio()
     signal.signal(signal.SIGTERM, lambda *_: _exit_hard(143))
     try:
-        status = Agent(channel).run()
+        status = Agent(wire).run()
     except BaseException:
         traceback.print_exc()
         status = 1

@@ -2,7 +2,7 @@
 
 Runs on the host with its own python3 (any 3.8+, as cloud images have), before any environment
 exists, so it is standard library only. Two ways in, chosen by the client
-(`skyward.providers.hoststeps.install_uv`):
+(`skyward.providers.remote.hoststeps.install_uv`):
 
 - ``--receive``: the client's own uv binary arrives gzip-compressed on stdin (the client sends it
   when the host's OS, architecture and C library match its own);

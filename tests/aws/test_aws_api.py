@@ -22,8 +22,8 @@ from moto import mock_aws
 
 import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
+from skyward.console.progress import Progress
 from skyward.errors import ConfigError, ProvisionError
-from skyward.progress import Progress
 from skyward.providers.aws import instance_types, instances, teardown, userdata
 from skyward.providers.aws.instances import describe_loss
 from skyward.providers.aws.resources import POOL_TAG, pool_tags
@@ -322,7 +322,7 @@ def test_cli_ls_and_down(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from skyward import cli
+    from skyward.cli import main as cli
 
     monkeypatch.setattr(cli, "_aws_session", lambda region, profile: new_session(stubs))
     orphan(ec2, "pool-a", 2, subnet)

@@ -16,7 +16,7 @@ from botocore.exceptions import ClientError
 from botocore.parsers import ResponseParserError
 
 import skyward as sky
-from skyward import cli
+from skyward.cli import main as cli
 from skyward.errors import ProvisionError
 from skyward.providers.aws.provider import AWSCluster
 from skyward.providers.aws.resources import POOL_TAG

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
-from skyward.providers import hoststeps
+from skyward.providers.remote import hoststeps
 from tests.bare.conftest import WHEELS, Bare, MakeBareHosts
 from tests.contract import PROBE, ProviderContract
 from tests.support import bareroots, wheels

@@ -17,7 +17,7 @@ from google.auth.exceptions import DefaultCredentialsError
 
 import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
-from skyward.providers.bootscript import HostKey
+from skyward.providers.cloud.bootscript import HostKey
 from skyward.providers.gcp import instances, machine_types, resources, startup, teardown
 from skyward.providers.gcp.settings import Access, Clients, Placement, resolve
 from tests.gcp.conftest import PROJECT, ZONE

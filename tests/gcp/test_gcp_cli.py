@@ -7,9 +7,10 @@ from typing import Any
 import pytest
 from google.auth.credentials import AnonymousCredentials
 
-from skyward import cli, profiles, runner
+from skyward.cli import main as cli
+from skyward.cli import profiles, runner
+from skyward.cli.profiles import Profile
 from skyward.cluster import ClusterSpec
-from skyward.profiles import Profile
 from skyward.providers.gcp import teardown
 from skyward.providers.gcp.settings import Placement
 from tests.gcp.conftest import PROJECT, ZONE

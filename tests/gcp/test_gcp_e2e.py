@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import skyward as sky
-from skyward import cli
+from skyward.cli import main as cli
 from skyward.errors import ProvisionError
 from tests.contract import PROBE, ProviderContract
 from tests.gcp.conftest import PROJECT, GceHosts, gce_for

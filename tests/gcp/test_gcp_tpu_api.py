@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import skyward as sky
-from skyward import cli
+from skyward.cli import main as cli
 from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.gcp import tpu_types
 from skyward.providers.gcp.settings import Placement
@@ -98,7 +98,7 @@ def test_a_failed_queued_resource_leaves_nothing(api_fake: FakeGCP) -> None:
 def test_skyward_ls_and_down_include_tpu_nodes(
     api_fake: FakeGCP, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    from skyward.providers.bootscript import HostKey
+    from skyward.providers.cloud.bootscript import HostKey
     from skyward.providers.gcp import startup, teardown, tpus
 
     gcp = gcp_for(api_fake)

@@ -11,7 +11,7 @@ import pytest
 
 import skyward as sky
 from skyward.providers.source import source_hash
-from skyward.transport.ssh import SSHHost
+from skyward.transport.sshhost import SSHHost
 from tests.ssh.conftest import Hosts, Server
 from tests.support import sshd
 

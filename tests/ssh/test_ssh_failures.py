@@ -21,7 +21,7 @@ import asyncssh
 import pytest
 
 import skyward as sky
-from skyward.transport.ssh import HostKeyError, HostUnreachableError, SSHAuthError
+from skyward.transport.sshhost import HostKeyError, HostUnreachableError, SSHAuthError
 from tests.conftest import reported_pids, sigint_default
 from tests.contract import ends, zeros_with_marks
 from tests.ssh.conftest import BUILD_ENV, Hosts, Server, processes_with, wait_until

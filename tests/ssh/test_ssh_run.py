@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
-from skyward import runner
-from skyward.profiles import Profile
+from skyward.cli import runner
+from skyward.cli.profiles import Profile
 from tests.ssh.conftest import Hosts, Server
 
 pytestmark = [pytest.mark.ssh]

@@ -28,11 +28,11 @@ import pytest
 
 import skyward as sky
 from skyward.cluster import ClusterSpec
+from skyward.console.progress import Progress
 from skyward.errors import DataError
-from skyward.progress import Progress
-from skyward.providers import files
-from skyward.providers.files import PullStats, PushStats, pull_tree, push_tree
-from skyward.providers.remote import RemoteNode, close_hosts, remote_nodes
+from skyward.providers.remote import files
+from skyward.providers.remote.bootstrap import RemoteNode, close_hosts, remote_nodes
+from skyward.providers.remote.files import PullStats, PushStats, pull_tree, push_tree
 from skyward.worker import treemanifest, treestore
 from skyward.worker.objectstore import Store
 from skyward.worker.treemanifest import Manifest

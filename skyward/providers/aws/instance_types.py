@@ -13,7 +13,7 @@ from typing import Any
 
 from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
-from skyward.providers.sizes import Sizes
+from skyward.providers.cloud.sizes import Sizes
 
 # (instance type, GPUs per instance), smallest first. A100/H200 come only in 8-GPU sizes.
 GPU_TYPES: Mapping[str, tuple[tuple[str, int], ...]] = {

@@ -33,7 +33,7 @@ from skyward.cluster import ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.aws import instance_types, resources, teardown, userdata
 from skyward.providers.base import NodeLoss
-from skyward.providers.cloud import check_cidr
+from skyward.providers.cloud.provider import check_cidr
 
 GPU_AMI_PARAMETER = (
     "/aws/service/deeplearning/ami/{arch}/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"

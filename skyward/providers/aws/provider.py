@@ -1,8 +1,8 @@
 """`sky.AWS`: a pool's nodes as EC2 instances, reached over verified SSH.
 
 launch, for the whole pool at once (the EC2 call count does not grow with N); the EC2 steps are
-the plain functions of `instances`, the SSH steps those of `skyward.providers.connect` and
-`skyward.providers.remote`:
+the plain functions of `instances`, the SSH steps those of `skyward.providers.remote.connect` and
+`skyward.providers.remote.bootstrap`:
 
 1. check the instance type against ``describe_instance_types`` and resolve the AMI (public SSM
    parameter) and the subnet, before anything is created;
@@ -38,13 +38,13 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, 
 from botocore.parsers import ResponseParserError
 
 from skyward.cluster import Accelerator, ClusterSpec
+from skyward.console.progress import Phase, Progress
 from skyward.errors import ConfigError, ProvisionError
-from skyward.progress import Phase, Progress
 from skyward.providers.aws import instance_types, instances, resources, teardown, userdata
 from skyward.providers.aws.instances import logger
 from skyward.providers.base import Cluster, Node, NodeLoss, count
-from skyward.providers.cloud import CloudCluster, CloudProvider, check_cidr, remove_pools
-from skyward.providers.remote import (
+from skyward.providers.cloud.provider import CloudCluster, CloudProvider, check_cidr, remove_pools
+from skyward.providers.remote.bootstrap import (
     RemoteNode,
 )
 

@@ -8,7 +8,7 @@ others. What the client knows it made (`Made`: instance ids, key pair and group 
 removed too, so a listing that fails cannot hide it. Rounds repeat, `poll` apart while EC2 is
 merely slow and with growing, jittered backoff while calls fail, until a successful listing of
 every kind shows nothing, or `timeout` runs out: then ONE `ProvisionError` lists what remains
-and ends with the command that retries. That loop is `skyward.providers.reconcile`'s; this module
+and ends with the command that retries. That loop is `cloud.reconcile`'s; this module
 brings the EC2 round.
 
 Retrying what is retryable (throttling, 5xx, dropped connections) is botocore's job (the
@@ -26,7 +26,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from botocore.parsers import ResponseParserError
 
 from skyward.providers.aws.resources import LIVE_STATES, POOL_TAG
-from skyward.providers.reconcile import Log, Step, Words, reconcile
+from skyward.providers.cloud.reconcile import Log, Step, Words, reconcile
 
 INSTANCE = "instance"
 PLACEMENT_GROUP = "placement group"

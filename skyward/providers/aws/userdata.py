@@ -1,9 +1,9 @@
-"""The instance's user data: the shared first-boot script (`skyward.providers.bootscript`:
+"""The instance's user data: the shared first-boot script (`skyward.providers.cloud.bootscript`:
 the client-made host key, sshd restart, idle watchdog), within EC2's size limit."""
 
 from __future__ import annotations
 
-from skyward.providers.bootscript import (
+from skyward.providers.cloud.bootscript import (
     HostKey,
     check_interval,
     first_boot_script,

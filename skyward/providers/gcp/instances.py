@@ -27,7 +27,7 @@ from google.cloud import compute_v1
 from skyward.cluster import ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.base import NodeLoss
-from skyward.providers.cloud import check_cidr
+from skyward.providers.cloud.provider import check_cidr
 from skyward.providers.gcp import api, resources, teardown
 from skyward.providers.gcp.machine_types import Choice
 from skyward.providers.gcp.resources import network_url, subnetwork_url

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
-from skyward.providers.sizes import Sizes
+from skyward.providers.cloud.sizes import Sizes
 
 # (machine type, GPUs per VM), smallest first.
 GPU_TYPES: Mapping[str, tuple[tuple[str, int], ...]] = {

@@ -2,7 +2,7 @@
 
 launch, for the whole pool at once (the API calls do not grow with N); the GCE steps are
 `provision`'s (over the plain functions of `instances` and `tpus`), run in a thread, the SSH steps
-those of `skyward.providers.connect` and `skyward.providers.remote`:
+those of `skyward.providers.remote.connect` and `skyward.providers.remote.bootstrap`:
 
 1. resolve project, zone and credentials and pick the machine type (offline, in `validate`);
 2. create the pool's firewall rules and a fresh login key; the VMs' metadata carries the key
@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from skyward.cluster import Accelerator, ClusterSpec
+from skyward.console.progress import Phase, Progress
 from skyward.errors import ConfigError, ProvisionError
-from skyward.progress import Phase, Progress
 from skyward.providers.base import Cluster, Node, NodeLoss, count
-from skyward.providers.bootscript import HostKey
-from skyward.providers.cloud import CloudCluster, CloudProvider, check_cidr, remove_pools
+from skyward.providers.cloud.bootscript import HostKey
+from skyward.providers.cloud.provider import CloudCluster, CloudProvider, check_cidr, remove_pools
 from skyward.providers.gcp import (
     api,
     instances,
@@ -49,7 +49,7 @@ from skyward.providers.gcp import (
 from skyward.providers.gcp.instances import logger
 from skyward.providers.gcp.provision import GCPCluster
 from skyward.providers.gcp.settings import Access, Clients, Placement, endpoint_of, resolve
-from skyward.providers.remote import RemoteNode
+from skyward.providers.remote.bootstrap import RemoteNode
 
 
 class GCP(CloudProvider):

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from skyward.errors import ProvisionError
-from skyward.providers.bootscript import write_login_key
-from skyward.providers.cloud import CloudCluster
+from skyward.providers.cloud.bootscript import write_login_key
+from skyward.providers.cloud.provider import CloudCluster
 from skyward.providers.gcp import api, instances, machine_types, startup, teardown, tpu_types, tpus
 from skyward.providers.gcp.instances import logger
 from skyward.providers.gcp.settings import Access, Clients, Placement

@@ -1,11 +1,11 @@
 """The VM's metadata: the pool's login key (``ssh-keys``) and its ``startup-script``, the shared
-first-boot script (`skyward.providers.bootscript`: the client-made host key, sshd restart, idle
+first-boot script (`cloud.bootscript`: the client-made host key, sshd restart, idle
 watchdog). The guest agent of GCE images creates the login user from ``ssh-keys`` and runs the
 startup script as root at boot."""
 
 from __future__ import annotations
 
-from skyward.providers.bootscript import HostKey, first_boot_script
+from skyward.providers.cloud.bootscript import HostKey, first_boot_script
 
 METADATA_VALUE_LIMIT = 256 * 1024  # GCE's limit on one metadata value
 

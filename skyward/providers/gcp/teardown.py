@@ -11,7 +11,7 @@ found" is success) and one failing call never stops the others. What the client 
 (`Made`) is deleted even when a listing fails. Rounds repeat `poll` apart while GCE is only
 slow, with jittered exponential backoff (up to 30 s) while calls fail, until `timeout`: then one
 `ProvisionError` names what remains and ``skyward down <pool>``. That loop is
-`skyward.providers.reconcile`'s; this module brings the GCE (and TPU) round.
+`skyward.providers.cloud.reconcile`'s; this module brings the GCE (and TPU) round.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
 
+from skyward.providers.cloud.reconcile import Log, Step, Words, reconcile
 from skyward.providers.gcp import api, resources, tpus
-from skyward.providers.reconcile import Log, Step, Words, reconcile
 
 INSTANCE = "instance"
 FIREWALL = "firewall rule"

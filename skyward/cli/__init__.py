@@ -1,0 +1,1 @@
+"""The `skyward` command line: its commands, profiles and `skyward run`."""

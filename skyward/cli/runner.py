@@ -1,0 +1,272 @@
+"""``skyward run`` and ``skyward status``: an unmodified script on every node of a pool, and the
+pools of this user that are alive.
+
+`run` starts a pool from a `Profile`, runs the script on every node as a child of the node's
+agent (`skyward.worker.script`), with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+``JAX_PROCESS_ID`` set (the coordinator port picked by node 0), and streams the nodes' output.
+The script is the one that initializes JAX: the agent never does. The first rank to fail ends
+the run and the pool; its status is the run's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Protocol
+
+from skyward.calls import compute
+from skyward.cli.profiles import Profile
+from skyward.data import Data
+from skyward.errors import ConfigError
+from skyward.plugins.base import Plugin
+from skyward.plugins.jax_plugin import LauncherEnv, jax
+from skyward.pool import ComputePool
+from skyward.worker.script import run_script
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended: the exit status, and the line that says why when it is not 0."""
+
+    status: int
+    message: str | None = None
+
+
+def run(profile: Profile, script: str, args: Sequence[str]) -> Outcome:
+    """Run `script` with `args` on every node of a pool made from `profile`."""
+    path = Path(script)
+    if not path.is_file():
+        raise ConfigError(f"{script}: no such script")
+    target: str | Data
+    cwd: Data | None = None
+    if profile.workdir is not None:
+        workdir = Path(profile.workdir).expanduser().resolve()
+        if not workdir.is_dir():
+            raise ConfigError(f"--workdir {profile.workdir}: no such directory")
+        try:
+            target = str(path.resolve().relative_to(workdir))
+        except ValueError:
+            raise ConfigError(f"{script} is not inside --workdir {profile.workdir}") from None
+        cwd = Data(workdir)  # on each node: the directory's copy, where the script runs
+    else:
+        target = Data(path)  # on each node: the file's copy, run from the agent's directory
+    plugins: list[Plugin] = [jax(initialize=False) if "jax" in profile.plugins else LauncherEnv()]
+    node_call = compute(run_script)
+    failure: Outcome | None = None
+    with ComputePool(
+        provider=profile.build_provider(),
+        nodes=profile.nodes,
+        accelerator=profile.accelerator,
+        plugins=plugins,
+        env=profile.env,
+        name="run",
+    ) as pool:
+        ranks: dict[Future[int], int] = {
+            pool.submit(node_call(target, list(args), cwd), node=i): i
+            for i in range(pool.spec.nodes)
+        }
+        failure = _first_failure(ranks)
+    return failure or Outcome(0)
+
+
+def _first_failure(ranks: dict[Future[int], int]) -> Outcome | None:
+    """Wait for every rank; the first one to fail (in time) as an `Outcome`, or None."""
+    pending = set(ranks)
+    while pending:
+        done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+        for future in sorted(done, key=ranks.__getitem__):
+            rank = ranks[future]
+            error = future.exception()
+            if error is not None:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                return Outcome(1, f"rank {rank} failed: {type(error).__name__}: {first}")
+            status = future.result()
+            if status > 0:
+                return Outcome(status, f"rank {rank} exited with status {status}")
+            if status < 0:
+                name = _signal_name(-status)
+                return Outcome(128 - status, f"rank {rank} was killed by signal {-status} ({name})")
+    return None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown"
+
+
+# -- skyward status ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalPool:
+    """Agents of this user on this machine, under one client process."""
+
+    client: int
+    command: str
+    agents: tuple[int, ...]
+    age: float
+
+
+def local_pools() -> list[LocalPool]:
+    """Every client process of this user with skyward agents (``-m skyward.worker``) under it."""
+    uid, now, boot = os.getuid(), time.time(), _boot_time()
+    ticks = os.sysconf("SC_CLK_TCK")
+    clients: dict[int, list[tuple[int, float]]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if argv[1:3] != [b"-m", b"skyward.worker"] or fields[0] == "Z":
+            continue
+        started = boot + int(fields[19]) / ticks
+        clients.setdefault(int(fields[1]), []).append((int(entry), started))
+    found = []
+    for client, agents in sorted(clients.items()):
+        try:
+            argv = Path(f"/proc/{client}/cmdline").read_bytes().split(b"\0")
+            command = " ".join(a.decode(errors="replace") for a in argv if a)
+        except OSError:
+            command = "?"
+        if command.startswith("sshd"):
+            command = f"agents started over SSH: {command}"
+        oldest = min(started for _, started in agents)
+        pids = tuple(sorted(pid for pid, _ in agents))
+        found.append(LocalPool(client, command, pids, now - oldest))
+    return found
+
+
+def _boot_time() -> float:
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def describe_age(seconds: float) -> str:
+    """``3m12s``, ``2h05m``: how long something has been up."""
+    seconds = max(0, int(seconds))
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def print_local_pools() -> int:
+    """`skyward status` for this machine; how many pools it found."""
+    pools = local_pools()
+    for pool in pools:
+        command = pool.command if len(pool.command) <= 60 else pool.command[:57] + "..."
+        print(
+            f"local  client pid {pool.client} ({command}): {len(pool.agents)} agent(s) "
+            f"[{', '.join(map(str, pool.agents))}], up {describe_age(pool.age)}"
+        )
+    return len(pools)
+
+
+def print_aws_pools(profile: Profile) -> int:
+    """`skyward status` for one AWS profile: the pools this user@host made there, alive."""
+    from skyward.providers.aws import resources
+
+    provider = profile.build_provider()
+    ec2 = provider.client("ec2")  # type: ignore[attr-defined]
+    region = ec2.meta.region_name
+    return _print_cloud_pools(f"aws    {region}", resources.find(ec2), resources.created_by())
+
+
+def print_gcp_pools(profile: Profile) -> int:
+    """`skyward status` for one GCP profile: the pools this user@host made in its project."""
+    from skyward.providers.gcp import resources
+
+    provider = profile.build_provider()
+    project = provider.access().project  # type: ignore[attr-defined]
+    me = resources.pool_labels("-")[resources.CREATED_BY_LABEL]
+    found = resources.find(provider.clients(), project)  # type: ignore[attr-defined]
+    return _print_cloud_pools(f"gcp    {project}", found, me)
+
+
+class _CloudPool(Protocol):
+    """What `skyward status` reads of a pool found on a cloud (AWS's or GCP's resources)."""
+
+    pool_id: str
+    created_at: datetime | None
+    created_by: str | None
+
+    def describe(self) -> list[str]: ...
+
+
+def _print_cloud_pools(where: str, found: Mapping[str, _CloudPool], me: str) -> int:
+    """Print the pools of `found` that `me` (this user@host) made, each under its resources,
+    with `where` (the cloud and its region or project) first; how many there were."""
+    count = 0
+    for pool in sorted(found.values(), key=lambda p: p.pool_id):
+        if pool.created_by != me:
+            continue
+        count += 1
+        when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
+        print(f"{where}  {pool.pool_id}  created {when}")
+        for line in pool.describe():
+            print(f"           {line}")
+    return count
+
+
+# This login's agents on a host: pid, seconds since start, command line.
+_AGENTS = 'ps -o pid=,etimes=,args= -u "$(id -u)" | grep "[s]kyward.worker$" || true'
+
+
+def print_ssh_pools(profile: Profile) -> int:
+    """`skyward status` for one SSH profile: this login's agents on each host (a pool's agents
+    live as long as its client, or `heartbeat_timeout` past a client cut off from them)."""
+    import asyncio
+
+    from skyward.errors import SkywardError
+    from skyward.providers.ssh import SSH
+
+    provider = profile.build_provider()
+    assert isinstance(provider, SSH)
+
+    async def ask(index: int) -> tuple[str, str]:
+        endpoint = provider.endpoints[index]
+        try:
+            host = await provider.connect_options.connect(endpoint)
+        except SkywardError as exc:
+            return str(endpoint), f"unreachable: {str(exc).splitlines()[0]}"
+        try:
+            done = await asyncio.wait_for(host.run(_AGENTS), 30)
+            return str(endpoint), done.stdout.decode(errors="replace")
+        finally:
+            await host.close()
+
+    async def ask_all() -> list[tuple[str, str]]:
+        return list(await asyncio.gather(*(ask(i) for i in range(len(provider.endpoints)))))
+
+    count = 0
+    for host, answer in asyncio.run(ask_all()):
+        if answer.startswith("unreachable"):
+            print(f"ssh    {host}: {answer}")
+            continue
+        agents = [line.split(None, 2) for line in answer.splitlines() if line.strip()]
+        if agents:
+            count += 1
+            pids = ", ".join(pid for pid, _, _ in agents)
+            oldest = max(int(age) for _, age, _ in agents)
+            print(f"ssh    {host}: {len(agents)} agent(s) [{pids}], up {describe_age(oldest)}")
+    return count
+
+
+def out(line: str) -> None:
+    """One line on stderr."""
+    print(line, file=sys.stderr)

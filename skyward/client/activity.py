@@ -1,0 +1,87 @@
+"""What a pool sees of its nodes besides their results: what each is doing (for the console),
+what they printed (`ComputePool.logs`) and what they reported (`sky.report`).
+
+All of it is read off the node sessions or fed by them; nothing here writes to a node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from skyward.client.dispatch import Dispatch
+from skyward.client.loop import LoopThread
+from skyward.client.session import NodeSession, Stage
+from skyward.console.console import Console
+from skyward.console.progress import Phase
+from skyward.reports import Report
+
+
+def node_activity(dispatch: Dispatch, node: int) -> tuple[Phase, str] | None:
+    """What the console sees of node `node` beyond its phase, read when it draws (so a call
+    pays nothing for it): a call in flight, a plugin hook, a dead agent."""
+    sessions = dispatch.sessions
+    if node >= len(sessions):
+        return None
+    session = sessions[node]
+    if _died(session):
+        return Phase.LOST, str(session.dead).splitlines()[0]
+    if session.pending:
+        calls = len(session.pending)
+        return Phase.RUNNING, f"{calls} calls" if calls > 1 else ""
+    if session.stage is Stage.IN_PLUGIN:
+        return Phase.STARTING, session.where
+    return None
+
+
+def lost(sessions: list[NodeSession]) -> list[int]:
+    """The nodes whose agent died, not those the pool stopped because another one failed."""
+    return [session.node for session in sessions if _died(session)]
+
+
+def _died(session: NodeSession) -> bool:
+    return session.dead is not None and not session.dead.stopped
+
+
+def logs(sessions: list[NodeSession], node: int | None) -> list[str]:
+    """What the nodes printed: one node's lines, or every node's prefixed with its index."""
+    if node is not None:
+        return list(sessions[node].lines)  # list() copies atomically under the GIL
+    return [f"(node {s.node}) {line}" for s in sessions for line in list(s.lines)]
+
+
+def drain_output(loop: LoopThread) -> None:
+    """Have `loop` read what the nodes' output pipes hold now: a call's last lines, written
+    before its reply but read apart from it, so that they show with the call."""
+    loop.run(_a_few_turns())
+
+
+async def _a_few_turns() -> None:
+    # Each turn of the loop polls its readers once and runs what they have read.
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def report_sink(
+    reports: list[Report],
+    checkpoint: Callable[[Report], None],
+    console: Console,
+    on_report: Callable[[Report], object] | None,
+) -> Callable[[Report], None]:
+    """What a node session calls with each report: kept in `reports`, its checkpoint copied
+    (`checkpoint`), shown, and handed to the user's `on_report`."""
+
+    def reported(report: Report) -> None:
+        reports.append(report)
+        checkpoint(report)
+        console.report(report)
+        if on_report is not None:
+            try:
+                on_report(report)
+            except Exception:  # the user's callback must not break the stream it runs on
+                logging.getLogger("skyward").exception(
+                    "on_report raised on a report from node %d", report.node
+                )
+
+    return reported

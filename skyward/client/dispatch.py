@@ -1,0 +1,218 @@
+"""`Dispatch`: how calls reach a pool's nodes and how their outcomes come back.
+
+One call to one node (the next live one in turn, or a chosen one), one call to every node (a
+broadcast: SPMD, so one failure stops the rest), or many independent calls spread over the nodes
+(a gather). The root failure is what the caller sees: a node's death before a user exception,
+before the errors of the nodes that were stopped because of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from skyward.client.replies import Reply, Tally, new_reply
+from skyward.client.session import NodeSession
+from skyward.data import Stager
+from skyward.errors import ConfigError, PoolClosedError, WorkerError
+from skyward.transport import frames
+from skyward.transport.base import AgentStream
+from skyward.transport.callframes import CallFrames, Calls
+
+_value = operator.attrgetter("value")
+_dead = operator.attrgetter("dead")
+_call_ids = itertools.count(1)
+
+
+class Function(Protocol):
+    """What a dispatch reads of a `sky.compute` function: its id and pickled bytes."""
+
+    def serialized(self) -> tuple[int, bytes]: ...
+
+
+class Call(Protocol):
+    """What a dispatch reads of a pending call (`calls.PendingCall` is one)."""
+
+    @property
+    def function(self) -> Function: ...
+
+    def serialized_args(self, stage: Stager | None = None) -> list[frames.Buffer]: ...
+
+
+class Dispatch:
+    """The calls of one pool over its node sessions (`sessions` is replaced on a restart)."""
+
+    def __init__(self, broadcast_grace: float) -> None:
+        # The sessions with their streams and locks, each list made once per restart (a
+        # broadcast passes them on, and a stream keeps what it gathers by the list's identity).
+        self._wire: tuple[list[NodeSession], list[AgentStream], list[threading.Lock]] = (
+            [],
+            [],
+            [],
+        )
+        self.broken: str | None = None  # why the pool takes no more calls
+        self._broadcast_grace = broadcast_grace
+        self._cursor = itertools.count()
+        # Syncs the `sky.Data` of a call's arguments to the nodes before it is sent.
+        self.stage: Stager | None = None
+
+    @property
+    def sessions(self) -> list[NodeSession]:
+        return self._wire[0]
+
+    @sessions.setter
+    def sessions(self, sessions: list[NodeSession]) -> None:
+        streams = [session.stream for session in sessions]
+        self._wire = (sessions, streams, NodeSession.locks_of(sessions))
+
+    def session(self, node: int) -> NodeSession:
+        if not 0 <= node < len(self.sessions):
+            raise ConfigError(f"node must be in 0..{len(self.sessions) - 1}, got {node}")
+        return self.sessions[node]
+
+    def _live(self) -> list[NodeSession]:
+        live = [session for session in self.sessions if session.dead is None]
+        if not live:
+            raise PoolClosedError("every node of the pool has died; start a new pool")
+        return live
+
+    def _frames(self, call: Call, segments: list[frames.Buffer]) -> CallFrames:
+        fn_id, fn_bytes = call.function.serialized()
+        return CallFrames(next(_call_ids), fn_id, fn_bytes, segments)
+
+    def _pick(self, node: int | None) -> NodeSession:
+        if node is not None:
+            return self.session(node)
+        live = self._live()
+        return live[next(self._cursor) % len(live)]
+
+    def submit(self, call: Call, node: int | None) -> Future[Any]:
+        """Send `call` to one node (the next in turn, or `node`); its future."""
+        payload = call.serialized_args(self.stage)
+        future: Future[Any] = Future()
+        self._pick(node).submit([(self._frames(call, payload), future)])
+        return future
+
+    def run(self, call: Call, node: int | None = None) -> Any:
+        """Run `call` on one node and return its result (what ``call >> pool`` does)."""
+        payload = call.serialized_args(self.stage)
+        session = self._pick(node)
+        tally = Tally(1)
+        reply = new_reply(tally)
+        session.submit([(self._frames(call, payload), reply)])
+        session.stream.wait_replies((session.stream,), reply.done)
+        tally.wait(reply.done)
+        if reply.error is not None:
+            raise reply.error
+        return reply.value
+
+    def broadcast(self, call: Call) -> list[Any]:
+        """Run `call` on every node; results in node order (see `ComputePool.broadcast`)."""
+        payload = call.serialized_args(self.stage)
+        sessions, streams, locks = self._wire  # replaced, never changed: a snapshot
+        if any(map(_dead, sessions)):  # (in C: every broadcast checks)
+            dead = [session.node for session in sessions if session.dead is not None]
+            raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
+        frames_ = self._frames(call, payload)  # encoded once, written to every node
+        tally = Tally(len(sessions))
+        replies: list[Reply] = []
+        for _ in sessions:
+            reply = Reply()  # `new_reply`, written out
+            reply.tally = tally
+            replies.append(reply)
+        # Every node's part in one call each (see docs/architecture.md on the per-call path):
+        # registered on every session first, then written back to back, as each write wakes a
+        # node that then competes for the cores with the rest of this loop.
+        chunks = NodeSession.enqueue_each(frames_, sessions, replies, locks)
+        failed = streams[0].write_each(streams, chunks)
+        for index, exc in failed:
+            sessions[index].write_failed(exc, [(frames_, replies[index])])
+        if frames_.carries_function:  # the function's first broadcast (see `wrote_function`)
+            unsent = {index for index, _ in failed}
+            for index, session in enumerate(sessions):
+                if chunks[index] and index not in unsent:
+                    session.wrote_function(frames_.fn_id)
+        return self._collect(tally, replies, sessions, spmd=True, streams=streams)
+
+    def gather(self, calls: Sequence[Call]) -> tuple[Any, ...]:
+        """Run independent calls spread over the nodes; results in call order (see
+        `ComputePool.gather`)."""
+        payloads = [call.serialized_args(self.stage) for call in calls]
+        live = self._live()
+        start = next(self._cursor)
+        owners = [live[(start + i) % len(live)] for i in range(len(calls))]
+        tally = Tally(len(calls))
+        replies = [new_reply(tally) for _ in calls]
+        batches: dict[int, Calls] = {}
+        for session, call, payload, reply in zip(owners, calls, payloads, replies, strict=True):
+            batches.setdefault(session.node, []).append((self._frames(call, payload), reply))
+        for session in live:  # one write per node, however many calls it takes
+            if session.node in batches:
+                session.submit(batches[session.node])
+        # every node takes part: the pool's stream list, whose pipe group is kept
+        every = len(calls) >= len(live) == len(self.sessions)
+        streams = self._wire[1] if every else None
+        return tuple(self._collect(tally, replies, owners, spmd=False, streams=streams))
+
+    def _collect(
+        self,
+        tally: Tally,
+        replies: list[Reply],
+        owners: list[NodeSession],
+        spmd: bool,
+        streams: list[AgentStream] | None = None,
+    ) -> list[Any]:
+        """Wait for every reply; return the values, or raise the root failure.
+
+        `spmd` (a broadcast): the calls depend on each other, so a failure stops the rest.
+        Otherwise (a gather) the calls are independent and all run to their end.
+        """
+        # `streams`: those of `owners`, each once, in a list kept from call to call
+        group = streams or list({id(s.stream): s.stream for s in owners}.values())
+        group[0].wait_replies(group, tally.all_done if not spmd else tally.all_done_or_failed)
+        if spmd:
+            tally.wait(tally.all_done_or_failed)
+            if tally.failures and not tally.all_done():
+                first = tally.failures[0]
+                grace = 0.0 if isinstance(first.error, WorkerError) else self._broadcast_grace
+                if not tally.wait(tally.all_done, grace):
+                    self._break(
+                        f"node {owners[replies.index(first)].node} failed "
+                        f"({type(first.error).__name__}) while the others were still running, "
+                        "and they were stopped; start a new pool",
+                        [s for s, r in zip(owners, replies, strict=True) if not r.done()],
+                    )
+                    tally.wait(tally.all_done, 5)
+        else:
+            tally.wait(tally.all_done)
+        if not tally.failures:
+            return list(map(_value, replies))  # C-level: a broadcast's values, in order
+        # A dead node is the root cause of what the others then report (a collective that lost
+        # its peer, or being stopped), so its error is the one raised.
+        failed = sorted(
+            (r.error for r in replies if r.done() and r.error is not None), key=_blame_rank
+        )
+        root = failed[0]
+        if spmd and isinstance(root, WorkerError) and not root.stopped and len(owners) > 1:
+            # The survivors of a broadcast that lost a rank hold a broken collective state.
+            self._break(
+                f"node {root.node} died during a broadcast; call pool.replace({root.node}) "
+                "or start a new pool",
+                owners,
+            )
+        raise root
+
+    def _break(self, reason: str, stop: list[NodeSession]) -> None:
+        self.broken = self.broken or reason
+        for session in stop:
+            session.abort_soon(reason)
+
+
+def _blame_rank(error: BaseException | None) -> int:
+    if isinstance(error, WorkerError):
+        return 2 if error.stopped else 0
+    return 1

@@ -1,0 +1,115 @@
+"""The start of a pool's agents, all nodes at once: open every session, check that the nodes run
+this client's skyward, give each node its identity (`InstanceInfo`) and plugins, and wait until
+every node is ready. The per-node half of the conversation is `NodeSession`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+from collections.abc import Sequence
+
+from skyward.client import failures
+from skyward.client.session import NodeSession
+from skyward.cluster import ClusterSpec
+from skyward.errors import BootstrapError
+from skyward.info import InstanceInfo
+from skyward.plugins.base import Plugin
+from skyward.providers.base import Node
+from skyward.providers.environment import client_python
+from skyward.worker.hostcheck import same_python
+
+HEAD_PORT = "head"  # the port every pool has on node 0 (`InstanceInfo.head_port`)
+
+
+async def handshake(
+    sessions: Sequence[NodeSession],
+    nodes: Sequence[Node],
+    spec: ClusterSpec,
+    plugins: Sequence[Plugin],
+    plugins_blob: bytes,
+    output_dirs: Sequence[str] = (),
+    silence_timeout: float = 0.0,
+    *,
+    startup_timeout: float,
+) -> list[InstanceInfo]:
+    """Take every node through the handshake; the nodes' identities, in node order. A remote
+    agent stops after `silence_timeout` s without a ping (`session.ping_agents`). Not done
+    within `startup_timeout` s: a `BootstrapError` that says where each node was."""
+    try:
+        return await asyncio.wait_for(
+            _handshake(sessions, nodes, spec, plugins, plugins_blob, output_dirs, silence_timeout),
+            startup_timeout,
+        )
+    except TimeoutError:
+        late = f"the pool did not become ready within startup_timeout={startup_timeout:g} s"
+        raise BootstrapError(failures.stuck_report(late, sessions)) from None
+
+
+async def _handshake(
+    sessions: Sequence[NodeSession],
+    nodes: Sequence[Node],
+    spec: ClusterSpec,
+    plugins: Sequence[Plugin],
+    plugins_blob: bytes,
+    output_dirs: Sequence[str],
+    silence_timeout: float,
+) -> list[InstanceInfo]:
+    names = tuple(dict.fromkeys((HEAD_PORT, *(name for p in plugins for name in p.ports))))
+    started = await asyncio.gather(*(session.open(names) for session in sessions))
+    from skyward import __version__
+
+    versions = {s.skyward_version for s in started}
+    if versions != {__version__}:
+        raise BootstrapError(
+            f"the nodes run skyward {sorted(versions)} but this client runs {__version__}"
+        )
+    wanted = client_python()
+    for node, begun in zip(nodes, started, strict=True):
+        if not same_python(begun.python_version, wanted):
+            raise BootstrapError(
+                f"node {node.index} ({begun.hostname}) runs Python {begun.python_version} but "
+                f"this client runs {platform.python_version()}: functions pickled by "
+                "cloudpickle do not cross "
+                "minor versions, so no call was sent. Give the node this client's Python, or "
+                f"run the client on Python {begun.python_version.rsplit('.', 1)[0]}",
+                node=node.index,
+            )
+    infos = identities(nodes, spec, started[0].ports, output_dirs)
+    await asyncio.gather(
+        *(
+            session.hello(info, plugins_blob, sessions, silence_timeout)
+            for session, info in zip(sessions, infos, strict=True)
+        )
+    )
+    return infos
+
+
+def identities(
+    nodes: Sequence[Node],
+    spec: ClusterSpec,
+    ports: dict[str, int],
+    output_dirs: Sequence[str] = (),
+) -> list[InstanceInfo]:
+    """Each node's `InstanceInfo`: node 0's ports for all; its own GPUs where its provider
+    knows them, else what the pool asked for; its output directory."""
+    peers = tuple(node.private_addr for node in nodes)
+    outputs = list(output_dirs) or [""] * len(nodes)
+    asked = spec.accelerator
+    return [
+        InstanceInfo(
+            node=node.index,
+            total_nodes=len(nodes),
+            head_addr=peers[0],
+            head_port=ports[HEAD_PORT],
+            peers=peers,
+            pool_id=spec.pool_id,
+            accelerator=node.gpus[0].name if node.gpus else asked.name if asked else None,
+            accelerator_count=len(node.gpus) or (asked.count if asked else 0),
+            provider=spec.provider,
+            ports=dict(ports),
+            devices=tuple(gpu.index for gpu in node.gpus),
+            output_dir=output,
+        )
+        for node, output in zip(nodes, outputs, strict=True)
+    ]

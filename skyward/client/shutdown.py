@@ -1,0 +1,87 @@
+"""Removing a pool: its agents stopped, its outputs collected a last time, its nodes removed,
+and the line that says so.
+
+Whatever ended the pool stays the error the user sees: a problem of the teardown is added to it
+as a note instead of replacing it. With no such error, the teardown's own problem is raised,
+after the nodes are gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+
+from skyward.client.loop import LoopThread
+from skyward.client.session import NodeSession
+from skyward.client.transfers import Transfers
+from skyward.console.console import Console, duration
+from skyward.console.progress import Phase
+from skyward.errors import SkywardError
+from skyward.providers.base import Cluster, Provider
+
+# Seconds a node may take to unwind when it was busy or the pool ends on an error.
+_HURRIED = 0.5
+
+
+def tear_down(
+    *,
+    loop: LoopThread,
+    console: Console,
+    provider: Provider,
+    cluster: Cluster | None,
+    sessions: Sequence[NodeSession],
+    transfers: Transfers,
+    shutdown_timeout: float,
+    graceful: bool,
+    failure: BaseException | None,
+) -> None:
+    """Stop every agent, collect the outputs, remove every node, then stop `loop` and say what
+    was removed; `failure` is what ended the pool, if anything did."""
+    began = time.monotonic()
+    summary: str | None = None
+    try:
+        console.phase(None, Phase.STOPPING)
+        busy = any(session.pending for session in sessions)
+        timeout = shutdown_timeout if graceful and not busy else _HURRIED
+        with contextlib.suppress(Exception):
+            loop.run(stop_agents(sessions, timeout))
+        collected = transfers.collect_at_close()
+        summary = f"removing the pool failed after {duration(time.monotonic() - began)} s"
+        try:
+            loop.run(_terminate(provider, cluster, sessions))
+        except SkywardError as problem:
+            if failure is None:
+                raise
+            failure.add_note(f"and removing the pool then failed too: {problem}")
+        else:
+            summary = _removed(provider, cluster, time.monotonic() - began)
+        if collected is not None:
+            if failure is None or isinstance(collected, KeyboardInterrupt):
+                raise collected
+            failure.add_note(f"and collecting the outputs failed: {collected}")
+    finally:
+        loop.stop()
+        console.finish(summary)
+
+
+async def stop_agents(sessions: Sequence[NodeSession], timeout: float) -> None:
+    """Ask every agent to unwind its plugins and exit; kill one still there after `timeout` s."""
+    await asyncio.gather(*(session.close(timeout) for session in sessions))
+
+
+async def _terminate(
+    provider: Provider, cluster: Cluster | None, sessions: Sequence[NodeSession]
+) -> None:
+    for session in sessions:
+        session.stream.kill()
+    if cluster is not None:
+        await provider.terminate(cluster)
+
+
+def _removed(provider: Provider, cluster: Cluster | None, seconds: float) -> str:
+    """The teardown's last line: ``removed 4 instances in 38.2 s``."""
+    if cluster is None:
+        return f"nothing was left to remove ({duration(seconds)} s)"
+    return f"{provider.teardown_summary(cluster)} in {duration(seconds)} s"

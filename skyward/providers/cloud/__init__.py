@@ -1,0 +1,2 @@
+"""What the cloud providers (AWS, GCP) share: the provider base, boot script,
+teardown loop, sizes."""

@@ -1,0 +1,215 @@
+"""What every provider that makes machines shares (AWS, GCP): `CloudCluster`, the per-pool
+state it keeps, and `CloudProvider`, the base class with its settings, connection, bootstrap and
+teardown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import shutil
+import threading
+from abc import abstractmethod
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skyward.cluster import Hardware
+from skyward.console.progress import Progress
+from skyward.errors import ConfigError, ProvisionError
+from skyward.image import Image
+from skyward.providers.base import Cluster, Node, Provider
+from skyward.providers.cloud.bootscript import HostKey
+from skyward.providers.cloud.threads import in_thread
+from skyward.providers.remote.bootstrap import (
+    close_hosts,
+    prepare_nodes,
+    remote_nodes,
+    survey_nodes,
+)
+from skyward.providers.remote.connect import BootWait, ConnectOptions, connect_all
+from skyward.providers.remote.data import RemoteData
+from skyward.providers.remote.hoststeps import Bootstrap
+from skyward.transport.sshhost import Endpoint, SSHHost, load_known_hosts
+
+
+@dataclass
+class CloudCluster(Cluster):
+    """What one pool has made so far; the cloud's tags or labels are the durable record."""
+
+    key_dir: Path  # the pool's login key, removed with the pool
+    host_key: HostKey  # the host key every machine of the pool presents
+    cancel: threading.Event = field(default_factory=threading.Event)
+    provisioning: Future[list[Any]] | None = None  # the launch's thread
+    node_instances: dict[int, str] = field(default_factory=dict)  # node index -> machine
+    removed: bool = False
+
+    @property
+    def pool_id(self) -> str:
+        return self.spec.pool_id
+
+    @property
+    def key_path(self) -> Path:
+        return self.key_dir / "id_ed25519"
+
+    def check_cancel(self) -> None:
+        if self.cancel.is_set():
+            raise ProvisionError(f"the launch of pool {self.pool_id} was cancelled")
+
+
+class CloudProvider(RemoteData, Provider):
+    """What a provider that makes its machines shares (AWS, GCP): the settings every one of them
+    takes, the verified SSH connection to a pool's machines, the remote bootstrap (`survey`,
+    `prepare`) and a teardown that a cancelled event loop cannot stop half-way.
+
+    A subclass makes the machines (`launch`, `replace`) and removes a pool's cloud resources
+    (`remove_resources`, called in a non-daemon thread)."""
+
+    def __init__(
+        self,
+        *,
+        idle_timeout: float,
+        python: str | None,
+        boot_timeout: float,
+        connect_timeout: float,
+        keepalive: float,
+        build_env: Mapping[str, str] | None,
+        poll_interval: float,
+        teardown_timeout: float,
+    ) -> None:
+        if teardown_timeout <= 0:
+            raise ConfigError(f"teardown_timeout must be > 0 seconds, got {teardown_timeout!r}")
+        if idle_timeout <= 0:
+            raise ConfigError(f"idle_timeout must be > 0 seconds, got {idle_timeout!r}")
+        self.boot_timeout = boot_timeout
+        self.connect_timeout = connect_timeout
+        self.keepalive = keepalive
+        self.bootstrap = Bootstrap(python, build_env=dict(build_env or {}))
+        self.poll_interval = poll_interval
+        self.teardown_timeout = teardown_timeout
+        self._lock = threading.Lock()  # guards the subclass's lazily made API clients
+
+    async def launched(
+        self,
+        cluster: CloudCluster,
+        make: Callable[[], list[Any]],
+        connect: Callable[[list[Any]], Awaitable[list[Node]]],
+    ) -> Cluster:
+        """`cluster` with its nodes: `make` (the cloud calls that make the machines) runs in a
+        thread, then `connect` reaches what it made. On any failure or cancellation, what was
+        made is removed; the launch's own error stays the error, the teardown's is a note."""
+        try:
+            cluster.provisioning = in_thread(make, f"skyward-{self.name}-launch-{cluster.pool_id}")
+            found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
+            cluster.nodes = await connect(found)
+            return cluster
+        except BaseException as exc:
+            cluster.cancel.set()
+            logger = logging.getLogger(f"skyward.{self.name}")
+            logger.info("launch of %s failed (%r): removing what it created", cluster.pool_id, exc)
+            try:
+                await self.terminate(cluster)
+            except ProvisionError as cleanup:
+                exc.add_note(str(cleanup))
+            raise
+
+    async def replaced(
+        self,
+        pool: CloudCluster,
+        index: int,
+        make: Callable[[str], list[Any]],
+        connect: Callable[[list[Any]], Awaitable[list[Node]]],
+        failures: tuple[type[BaseException], ...],
+        describe: Callable[[BaseException], str] = str,
+    ) -> Node:
+        """Node `index` of `pool` on a fresh machine: `make` (the cloud calls, given the lost
+        machine) runs in a thread, then `connect` reaches the one machine it made. A failure
+        of `make` among `failures` is a `ProvisionError` (its words from `describe`)."""
+        await remote_nodes(pool)[index].host.close()
+        lost = pool.node_instances[index]
+        made = in_thread(lambda: make(lost), f"skyward-{self.name}-replace-{pool.pool_id}")
+        try:
+            found = await asyncio.shield(asyncio.wrap_future(made))
+        except failures as exc:
+            raise ProvisionError(
+                f"launching a replacement for node {index}: {describe(exc)}"
+            ) from None
+        (node,) = await connect(found)
+        pool.nodes[index] = node
+        return node
+
+    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
+        return await survey_nodes(cluster, image, self.bootstrap, progress)
+
+    async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
+        await prepare_nodes(cluster, image, self.bootstrap, progress)
+
+    async def terminate(self, cluster: Cluster) -> None:
+        if not isinstance(cluster, CloudCluster):
+            raise TypeError(f"{cluster!r} is not a pool of the {self.name} provider")
+        if cluster.removed:
+            return
+        await close_hosts(cluster)
+        name = f"skyward-{self.name}-teardown-{cluster.pool_id}"
+        done = in_thread(lambda: self._remove(cluster), name)
+        # Shielded: if the pool's loop is cancelled, the thread still finishes the job.
+        await asyncio.shield(asyncio.wrap_future(done))
+
+    def _remove(self, pool: CloudCluster) -> None:
+        if pool.provisioning is not None:
+            # Let an in-flight create call return first, so the machines it made are found too.
+            with contextlib.suppress(BaseException):
+                pool.provisioning.exception()
+        self.remove_resources(pool)
+        pool.removed = True
+        shutil.rmtree(pool.key_dir, ignore_errors=True)
+
+    @abstractmethod
+    def remove_resources(self, pool: CloudCluster) -> None:
+        """Remove everything `pool` made in the cloud (its machines, rules, keys), or raise
+        `ProvisionError` naming what remains once `teardown_timeout` has passed."""
+
+    async def connect_hosts(
+        self, pool: CloudCluster, addresses: Sequence[str], user: str, labels: Sequence[str]
+    ) -> list[SSHHost]:
+        """Connect to the machines at `addresses` (named `labels` in errors) as `user`, trusting
+        only the pool's host key and logging in with its key, retrying while they boot."""
+        options = ConnectOptions(
+            known_hosts=load_known_hosts([pool.host_key.known_hosts_line(a) for a in addresses]),
+            key=str(pool.key_path),
+            config=[],  # no ~/.ssh/config rule (User, HostName...) may redirect this login
+            timeout=self.connect_timeout,
+            keepalive=self.keepalive,
+        )
+        wait = BootWait(
+            asyncio.get_running_loop().time() + self.boot_timeout,
+            self.poll_interval,
+            f"boot_timeout={self.boot_timeout:g} s",
+        )
+        return await connect_all([Endpoint(a, 22, user) for a in addresses], options, wait, labels)
+
+
+def remove_pools(pool_ids: Sequence[str], remove: Callable[[str], list[str]]) -> list[str]:
+    """`remove` each pool (what it found, as lines) and go on past a failure; what was removed,
+    each line prefixed with its pool, or one `ProvisionError` naming every pool that remains."""
+    removed: list[str] = []
+    problems: list[str] = []
+    for pool_id in pool_ids:
+        try:
+            removed += [f"{pool_id}: {line}" for line in remove(pool_id)]
+        except ProvisionError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ProvisionError("\n".join(problems))
+    return removed
+
+
+def check_cidr(cidr: str) -> str:
+    """`cidr` normalised; `ConfigError` when it is not one."""
+    try:
+        return str(ipaddress.ip_network(cidr, strict=False))
+    except ValueError:
+        raise ConfigError(f"ssh_cidr {cidr!r} is not a CIDR such as '203.0.113.7/32'") from None

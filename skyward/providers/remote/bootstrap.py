@@ -1,0 +1,304 @@
+"""The remote bootstrap, shared by every provider whose nodes are hosts reached over SSH.
+
+Plain functions, used by `sky.SSH`, `sky.AWS` and `sky.GCP` once their hosts are connected
+(`skyward.providers.remote.connect`):
+
+- `survey_nodes` (`Provider.survey`): per host, concurrently, ONE check command
+  (`skyward.worker.hostcheck` run with the host's interpreter) reports what is already there
+  for the image as planned and the host's GPUs. A pool that names an accelerator fails there,
+  before anything is built, on a host without enough of it; the node owns the host's GPUs
+  (`Node.gpus`, MIG-mode ones left out). The pool learns what the hosts have (`Hardware`)
+  and its plugins choose their packages by it;
+- `prepare_nodes`: per host, concurrently, the survey's check reused when the image stayed as
+  planned (else one more check), then only the missing pieces are built:
+
+  - skyward itself (`skyward.providers.source`), unpacked once to
+    ``<cache>/src/<hash>/skyward`` (PYTHONPATH points there for envbuild and the agent), where
+    ``<cache>`` is the host's (`CACHE`);
+  - apt packages (``sudo -n`` when not root);
+  - uv, only when an environment must be built and the host has none that fits
+    (`hoststeps.install_uv`: the client's own binary, or the wheel from the image's indexes,
+    under ``<cache>/bootstrap``; no pip or venv module needed);
+  - the image's environment with `skyward.worker.envbuild`, once per hash under
+    ``<cache>/envs``, on the client's Python (uv provides it where the host's python3 is
+    another version), or only the image's setup commands when the host's interpreter
+    already satisfies the image (`hostcheck.decide`);
+
+- `RemoteNode`: a node on one `SSHHost`; it starts the agent in the prepared interpreter.
+
+A second pool with the same image on the same hosts costs one check command and the agent start
+per host (two check commands when what the hosts have changes the image: see `survey_nodes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+from collections.abc import Mapping
+from functools import cache
+
+import asyncssh
+
+from skyward.cluster import Accelerator, Hardware
+from skyward.console.progress import Phase, Progress
+from skyward.errors import BootstrapError
+from skyward.image import Image
+from skyward.providers.base import Cluster, Log, Node
+from skyward.providers.environment import env_spec
+from skyward.providers.remote import hoststeps
+from skyward.providers.remote.hoststeps import CACHE, Bootstrap
+from skyward.providers.source import source_hash, source_tarball, unpack_command
+from skyward.transport.base import AgentStream
+from skyward.transport.sshhost import SSHHost, shell_env
+from skyward.transport.sshstream import open_agent
+from skyward.worker import hostcheck
+from skyward.worker.gpus import Inventory, visible_env
+
+
+class RemoteNode(Node):
+    """A node on one SSH host: its connection and, once prepared, the interpreter to run."""
+
+    def __init__(self, index: int, host: SSHHost, private_addr: str | None = None) -> None:
+        super().__init__(index, private_addr or host.endpoint.host, host.endpoint.host)
+        self.host = host
+        self.python: str | None = None
+        self.prepared = ""  # the environment hash the node was prepared for
+        self.gpu_env: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES for the GPUs it owns
+        self.inventory: Inventory | None = None  # the host's GPUs, once listed
+        # The survey's check and the environment hash it was for: `prepare_host` reuses it.
+        self.checked: tuple[str, hostcheck.Report] | None = None
+        self.trees: set[str] = set()  # digests of the `sky.Data` trees pushed to it
+        self.pulled: frozenset[str] = frozenset()  # what the last pull of its outputs listed
+        self.agent_env: dict[str, str] = {}  # the pool's env= and the image's, once started
+
+    async def start_agent(self, env: Mapping[str, str]) -> AgentStream:
+        if self.python is None:
+            raise BootstrapError(
+                f"the environment of {self.host} was not prepared before the agent started",
+                node=self.index,
+            )
+        self.agent_env = dict(env)  # node-side commands for the pool (an S3 upload) get it too
+        # The source path must expand on the host, so it is the one value left unquoted.
+        full = {**self.gpu_env, **env, "PYTHONUNBUFFERED": "1"}
+        words = shell_env({k: v for k, v in full.items() if k != "PYTHONPATH"})
+        command = (
+            f'cd "$HOME" && exec env {hoststeps.pythonpath()} {words} '
+            f"{shlex.quote(self.python)} -m skyward.worker"
+        )
+        try:
+            return await open_agent(self.host, command)
+        except (OSError, asyncssh.Error) as exc:
+            raise BootstrapError(
+                f"starting the agent on {self.host} failed: {exc}", node=self.index
+            ) from None
+
+
+def remote_nodes(cluster: Cluster) -> list[RemoteNode]:
+    """The cluster's nodes, each a `RemoteNode`."""
+    nodes = [n for n in cluster.nodes if isinstance(n, RemoteNode)]
+    if len(nodes) != len(cluster.nodes):
+        raise TypeError(f"{cluster.nodes!r} are not all nodes on SSH hosts")
+    return nodes
+
+
+async def close_hosts(cluster: Cluster) -> None:
+    """Close every node's connection (killing what it started); idempotent."""
+    hosts = {id(n.host): n.host for n in remote_nodes(cluster)}
+    await asyncio.gather(*(h.close() for h in hosts.values()), return_exceptions=True)
+
+
+async def survey_nodes(
+    cluster: Cluster, image: Image, bootstrap: Bootstrap, progress: Progress
+) -> Hardware:
+    """What the hosts have (`Provider.survey`): every host checked at once for `image`, its
+    GPUs listed; a pool that names an accelerator fails here on a host without enough of it.
+
+    The check is the one `prepare_nodes` starts with, kept on the node: when the image it then
+    prepares is the same (what the hosts have did not change the plan), a pool costs one check
+    command per host; where it changed (a CUDA wheel instead of the planned CPU one), two.
+    """
+    nodes = remote_nodes(cluster)
+    await asyncio.gather(
+        *(_survey(node, image, bootstrap, progress, cluster.spec.accelerator) for node in nodes)
+    )
+    hardware = Hardware.of(
+        [node.gpus for node in nodes], [(node.inventory or Inventory()).cuda for node in nodes]
+    )
+    if cluster.spec.accelerator is None and hardware.gpus is not None:
+        progress(f"no accelerator named; {hardware.describe()}: the nodes use them")
+    return hardware
+
+
+async def _survey(
+    node: RemoteNode,
+    image: Image,
+    bootstrap: Bootstrap,
+    progress: Progress,
+    accelerator: Accelerator | None,
+) -> None:
+    progress.phase(node.index, Phase.BUILDING)
+    report = await _check(node, image, bootstrap, progress.log_for(node.index), gpus=True)
+    _own_gpus(node, report.gpus or Inventory(), accelerator)
+    node.checked = (env_spec(image).hash, report)
+
+
+async def prepare_nodes(
+    cluster: Cluster, image: Image, bootstrap: Bootstrap, progress: Progress
+) -> None:
+    """Prepare every node of `cluster` not yet prepared for `image`, all hosts at once."""
+    key = env_spec(image).hash
+    await asyncio.gather(
+        *(
+            prepare_host(node, image, bootstrap, progress, cluster.spec.accelerator)
+            for node in remote_nodes(cluster)
+            if node.prepared != key
+        )
+    )
+
+
+async def prepare_host(
+    node: RemoteNode,
+    image: Image,
+    bootstrap: Bootstrap,
+    progress: Progress,
+    accelerator: Accelerator | None = None,
+) -> None:
+    """Check the host once (reusing the survey's check when it was for this image; a node not
+    surveyed, a replacement, has its GPUs checked against `accelerator` here), build only
+    what is missing, and set the node's interpreter; each step and its output lines are the
+    node's `Phase.BUILDING` details."""
+    spec = env_spec(image)
+    host_log = progress.log_for(node.index)
+    checked, node.checked = node.checked, None
+    if node.inventory is None:
+        progress.phase(node.index, Phase.BUILDING)
+        report = await _check(node, image, bootstrap, host_log, gpus=True)
+        _own_gpus(node, report.gpus or Inventory(), accelerator)
+    elif checked is not None and checked[0] == spec.hash:
+        report = checked[1]
+    else:
+        report = await _check(node, image, bootstrap, host_log, gpus=False)
+    base = shlex.quote(report.python)
+    if not report.src:
+        await hoststeps.run_step(
+            node,
+            bootstrap,
+            unpack_command(f"{CACHE}/src"),
+            "copying skyward to the host",
+            host_log,
+            source_tarball(),
+        )
+    if report.apt_missing:
+        await hoststeps.apt_install(node, bootstrap, report.apt_missing, report.uid, host_log)
+    if report.satisfied is None:  # skyward (the probe) was not there: it is now
+        report = hostcheck.Report.from_json(
+            await hoststeps.json_step(
+                node,
+                bootstrap,
+                f"cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.hostcheck "
+                f'{shlex.quote(_query(image, bootstrap, gpus=False).to_json())} "{CACHE}"',
+                "checking the host's packages",
+                host_log,
+            )
+        )
+    decision = hostcheck.decide(report, spec.python, bool(spec.setup))
+    if decision.python is None:
+        uv = await hoststeps.install_uv(node, bootstrap, report, image.indexes, host_log)
+        built = await hoststeps.json_step(
+            node,
+            bootstrap,
+            f"cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.envbuild "
+            f'"{CACHE}" {shlex.quote(uv)}',
+            f"building the environment for image {image.content_hash}",
+            host_log,
+            spec.to_json().encode(),
+        )
+        decision = hostcheck.Decision(str(json.loads(built)["python"]))
+    elif decision.setup:
+        await hoststeps.json_step(
+            node,
+            bootstrap,
+            f"cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.envbuild "
+            f'"{CACHE}" --setup-only',
+            "running the image's setup commands",
+            host_log,
+            spec.to_json().encode(),
+        )
+    node.python = decision.python
+    node.prepared = spec.hash
+
+
+def _query(image: Image, bootstrap: Bootstrap, gpus: bool) -> hostcheck.Query:
+    spec = env_spec(image)
+    return hostcheck.Query(
+        cache="",  # the host's, which the check command passes (see `_check`)
+        env=spec.hash,
+        src=source_hash(),
+        uv=bootstrap.uv_version,
+        apt=image.apt,
+        requirements=spec.pip,
+        gpus=gpus,
+    )
+
+
+async def _check(
+    node: RemoteNode, image: Image, bootstrap: Bootstrap, log: Log, gpus: bool
+) -> hostcheck.Report:
+    """The one check command that reports what the host has for `image` (and its GPUs), run
+    with the host's interpreter before skyward's source may be there."""
+    python = bootstrap.python or "python3"
+    query = _query(image, bootstrap, gpus)
+    return hostcheck.Report.from_json(
+        await hoststeps.json_step(
+            node,
+            bootstrap,
+            f"P=$(command -v {shlex.quote(python)}) || "
+            f"{{ echo 'python {python} was not found on this host' >&2; exit 127; }}; "
+            f'exec "$P" -c {shlex.quote(_check_program())} {shlex.quote(query.to_json())} '
+            f'"{CACHE}"',
+            "checking the host",
+            log,
+        )
+    )
+
+
+@cache
+def _check_program() -> str:
+    return hostcheck.program()
+
+
+def _own_gpus(node: RemoteNode, inventory: Inventory, accelerator: Accelerator | None) -> None:
+    """Give the node the host's GPUs: every usable one, or the first `accelerator.count` that
+    `accelerator` names (a `BootstrapError` when the host has fewer than the pool asked for).
+    A TPU is not NVIDIA's to list: it is left to the provider that made the machine."""
+    node.inventory = inventory
+    if accelerator is None or accelerator.is_tpu:
+        node.gpus = inventory.usable
+        # Without a name, a host's processes see its GPUs as they always have.
+        node.gpu_env = {}
+        return
+    found = inventory.matching(accelerator.name)
+    if len(found) < accelerator.count:
+        raise BootstrapError(
+            f"host {node.host} has {inventory.describe()}; the pool asked for {accelerator}. "
+            f"Use hosts with {accelerator.count} x {accelerator.name} each, ask for what "
+            "they have, or leave `accelerator` out to run on whatever GPUs each host has",
+            node=node.index,
+        )
+    node.gpus = found[: accelerator.count]
+    # A pool that named its GPUs shows each node only those.
+    node.gpu_env = visible_env(node.gpus)
+
+
+def module_command(
+    python: str, module: str, *args: str, site: bool = True, cwd: str = '"$HOME"'
+) -> str:
+    """``python -m module args`` on a prepared host, in `cwd` (a shell word), with skyward's
+    source on PYTHONPATH: how other parts (e.g. the data sync) run a `skyward.worker` module
+    there. ``site=False`` (``python -S``) starts faster, for a module that needs only the
+    stdlib."""
+    words = " ".join(shlex.quote(a) for a in args)
+    flags = "" if site else "-S "
+    path = hoststeps.pythonpath()
+    return f"cd {cwd} && {path} exec {shlex.quote(python)} {flags}-m {module} {words}"

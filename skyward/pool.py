@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from skyward.client import activity, plan, shutdown
 from skyward.client.dispatch import Dispatch
 from skyward.client.handshake import handshake
-from skyward.client.loop import LoopThread, sigterm_unwinds
 from skyward.client.session import NodeSession, ping_agents, watch_heartbeats
 from skyward.client.transfers import Transfers
 from skyward.console.console import Console
@@ -34,6 +33,7 @@ from skyward.plugins.base import Plugin
 from skyward.providers.base import Cluster, Node, Provider
 from skyward.providers.local import Local
 from skyward.reports import Report
+from skyward.transport.eventloop import LoopThread, sigterm_unwinds
 
 if TYPE_CHECKING:
     from skyward.calls import PendingCall

@@ -18,11 +18,11 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from skyward.client.checkpoints import Checkpoints
-from skyward.client.loop import LoopThread
 from skyward.cluster import ClusterSpec
 from skyward.providers.base import Cluster, Log, Node
 from skyward.providers.local import Local, LocalCluster, LocalNode
 from skyward.reports import Report
+from skyward.transport.eventloop import LoopThread
 
 
 class SlowCollections(Local):

@@ -109,6 +109,72 @@ def test_imports_go_one_way() -> None:
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
+# What a package must not import (docs/architecture.md, "What each package may import").
+FORBIDDEN = {
+    "skyward.transport": (
+        "skyward.client",
+        "skyward.providers",
+        "skyward.console",
+        "skyward.cli",
+        "skyward.plugins",
+        "skyward.pool",
+        "skyward.calls",
+    ),
+    "skyward.worker": (
+        "skyward.client",
+        "skyward.providers",
+        "skyward.console",
+        "skyward.cli",
+        "skyward.pool",
+        "skyward.calls",
+    ),
+    "skyward.console": (
+        "skyward.client",
+        "skyward.providers",
+        "skyward.cli",
+        "skyward.pool",
+        "skyward.transport",
+        "skyward.plugins",
+    ),
+    "skyward.client": ("skyward.pool", "skyward.calls", "skyward.cli"),
+    "skyward.providers": (
+        "skyward.client",
+        "skyward.pool",
+        "skyward.calls",
+        "skyward.cli",
+        "skyward.plugins",
+    ),
+    "skyward.plugins": ("skyward.client", "skyward.providers", "skyward.pool", "skyward.cli"),
+    "skyward.providers.aws": ("skyward.providers.gcp", "skyward.providers.slurm"),
+    "skyward.providers.gcp": ("skyward.providers.aws", "skyward.providers.slurm"),
+    "skyward.providers.slurm": ("skyward.providers.aws", "skyward.providers.gcp"),
+}
+
+
+def _breaches(graph: dict[str, set[str]]) -> list[str]:
+    def inside(name: str, package: str) -> bool:
+        return name == package or name.startswith(package + ".")
+
+    return sorted(
+        f"{source} imports {target}"
+        for source, targets in graph.items()
+        for package, banned in FORBIDDEN.items()
+        if inside(source, package)
+        for target in targets
+        if any(inside(target, b) for b in banned)
+    )
+
+
+def test_packages_import_only_what_the_architecture_allows() -> None:
+    breaches = _breaches(_imports())
+    assert not breaches, "imports across the architecture's lines: " + "; ".join(breaches)
+
+
+def test_the_rule_checker_finds_a_breach() -> None:
+    graph = {"skyward.transport.x": {"skyward.client.session"}, "skyward.client.session": set()}
+    assert _breaches(graph) == ["skyward.transport.x imports skyward.client.session"]
+
+
 def test_the_circle_finder_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(graph) == [["a", "b", "c"]]

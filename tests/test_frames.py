@@ -142,39 +142,43 @@ def test_a_frame_that_is_no_message_is_refused() -> None:
         messages.from_wire((messages.Result.KIND,))  # a field missing
 
 
-def test_small_results_skip_the_message_and_large_ones_do_not() -> None:
-    """`on_result` gets every small Result as its call id, whatever the chunking; a Result too
-    large for the fast path, and every other message, still reaches `on_frame` as itself."""
+def test_the_reply_decoder_settles_every_result_and_hands_on_the_rest() -> None:
+    """A session's decoder settles each Result's call, small or large, whatever the chunking;
+    every other message still reaches `on_frame` as itself."""
+    from skyward.transport.reply_decoder import ReplyDecoder
+
     rng = random.Random(11)
     blob, values = _stream(60, rng)
     other = b"".join(bytes(c) for c in frames.encode(messages.Heartbeat()))
     for chunk_size in (7, 4096, len(blob) + len(other)):
-        by_result: dict[int, object] = {}
+        outcomes = {i: _Settled() for i in range(len(values))}
+        calls = _Calls(dict(outcomes))
         by_frame: list[messages.Message] = []
-
-        def result(call_id: int, segs: list[frames.Buffer], into: dict = by_result) -> None:  # type: ignore[type-arg]
-            into[call_id] = frames.loads(segs)
-
-        def frame(
-            m: messages.Message,
-            segs: list[frames.Buffer],
-            into: list = by_frame,  # type: ignore[type-arg]
-            results: dict = by_result,  # type: ignore[type-arg]
-        ) -> None:
-            if isinstance(m, messages.Result):
-                results[m.call_id] = frames.loads(segs)
-            else:
-                into.append(m)
-
-        decoder = frames.FrameDecoder(frame, result)
+        decoder = ReplyDecoder(calls, lambda m, segs, into=by_frame: into.append(m), _unexpected)
         data = blob + other
         for position in range(0, len(data), chunk_size):
             decoder.feed(bytes(data[position : position + chunk_size]))
         assert by_frame == [messages.Heartbeat()]
-        assert sorted(by_result) == list(range(len(values)))
+        assert not calls.pending
         for i, expected in enumerate(values):
-            got = by_result[i]
+            got = outcomes[i].value
             assert isinstance(got, dict) and got["bytes"] == expected["bytes"]
+
+
+class _Calls:
+    def __init__(self, pending: dict[int, object]) -> None:
+        self.pending = pending
+
+
+class _Settled:
+    value: object = None
+
+    def set_result(self, result: object) -> None:
+        self.value = result
+
+
+def _unexpected(outcome: object, exc: Exception) -> None:
+    raise AssertionError(f"could not unpickle a result: {exc!r}")
 
 
 class _Reports:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from skyward.client.loop import LoopThread, sigterm_unwinds
+from skyward.transport.eventloop import LoopThread, sigterm_unwinds
 
 
 @pytest.fixture

@@ -11,11 +11,11 @@ import logging
 from collections.abc import Callable
 
 from skyward.client.dispatch import Dispatch
-from skyward.client.loop import LoopThread
 from skyward.client.session import NodeSession, Stage
 from skyward.console.console import Console
 from skyward.console.progress import Phase
 from skyward.reports import Report
+from skyward.transport.eventloop import LoopThread
 
 
 def node_activity(dispatch: Dispatch, node: int) -> tuple[Phase, str] | None:

@@ -9,7 +9,6 @@ before the errors of the nodes that were stopped because of it.
 from __future__ import annotations
 
 import itertools
-import operator
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -22,9 +21,8 @@ from skyward.errors import ConfigError, PoolClosedError, WorkerError
 from skyward.transport import frames
 from skyward.transport.base import AgentStream
 from skyward.transport.callframes import CallFrames, Calls
+from skyward.transport.fastpath import all_held
 
-_value = operator.attrgetter("value")
-_dead = operator.attrgetter("dead")
 _call_ids = itertools.count(1)
 
 
@@ -48,7 +46,7 @@ class Dispatch:
 
     def __init__(self, broadcast_grace: float) -> None:
         # The sessions with their streams and locks, each list made once per restart (a
-        # broadcast passes them on, and a stream keeps what it gathers by the list's identity).
+        # Local stream keeps the pipe group of a broadcast's streams by the list's identity).
         self._wire: tuple[list[NodeSession], list[AgentStream], list[threading.Lock]] = (
             [],
             [],
@@ -67,7 +65,7 @@ class Dispatch:
     @sessions.setter
     def sessions(self, sessions: list[NodeSession]) -> None:
         streams = [session.stream for session in sessions]
-        self._wire = (sessions, streams, NodeSession.locks_of(sessions))
+        self._wire = (sessions, streams, [session.lock for session in sessions])
 
     def session(self, node: int) -> NodeSession:
         if not 0 <= node < len(self.sessions):
@@ -80,9 +78,14 @@ class Dispatch:
             raise PoolClosedError("every node of the pool has died; start a new pool")
         return live
 
-    def _frames(self, call: Call, segments: list[frames.Buffer]) -> CallFrames:
+    def _frames(
+        self, call: Call, segments: list[frames.Buffer], to: Sequence[NodeSession]
+    ) -> CallFrames:
+        """`call`'s frames for the sessions `to`: with the function's bytes too if one of them
+        may lack it (a session only ever gains functions, so one that has it keeps it)."""
         fn_id, fn_bytes = call.function.serialized()
-        return CallFrames(next(_call_ids), fn_id, fn_bytes, segments)
+        lacking = not all(session.has_function(fn_id) for session in to)
+        return CallFrames(next(_call_ids), fn_id, segments, fn_bytes if lacking else None)
 
     def _pick(self, node: int | None) -> NodeSession:
         if node is not None:
@@ -94,7 +97,8 @@ class Dispatch:
         """Send `call` to one node (the next in turn, or `node`); its future."""
         payload = call.serialized_args(self.stage)
         future: Future[Any] = Future()
-        self._pick(node).submit([(self._frames(call, payload), future)])
+        session = self._pick(node)
+        session.submit([(self._frames(call, payload, (session,)), future)])
         return future
 
     def run(self, call: Call, node: int | None = None) -> Any:
@@ -103,7 +107,7 @@ class Dispatch:
         session = self._pick(node)
         tally = Tally(1)
         reply = new_reply(tally)
-        session.submit([(self._frames(call, payload), reply)])
+        session.submit([(self._frames(call, payload, (session,)), reply)])
         session.stream.wait_replies((session.stream,), reply.done)
         tally.wait(reply.done)
         if reply.error is not None:
@@ -114,28 +118,18 @@ class Dispatch:
         """Run `call` on every node; results in node order (see `ComputePool.broadcast`)."""
         payload = call.serialized_args(self.stage)
         sessions, streams, locks = self._wire  # replaced, never changed: a snapshot
-        if any(map(_dead, sessions)):  # (in C: every broadcast checks)
+        if any(session.dead is not None for session in sessions):
             dead = [session.node for session in sessions if session.dead is not None]
             raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
-        frames_ = self._frames(call, payload)  # encoded once, written to every node
+        frames_ = self._frames(call, payload, sessions)  # encoded once, written to every node
         tally = Tally(len(sessions))
-        replies: list[Reply] = []
-        for _ in sessions:
-            reply = Reply()  # `new_reply`, written out
-            reply.tally = tally
-            replies.append(reply)
-        # Every node's part in one call each (see docs/architecture.md on the per-call path):
-        # registered on every session first, then written back to back, as each write wakes a
-        # node that then competes for the cores with the rest of this loop.
-        chunks = NodeSession.enqueue_each(frames_, sessions, replies, locks)
-        failed = streams[0].write_each(streams, chunks)
-        for index, exc in failed:
-            sessions[index].write_failed(exc, [(frames_, replies[index])])
-        if frames_.carries_function:  # the function's first broadcast (see `wrote_function`)
-            unsent = {index for index, _ in failed}
-            for index, session in enumerate(sessions):
-                if chunks[index] and index not in unsent:
-                    session.wrote_function(frames_.fn_id)
+        replies = [new_reply(tally) for _ in sessions]
+        # Registered on every session first, then written back to back: each write wakes a
+        # node, which then competes for the cores with the rest of this loop.
+        with all_held(locks):
+            chunks = [s.register(frames_, r) for s, r in zip(sessions, replies, strict=True)]
+        for session, reply, node_chunks in zip(sessions, replies, chunks, strict=True):
+            session.flush([(frames_, reply)], node_chunks)
         return self._collect(tally, replies, sessions, spmd=True, streams=streams)
 
     def gather(self, calls: Sequence[Call]) -> tuple[Any, ...]:
@@ -149,7 +143,8 @@ class Dispatch:
         replies = [new_reply(tally) for _ in calls]
         batches: dict[int, Calls] = {}
         for session, call, payload, reply in zip(owners, calls, payloads, replies, strict=True):
-            batches.setdefault(session.node, []).append((self._frames(call, payload), reply))
+            frames_ = self._frames(call, payload, (session,))
+            batches.setdefault(session.node, []).append((frames_, reply))
         for session in live:  # one write per node, however many calls it takes
             if session.node in batches:
                 session.submit(batches[session.node])
@@ -190,7 +185,7 @@ class Dispatch:
         else:
             tally.wait(tally.all_done)
         if not tally.failures:
-            return list(map(_value, replies))  # C-level: a broadcast's values, in order
+            return [reply.value for reply in replies]
         # A dead node is the root cause of what the others then report (a collective that lost
         # its peer, or being stopped), so its error is the one raised.
         failed = sorted(

@@ -28,6 +28,7 @@ class Tally:
         self.cond: threading.Condition | None = None  # made by the first waiter that sleeps
 
     def settle(self, reply: Reply) -> None:
+        """Count `reply`, settled (once) on any thread, and wake the waiter if one sleeps."""
         if reply.error is not None:
             self.failures.append(reply)
         self.settled.append(None)
@@ -75,9 +76,7 @@ class Reply:
     def set_result(self, result: Any) -> None:
         if not self.finished:  # counted once, whatever happens
             self.value, self.finished = result, True
-            self.tally.settled.append(None)  # `Tally.settle` for a value
-            if self.tally.waiting:
-                self.tally.wake()
+            self.tally.settle(self)
 
     def set_exception(self, exception: BaseException | None) -> None:
         if not self.finished:

@@ -23,7 +23,6 @@ from typing import TypeVar
 
 from skyward.client import failures
 from skyward.client.node_output import NodeOutput
-from skyward.client.replies import Reply
 from skyward.errors import PluginError, PoolClosedError, RemoteError, WorkerError
 from skyward.info import InstanceInfo
 from skyward.providers.base import NodeLoss
@@ -31,7 +30,6 @@ from skyward.reports import Report
 from skyward.transport import frames, messages
 from skyward.transport.base import AgentStream
 from skyward.transport.callframes import CallFrames, Calls, Outcome
-from skyward.transport.lockloops import ACQUIRE, RELEASE, consume
 from skyward.transport.reply_decoder import ReplyDecoder
 
 # How long to wait for the rest of a dead node's output before reporting its death.
@@ -77,13 +75,15 @@ class NodeSession:
         self.stage = Stage.STARTING
         self.plugin: str | None = None  # the plugin whose hook runs, in Stage.IN_PLUGIN
         self._hook = ""
-        self._sent_functions: set[int] = set()  # see `wrote_function`
+        # The functions a write that carried their bytes has returned for (see `flush`).
+        self._sent_functions: set[int] = set()
         self._explain = explain
         self._on_output = on_output
         self._on_report = on_report
         self._control: asyncio.Queue[messages.Message | None] = asyncio.Queue()
         self._stopping = False
-        self._lock = threading.Lock()
+        # Held while calls are registered (`register`) and the pending calls are taken away.
+        self.lock = threading.Lock()
         self._decoder = ReplyDecoder(
             self, self._on_frame, self._unpicklable, self._on_control_end, self._on_broken_stream
         )
@@ -175,75 +175,45 @@ class NodeSession:
         """Send calls in one write; their results resolve the futures."""
         self.flush(calls, self.enqueue(calls))
 
+    def has_function(self, fn_id: int) -> bool:
+        """Whether the node has function `fn_id` (a write that carried it has returned)."""
+        return fn_id in self._sent_functions
+
     def enqueue(self, calls: Calls) -> list[frames.Buffer]:
         """Register calls as pending and return the bytes that send them (`flush` writes them).
 
         Split from the write so a broadcast writes to every node back to back: a write wakes
         that node's agent, which then competes for the cores with the rest of the loop."""
-        if len(calls) == 1:  # one call (a `>>`): no list to build and join
-            return self.enqueue_one(*calls[0])
         chunks: list[frames.Buffer] = []
-        carried: set[int] = set()
-        with self._lock:
+        carried: set[int] = set()  # the batch's first call of a function carries its bytes
+        with self.lock:
             for call, future in calls:
-                if self.dead is not None:
-                    future.set_exception(self.dead)
-                    continue
-                if not future.set_running_or_notify_cancel():
-                    continue
-                # the batch's first call of a function the node lacks carries its bytes
-                first_time = call.fn_id not in self._sent_functions and call.fn_id not in carried
-                if first_time:
-                    carried.add(call.fn_id)
-                self.pending[call.call_id] = future
-                chunks += call.chunks(first_time)
-        return chunks if len(chunks) == 1 else frames.coalesce(chunks)
+                chunks += self.register(call, future, carried)
+        return chunks if len(chunks) <= 1 else frames.coalesce(chunks)
 
-    def enqueue_one(self, call: CallFrames, future: Outcome) -> list[frames.Buffer]:
-        """`enqueue` for one call."""
-        return NodeSession.enqueue_each(call, (self,), (future,), (self._lock,))[0]
-
-    @staticmethod
-    def locks_of(sessions: Sequence[NodeSession]) -> list[threading.Lock]:
-        """The sessions' locks, in order: what `enqueue_each` takes."""
-        return [session._lock for session in sessions]
-
-    @staticmethod
-    def enqueue_each(
-        call: CallFrames,
-        sessions: Sequence[NodeSession],
-        outcomes: Sequence[Outcome],
-        locks: Sequence[threading.Lock],
-    ) -> list[list[frames.Buffer]]:
-        """Register `call` on each session with its outcome (a broadcast's nodes, in one
-        Python call: see docs/architecture.md on the per-call path); the bytes to write to
-        each, none where the node is dead (its outcome then fails at once) or the call was
-        cancelled. `locks` (`locks_of(sessions)`) are taken at once, in C, in their order (so
-        two broadcasts cannot deadlock: see `lockloops`)."""
-        out: list[list[frames.Buffer]] = []
-        held: list[bool] = []  # one entry per lock taken, in order (`extend` keeps what it took)
-        try:
-            held.extend(map(ACQUIRE, locks))
-            for session, future in zip(sessions, outcomes, strict=True):
-                if session.dead is not None:
-                    future.set_exception(session.dead)
-                    out.append([])
-                    continue
-                # (a `Reply` is never cancelled: a broadcast's replies skip the call)
-                if type(future) is not Reply and not future.set_running_or_notify_cancel():
-                    out.append([])
-                    continue
-                session.pending[call.call_id] = future
-                if call.fn_id in session._sent_functions:
-                    out.append(call.without_fn)
-                else:
-                    out.append(call.chunks(True))
-        finally:
-            consume(map(RELEASE, locks[: len(held)]))
-        return out
+    def register(
+        self, call: CallFrames, future: Outcome, carried: set[int] | None = None
+    ) -> list[frames.Buffer]:
+        """Register `call` as pending, with `lock` held; the bytes that send it: none when the
+        node is dead (the future fails now) or the call was cancelled. `carried`: the functions
+        whose bytes an earlier call of the same write carries (this one is added to it)."""
+        if self.dead is not None:
+            future.set_exception(self.dead)
+            return []
+        if not future.set_running_or_notify_cancel():
+            return []
+        self.pending[call.call_id] = future
+        has = call.fn_id in self._sent_functions
+        if carried is not None and not has:
+            has = call.fn_id in carried
+            carried.add(call.fn_id)
+        return call.chunks(has)
 
     def flush(self, calls: Calls, chunks: list[frames.Buffer]) -> None:
-        """Write what `enqueue` returned for `calls`; a failed write fails those calls."""
+        """Write what `enqueue` (or `register`) returned for `calls`; a failed write fails
+        those calls. Once a write that carried a function's bytes has returned, the node has
+        it before any later write, and later calls go without it. (Marked no sooner: a call
+        made by another thread meanwhile may be written first, and must carry the bytes too.)"""
         if not chunks:
             return
         try:
@@ -252,19 +222,13 @@ class NodeSession:
             self.write_failed(exc, calls)
             return
         for call, _ in calls:
-            if call.carries_function:
-                self.wrote_function(call.fn_id)
-
-    def wrote_function(self, fn_id: int) -> None:
-        """A write that carried function `fn_id`'s bytes has returned: the node will have it
-        before any later write, so later calls go without it. (Marked no sooner: a call made
-        by another thread meanwhile may be written first, and must carry the bytes too.)"""
-        self._sent_functions.add(fn_id)
+            if call.with_fn is not None and call.fn_id not in self._sent_functions:
+                self._sent_functions.add(call.fn_id)
 
     def write_failed(self, exc: OSError, calls: Calls) -> None:
         """The write of `calls` failed with `exc`: fail those of them still pending."""
         error = self._error(f"could not send to node {self.node}: {exc}")
-        with self._lock:
+        with self.lock:
             failed = [f for c, f in calls if self.pending.pop(c.call_id, None) is f]
         for future in failed:
             future.set_exception(error)
@@ -279,9 +243,8 @@ class NodeSession:
         self._loop.call_soon_threadsafe(self._control_ended)
 
     def _on_frame(self, message: messages.Message, segments: list[frames.Buffer]) -> None:
-        if type(message) is messages.Result:  # a large one (the decoder settles small ones)
-            self._decoder.settle(message.call_id, segments)
-        elif type(message) is messages.Raised:
+        # (a `Result` never comes here: the decoder settles its call)
+        if type(message) is messages.Raised:
             self._reject(message, segments)
         elif type(message) is messages.Reported:
             if self._on_report is not None:
@@ -352,7 +315,7 @@ class NodeSession:
 
     def mark_dead(self, error: WorkerError) -> None:
         """Fail every call this node holds with `error`, and say so in its output."""
-        with self._lock:
+        with self.lock:
             if self.dead is not None:
                 return
             self.dead = error
@@ -412,7 +375,7 @@ class NodeSession:
         if self._ended_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._ended_task, timeout=2)
-        with self._lock:
+        with self.lock:
             pending, self.pending = self.pending, {}
         for future in pending.values():
             if not future.done():

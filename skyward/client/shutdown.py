@@ -13,13 +13,13 @@ import contextlib
 import time
 from collections.abc import Sequence
 
-from skyward.client.loop import LoopThread
 from skyward.client.session import NodeSession
 from skyward.client.transfers import Transfers
 from skyward.console.console import Console, duration
 from skyward.console.progress import Phase
 from skyward.errors import SkywardError
 from skyward.providers.base import Cluster, Provider
+from skyward.transport.eventloop import LoopThread
 
 # Seconds a node may take to unwind when it was busy or the pool ends on an error.
 _HURRIED = 0.5

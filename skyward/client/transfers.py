@@ -13,12 +13,12 @@ from concurrent.futures import Future
 from typing import Any
 
 from skyward.client.checkpoints import Checkpoints
-from skyward.client.loop import LoopThread
 from skyward.console.console import Console
 from skyward.data import Data, Placement
 from skyward.errors import DataError, PoolClosedError
 from skyward.providers.base import Cluster, Provider
 from skyward.reports import Report
+from skyward.transport.eventloop import LoopThread
 
 
 class Transfers:

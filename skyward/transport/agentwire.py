@@ -108,7 +108,7 @@ class AgentWire:
     may take the frames that have arrived meanwhile (`read_ahead`) and keep them for it, so that
     the client's pings are seen and its input never piles up. `last_input` is when a frame last
     arrived, by either way. Writes (`send`) are safe from any thread: each writes whole frames
-    in its turn (`_take_turn`).
+    under the write lock.
     """
 
     def __init__(self, fd_in: int, fd_out: int) -> None:
@@ -125,33 +125,19 @@ class AgentWire:
         self._input_ahead.register(fd_in, select.POLLIN)
         self._out_fd = fd_out
         self._lock = threading.Lock()  # held by whoever reads the input
-        # Whose turn it is to write: the writing thread's ident under key 0, none between
-        # writes. Taken with one dict.setdefault, given back with one pop: an 8-node broadcast
-        # on 2 cores measured 2-3 us of CPU per call less than with a lock's acquire and
-        # release. A thread that finds its own ident there may go on (it was interrupted
-        # between taking its turn and giving it back), so no turn is ever lost for good.
-        self._writer: dict[int, int] = {}
+        # Held while a frame is written. Re-entrant: a thread interrupted while it holds it (a
+        # signal's handler that reports) may still write.
+        self._write_lock = threading.RLock()
         self._early: collections.deque[tuple[Message, list[bytes]]] = collections.deque()
         self._ended = False
         self.last_input = time.monotonic()
 
     def send(self, message: Message, segments: Segments = ()) -> None:
-        """Write one frame."""
+        """Write one frame (from any thread: whole frames, one at a time)."""
         chunks = encode(message, segments)
-        self._take_turn(threading.get_ident())
-        try:
+        with self._write_lock:
             for chunk in chunks:
                 write_all(self._out_fd, chunk)
-        finally:
-            self._writer.pop(0, None)
-
-    def _take_turn(self, me: int) -> None:
-        """Wait until thread `me` may write (another thread is writing a frame: rare, and
-        as short as a write, unless the client stops reading)."""
-        pause = 0.0
-        while self._writer.setdefault(0, me) != me:
-            time.sleep(pause)
-            pause = min(max(pause * 2, 1e-5), 1e-3)
 
     def serve(
         self,
@@ -165,109 +151,118 @@ class AgentWire:
         Each `Call` runs here, with `host`'s functions, and its result is sent as its `Result`
         (an exception goes to `host.fail_call`). Any other message goes to `other`, which
         returns False to stop. After each call the wire polls for the next one for `linger`
-        seconds. `shared`: another thread may take frames meanwhile (`read_ahead`), so reads
-        take the lock and mark `last_input`; without it, a call's path touches neither.
+        seconds. `shared`: another thread may take frames meanwhile (`read_ahead`), so every
+        frame is read by `read`, under the lock; without it, a small call takes the fast path.
         """
-        fd_in, fd_out, lock = self.fileno_in, self._out_fd, self._lock
-        me, take_turn, give_turn = threading.get_ident(), self._writer.setdefault, self._writer.pop
-        loads, dumps, read, write = pickle.loads, pickle.dumps, os.read, os.write
-        head_size, unpack_head = ONE_SEGMENT.size, ONE_SEGMENT.unpack
-        call_size, unpack_call = PACKED_CALL.size, PACKED_CALL.unpack_from
-        pack_reply, reply_meta = RESULT_FRAME.pack, PACKED_RESULT.size
+        if shared:
+            while (frame := self.read()) is not None and self._serve_frame(host, other, *frame):
+                if linger:
+                    self.linger(linger)
+            return
+        # FAST PATH (the agent's only one; `bench_local.py` rtt and broadcast, commits edfef46
+        # and b8cd480): a small call's frame is read with two exact reads (its header and first
+        # segment length, then the packed metadata and the pickled arguments), run, and
+        # answered with one write, all in this loop: with many agents sharing cores, each
+        # Python call on a node's path costs several times what it does in a warm loop.
+        # Anything else goes through the plain steps (`_rest_of_frame`, `_serve_frame`,
+        # `_answer`), which handle every frame.
+        fd_in, fd_out, lock = self.fileno_in, self._out_fd, self._write_lock
         functions, reports = host.functions, host.reports
-        unsent, sending = reports.queue, reports.sending.locked
         while True:
-            frame: tuple[Message, list[bytes]] | None = None
-            if shared:
-                lock.acquire()
-                if self._early or self._ended:
-                    lock.release()
-                    frame = self.read()
-                    if frame is None:
-                        return
-            if frame is None:
-                # The common frame, a small call, is read and decoded here: its first 16 bytes
-                # (header and segment length), then the metadata and the pickled arguments.
-                try:
-                    head = read(fd_in, head_size)
-                    try:
-                        meta_len, count, first = unpack_head(head)
-                    except struct.error:  # a header cut short, or the end: the slow path
-                        count = 0
-                    if count == 1 and meta_len == call_size and first < COALESCE_LIMIT:
-                        size = call_size + first
-                        body = read(fd_in, size)
-                        if len(body) != size:
-                            body = self._read_exactly(size, body)
-                    else:
-                        frame = self._rest_of_frame(head)
-                        if frame is None:
-                            return
-                    if shared:
-                        self.last_input = _monotonic()
-                finally:
-                    if shared:
-                        lock.release()
-            segments: list[bytes] | None = None  # the call's, when it came by the slow path
-            if frame is None:
-                marker, kind, call_id, fn_id = unpack_call(body)
-                fn_bytes = None
-                if marker != PACKED or kind != CALL:  # pickled metadata of that very size
-                    frame = from_wire(meta_tuple(body[:call_size])), [body[call_size:]]
-            if frame is not None:
-                message, segments = frame
-                if type(message) is not Call:
-                    if not other(message, segments):
-                        return
-                    continue
-                call_id, fn_id, fn_bytes = message.call_id, message.fn_id, message.fn_bytes
+            head = os.read(fd_in, ONE_SEGMENT.size)
             try:
-                try:
-                    fn = functions[fn_id]
-                except KeyError:
-                    fn = host.load_function(fn_id, fn_bytes)
-                if segments is None:
-                    args, kwargs = loads(body[call_size:])
-                elif len(segments) == 1:
-                    args, kwargs = loads(segments.pop())
-                else:
-                    args, kwargs = loads(segments[0], buffers=segments[1:])
-                    segments.clear()  # a large argument is freed once the function lets go
-                value = fn(*args, **kwargs)
-                del args, kwargs
-            except BaseException as exc:
-                # sys.exit() or KeyboardInterrupt in the user's code fails that call only; the
-                # agent keeps serving.
-                host.fail_call(call_id, exc)
-                continue
-            reply: bytes | None = None  # the whole frame, when the result is a small scalar
-            if type(value) in SCALARS:
-                blob = dumps(value, PROTOCOL)
-                if len(blob) < COALESCE_LIMIT:
-                    reply = pack_reply(reply_meta, 1, len(blob), PACKED, RESULT, call_id) + blob
-                else:
-                    result: Segments = [blob]
+                meta_len, count, first = ONE_SEGMENT.unpack(head)
+            except struct.error:  # a header cut short, or the end: the plain path
+                count = 0
+            if count != 1 or meta_len != PACKED_CALL.size or first >= COALESCE_LIMIT:
+                frame = self._rest_of_frame(head)
+                if frame is None or not self._serve_frame(host, other, *frame):
+                    return
             else:
-                dumped = host.dump_result(call_id, value)
-                if dumped is None:
-                    continue
-                result = dumped
-            del value
-            if unsent or sending():
-                reports.flush()  # the client sees a call's reports before its result
-            if reply is not None:
-                if take_turn(0, me) != me:  # `send`, written out
-                    self._take_turn(me)
-                try:
-                    written = write(fd_out, reply)
-                    if written != len(reply):  # a signal or a full pipe cut it short
-                        write_all(fd_out, memoryview(reply)[written:])
-                finally:
-                    give_turn(0, None)
-            else:
-                self.send(Result(call_id), result)
+                size = meta_len + first
+                body = os.read(fd_in, size)
+                if len(body) != size:  # a frame that arrives in pieces
+                    body = self._read_exactly(size, body)
+                marker, kind, call_id, fn_id = PACKED_CALL.unpack_from(body)
+                if marker != PACKED or kind != CALL:  # pickled metadata of that very size
+                    message = from_wire(meta_tuple(body[: PACKED_CALL.size]))
+                    if not self._serve_frame(host, other, message, [body[PACKED_CALL.size :]]):
+                        return
+                else:
+                    try:
+                        try:
+                            fn = functions[fn_id]
+                        except KeyError:
+                            fn = host.load_function(fn_id, None)
+                        args, kwargs = pickle.loads(body[PACKED_CALL.size :])
+                        value = fn(*args, **kwargs)
+                        del args, kwargs
+                    except BaseException as exc:  # (sys.exit() in the user's code fails the
+                        host.fail_call(call_id, exc)  # call only: the agent keeps serving)
+                        continue
+                    # `_answer`, written out for its common case: a small scalar, no reports
+                    blob = None
+                    if type(value) in SCALARS and not (reports.queue or reports.sending.locked()):
+                        blob = pickle.dumps(value, PROTOCOL)
+                    if blob is None or len(blob) >= COALESCE_LIMIT:
+                        self._answer(host, call_id, value)
+                    else:
+                        meta = (PACKED_RESULT.size, 1, len(blob), PACKED, RESULT, call_id)
+                        with lock:
+                            write_all(fd_out, RESULT_FRAME.pack(*meta) + blob)
+                    del value
             if linger:
                 self.linger(linger)
+
+    def _serve_frame(
+        self,
+        host: CallHost,
+        other: Callable[[Message, list[bytes]], bool],
+        message: Message,
+        segments: list[bytes],
+    ) -> bool:
+        """Run one frame's call, or hand its message to `other`; False to stop serving."""
+        if type(message) is not Call:
+            return other(message, segments)
+        try:
+            fn = host.functions.get(message.fn_id) or host.load_function(
+                message.fn_id, message.fn_bytes
+            )
+            args, kwargs = pickle.loads(segments[0], buffers=segments[1:])
+            segments.clear()  # a large argument is freed once the function lets go
+            value = fn(*args, **kwargs)
+            del args, kwargs
+        except BaseException as exc:
+            host.fail_call(message.call_id, exc)
+            return True
+        self._answer(host, message.call_id, value)
+        return True
+
+    def _answer(self, host: CallHost, call_id: int, value: Any) -> None:
+        """Send call `call_id`'s `Result`, after the reports queued before it."""
+        reply: bytes | None = None  # the whole frame, when the result is a small scalar
+        result: Segments | None = None
+        if type(value) in SCALARS:
+            blob = pickle.dumps(value, PROTOCOL)
+            if len(blob) < COALESCE_LIMIT:
+                reply = RESULT_FRAME.pack(PACKED_RESULT.size, 1, len(blob), PACKED, RESULT, call_id)
+                reply += blob
+            else:
+                result = [blob]
+        else:
+            result = host.dump_result(call_id, value)
+            if result is None:  # answered already, with why it cannot travel
+                return
+        del value
+        reports = host.reports
+        if reports.queue or reports.sending.locked():
+            reports.flush()  # the client sees a call's reports before its result
+        if reply is None:
+            assert result is not None
+            self.send(Result(call_id), result)
+            return
+        with self._write_lock:
+            write_all(self._out_fd, reply)
 
     def read(self) -> tuple[Message, list[bytes]] | None:
         """Read one frame; None when the stream has closed between frames."""

@@ -46,15 +46,6 @@ class AgentStream(Protocol):
         ``B``, as `frames` makes them)."""
         ...
 
-    def write_each(
-        self, streams: Sequence[AgentStream], chunks: Sequence[Sequence[Buffer]]
-    ) -> list[tuple[int, OSError]]:
-        """`write` to each of `streams` (this stream's kind) its `chunks`, back to back (a
-        broadcast: one Python call for every node); each failed write's index and error. A
-        pool passes the same `streams` list for each broadcast, so a stream may keep what it
-        gathers from them by the list's identity."""
-        ...
-
     def close_input(self) -> None:
         """End the agent's control input (it then exits); the output keeps flowing."""
         ...

@@ -24,31 +24,31 @@ Calls = list[tuple["CallFrames", Outcome]]
 
 
 class CallFrames:
-    """One call's frame, encoded at most twice (with and without the function's bytes) however
-    many nodes it goes to: a broadcast writes the same bytes to every node."""
+    """One call's frame, encoded once however many nodes it goes to (a broadcast writes the same
+    bytes to every node), and once more with the function's bytes when some node lacks them:
+    both are made here, by whoever makes the call, so no node's writer comes back to encode."""
 
-    __slots__ = ("_with_fn", "call_id", "fn_bytes", "fn_id", "segments", "without_fn")
+    __slots__ = ("call_id", "fn_id", "with_fn", "without_fn")
 
     def __init__(
-        self, call_id: int, fn_id: int, fn_bytes: bytes, segments: list[frames.Buffer]
+        self,
+        call_id: int,
+        fn_id: int,
+        segments: list[frames.Buffer],
+        fn_bytes: bytes | None = None,
     ) -> None:
+        """`fn_bytes`: the function's, when some node the call goes to may lack it."""
         self.call_id = call_id
         self.fn_id = fn_id
-        self.fn_bytes = fn_bytes
-        self.segments = segments
-        # what a node that has the function gets: nearly every call needs it, so it is made now
         self.without_fn = frames.encode_call(call_id, fn_id, segments)
-        self._with_fn: list[frames.Buffer] | None = None
+        self.with_fn: list[frames.Buffer] | None = None
+        if fn_bytes is not None:
+            self.with_fn = frames.encode(messages.Call(call_id, fn_id, fn_bytes), segments)
 
-    @property
-    def carries_function(self) -> bool:
-        """Whether the frame with the function's bytes was made (some node lacked it)."""
-        return self._with_fn is not None
-
-    def chunks(self, first_time: bool) -> list[frames.Buffer]:
-        if not first_time:
+    def chunks(self, node_has_function: bool) -> list[frames.Buffer]:
+        """The bytes for a node that has the function (or not)."""
+        if node_has_function:
             return self.without_fn
-        if self._with_fn is None:
-            call = messages.Call(self.call_id, self.fn_id, self.fn_bytes)
-            self._with_fn = frames.encode(call, self.segments)
-        return self._with_fn
+        if self.with_fn is None:
+            raise ValueError(f"call {self.call_id} was made without its function's bytes")
+        return self.with_fn

@@ -27,7 +27,6 @@ LENGTH = struct.Struct("!Q")
 # A header and the first segment length (or the metadata's first bytes when there is none).
 ONE_SEGMENT = struct.Struct("!IIQ")
 PROTOCOL = 5
-_monotonic = time.monotonic
 
 # A frame's metadata is its message's wire tuple, pickled; except for the two messages every call
 # sends, which are packed: a marker byte no pickle starts with (a pickle's first byte is its
@@ -37,7 +36,7 @@ PACKED = 0x01
 PACKED_CALL = struct.Struct("!BBQQ")  # a Call without the function's bytes: call_id, fn_id
 PACKED_RESULT = struct.Struct("!BBQ")  # a Result: call_id
 CALL, RESULT = Call.KIND, Result.KIND
-# A one-segment frame's header and packed Result metadata, read at once (a reply, on the client).
+# A one-segment frame's header and packed Result metadata, written at once (a small reply).
 RESULT_FRAME = struct.Struct("!IIQBBQ")
 
 Buffer = bytes | bytearray | memoryview
@@ -204,22 +203,19 @@ class FrameDecoder:
     """Turns a byte stream, fed in chunks of any size, into frames (the client's side).
 
     A large segment is gathered into a buffer of its final size as its bytes arrive, so it is
-    copied once, whatever the chunking.
+    copied once, whatever the chunking. (A session's decoder, `reply_decoder.ReplyDecoder`,
+    first takes the whole frames of a chunk itself: `fastpath.settle_frames`.)
     """
 
     def __init__(
         self,
         on_frame: Callable[[Message, list[Buffer]], None],
-        on_result: Callable[[int, list[Buffer]], None] | None = None,
         on_end: Callable[[], None] | None = None,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
-        """`on_frame` gets each message and its segments; with `on_result`, a small `Result`
-        goes there as its call id and segments instead, spared building the message.
-        `on_end` is called when the stream ends (an empty chunk); `on_error`, if given, gets
-        what a broken stream raised."""
+        """`on_frame` gets each message and its segments; `on_end` is called when the stream
+        ends (an empty chunk); `on_error`, if given, gets what a broken stream raised."""
         self._on_frame = on_frame
-        self._on_result = on_result
         self._on_end = on_end
         self._on_error = on_error
         self.last_fed = time.monotonic()  # when bytes last came
@@ -230,54 +226,19 @@ class FrameDecoder:
         self._partial: bytearray | None = None  # the segment being filled
         self._filled = 0
 
+    @property
+    def between_frames(self) -> bool:
+        """Whether the next byte fed starts a frame (nothing is held back)."""
+        return self._meta is None and not self._buf
+
     def feed(self, data: Buffer) -> None:
         """Decode a chunk of the stream (an empty one: the stream has ended)."""
         if not data:
             if self._on_end is not None:
                 self._on_end()
             return
-        self.last_fed = _monotonic()
+        self.last_fed = time.monotonic()
         try:
-            if type(data) is bytes and self._meta is None and not self._buf:
-                # The common case, whole small frames in one read: they are delivered straight
-                # from `data`, with no copy into the buffer (gathered replies come this way).
-                offset, end = 0, len(data)
-                on_frame, on_result = self._on_frame, self._on_result
-                while end - offset >= ONE_SEGMENT.size:
-                    meta_len, count, first = ONE_SEGMENT.unpack_from(data, offset)
-                    start = offset + HEADER.size + LENGTH.size * count
-                    if count == 1:  # a result or an exception: one pickled segment
-                        stop = start + meta_len + first
-                        if stop > end:
-                            break
-                        middle = start + meta_len
-                        offset = stop
-                        if data[start] == PACKED and meta_len == PACKED_RESULT.size and on_result:
-                            _, kind, call_id = PACKED_RESULT.unpack_from(data, start)
-                            if kind == RESULT:
-                                on_result(call_id, [data[middle:stop]])
-                                continue
-                        message = from_wire(meta_tuple(data[start:middle]))
-                        on_frame(message, [data[middle:stop]])
-                        continue
-                    if start > end:
-                        break
-                    lengths = lengths_of(count).unpack_from(data, offset + HEADER.size)
-                    stop = start + meta_len + sum(lengths)
-                    if stop > end:
-                        break
-                    message = from_wire(meta_tuple(data[start : start + meta_len]))
-                    segments: list[Buffer] = []
-                    position = start + meta_len
-                    for size in lengths:
-                        segments.append(data[position : position + size])
-                        position += size
-                    offset = stop
-                    on_frame(message, segments)
-                if offset == end:
-                    return
-                if offset:
-                    data = data[offset:]
             self._buffer(data)
         except Exception as exc:
             if self._on_error is None:

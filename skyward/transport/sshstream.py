@@ -5,7 +5,7 @@ decodes are handed to the node's session straight from `data_received`, with no 
 between them (a task and a future per read were a tenth of a small call's round trip). Its
 control bytes are the channel's stdout, its output the channel's stderr. Everything here runs
 on whichever thread runs the pool's event loop (its own, or a caller waiting for replies:
-`loop.LoopThread.drive`); `write` may be called from any thread.
+`eventloop.LoopThread.drive`); `write` may be called from any thread.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 import asyncssh
 from asyncssh.channel import SSHChannel
 
-from skyward.client.loop import lender
 from skyward.errors import ProvisionError
 from skyward.transport.base import AgentStream, Receiver
+from skyward.transport.eventloop import lender
 from skyward.transport.frames import Buffer
 from skyward.transport.sshhost import PID_MARKER, SSHHost
 
@@ -136,17 +136,6 @@ class ChannelStream(asyncssh.SSHClientSession[bytes]):
         """Run the pool's loop, which reads every channel, in this thread until `done()`."""
         if self._lender is not None:
             self._lender.drive(done)
-
-    def write_each(
-        self, streams: Sequence[AgentStream], chunks: Sequence[Sequence[Buffer]]
-    ) -> list[tuple[int, OSError]]:
-        failed: list[tuple[int, OSError]] = []
-        for index, (stream, node_chunks) in enumerate(zip(streams, chunks, strict=True)):
-            try:
-                stream.write(node_chunks)
-            except OSError as exc:
-                failed.append((index, exc))
-        return failed
 
     def write(self, chunks: Sequence[Buffer]) -> None:
         lender = self._lender

@@ -1,0 +1,211 @@
+"""THE CLIENT'S FAST PATH: what every call's bytes go through on the client, written for speed.
+
+Everything else on the client calls these and is written plainly (see docs/architecture.md, "Why
+the per-call path is written flat"). Each piece is here because `benchmarks/bench_local.py`
+showed it pays (the figure it serves is named beside it); `tests/test_fastpath.py` checks each
+against the plain behaviour it stands for.
+
+- `all_held`: a broadcast's locks, taken in list order with one loop run in C and given back the
+  same way, once per broadcast rather than a ``with`` block per node (`broadcast`).
+- `settle_frames`: the one reader of a reply's packed metadata on the client; it settles small
+  `Result`s straight from the chunk they came in, without building a message or copying the
+  bytes into a buffer (`rtt`, `broadcast`: one reply per chunk; `gather`: many).
+- `PipeGroup.read_until`: a Local broadcast's replies, read from all its pipes in one poll loop
+  in the caller's thread (`broadcast`: the floor it is measured against reads 8 raw pipes the
+  same way).
+
+The agent's fast path is the marked loop of `agentwire.AgentWire.serve`.
+"""
+
+from __future__ import annotations
+
+import _thread
+import collections
+import pickle
+import select
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from skyward.transport import frames
+from skyward.transport.messages import Message, Result, from_wire
+
+_ACQUIRE, _RELEASE = _thread.LockType.acquire, _thread.LockType.release
+# Runs an iterator to its end in C.
+_consume: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
+_loads = pickle.loads
+
+
+class all_held:
+    """``with all_held(locks):`` holds every lock of `locks`, taken in the list's order (so two
+    holders of overlapping lists, each in one order, cannot deadlock) and given back on the way
+    out, also when the taking was interrupted (only what was taken is given back).
+
+    Why not a ``with`` per lock: a broadcast takes one lock per node, and `map` over the lock
+    type's own methods costs no bytecode per lock (`bench_local.py --only broadcast`; commit
+    4bc77de)."""
+
+    __slots__ = ("_locks", "_taken")
+
+    def __init__(self, locks: Sequence[threading.Lock]) -> None:
+        self._locks = locks
+        self._taken: list[bool] = []  # one entry per lock taken, in order
+
+    def __enter__(self) -> None:
+        try:
+            self._taken.extend(map(_ACQUIRE, self._locks))  # `extend` keeps what it took
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *_: object) -> None:
+        taken, self._taken = len(self._taken), []
+        _consume(map(_RELEASE, self._locks[:taken]))
+
+
+class Outcome(Protocol):
+    """Where a call's result goes (`callframes.Outcome` has it)."""
+
+    def set_result(self, result: Any) -> None: ...
+
+
+Unpicklable = Callable[[Any, Exception], None]
+OnFrame = Callable[[Message, list[frames.Buffer]], None]
+
+
+def settle(
+    pending: dict[int, Any],
+    call_id: int,
+    segments: Sequence[frames.Buffer],
+    unpicklable: Unpicklable,
+) -> None:
+    """Settle call `call_id` (taken out of `pending`) with the result `segments` hold; one that
+    cannot be unpickled goes to `unpicklable` with why. A call no longer pending (failed
+    meanwhile: its node was stopped) is left alone."""
+    outcome = pending.pop(call_id, None)
+    if outcome is None:
+        return
+    try:
+        value = _loads(segments[0], buffers=segments[1:])
+    except Exception as exc:
+        unpicklable(outcome, exc)
+        return
+    outcome.set_result(value)
+
+
+def settle_frames(
+    data: bytes, pending: dict[int, Any], unpicklable: Unpicklable, on_frame: OnFrame
+) -> int:
+    """Decode the whole frames at the start of `data` (a chunk read at a frame's start): each
+    `Result` settles its call in `pending` (`settle`), any other frame goes to `on_frame`.
+    Returns where the whole frames end: the rest (a frame cut short) is for `FrameDecoder`.
+
+    FAST PATH (every reply of `rtt`, `broadcast` and `gather` comes here; commits 2330448 and
+    edfef46): the packed metadata is read with one struct, and each frame is sliced straight
+    from `data`, with no copy into the decoder's buffer."""
+    offset, end = 0, len(data)
+    head, packed_result = frames.ONE_SEGMENT, frames.PACKED_RESULT
+    while end - offset >= head.size:
+        meta_len, count, first = head.unpack_from(data, offset)
+        start = offset + frames.HEADER.size + frames.LENGTH.size * count
+        if count == 1:  # a result or an exception: one segment, whose length is `first`
+            middle = start + meta_len
+            stop = middle + first
+            if stop > end:
+                break
+            offset = stop
+            if meta_len == packed_result.size and data[start] == frames.PACKED:
+                _, kind, call_id = packed_result.unpack_from(data, start)
+                if kind == frames.RESULT:
+                    settle(pending, call_id, (data[middle:stop],), unpicklable)
+                    continue
+            on_frame(from_wire(frames.meta_tuple(data[start:middle])), [data[middle:stop]])
+            continue
+        if start > end:
+            break
+        lengths = frames.lengths_of(count).unpack_from(data, offset + frames.HEADER.size)
+        stop = start + meta_len + sum(lengths)
+        if stop > end:
+            break
+        message = from_wire(frames.meta_tuple(data[start : start + meta_len]))
+        segments: list[frames.Buffer] = []
+        position = start + meta_len
+        for size in lengths:
+            segments.append(data[position : position + size])
+            position += size
+        offset = stop
+        if type(message) is Result:  # a large result, its buffers out of band
+            settle(pending, message.call_id, segments, unpicklable)
+        else:
+            on_frame(message, segments)
+    return offset
+
+
+class Reader(Protocol):
+    """One pipe's reader, as a `PipeGroup` uses it (`pipes.SubprocessStream`'s)."""
+
+    @property
+    def fd(self) -> int: ...
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held by whoever reads the pipe."""
+        ...
+
+    @property
+    def ended(self) -> bool: ...
+
+    def enter(self) -> None:
+        """A caller is about to read (the reader's own thread steps aside)."""
+        ...
+
+    def leave(self) -> None: ...
+
+    def read_once(self) -> bool:
+        """Read what is there and deliver it (`lock` held); False once the pipe has ended."""
+        ...
+
+
+class PipeGroup:
+    """The pipes one caller reads together (a Local broadcast's), kept from one call to the
+    next with their locks and poll set; `broken` once one of them has ended (the owner then
+    makes a fresh group, without it)."""
+
+    def __init__(self, readers: Iterable[Reader]) -> None:
+        self.readers = sorted(readers, key=lambda r: r.fd)  # one lock order: no deadlock
+        self.locks = [reader.lock for reader in self.readers]
+        self.broken = False
+        self._by_fd = {reader.fd: reader for reader in self.readers}
+        self._poller = select.poll()
+        for fd in self._by_fd:
+            self._poller.register(fd, select.POLLIN)
+
+    def read_until(self, done: Callable[[], bool], poll: float = 0.05) -> None:
+        """Read every pipe of the group in this thread until `done()` (checked at least every
+        `poll` s) or every pipe has ended.
+
+        FAST PATH (`broadcast`): the pipes' locks are held throughout (`all_held`), and one
+        poll over all of them wakes this thread for whichever replies came."""
+        for reader in self.readers:
+            reader.enter()
+        try:
+            with all_held(self.locks):
+                if any(reader.ended for reader in self.readers):
+                    self.broken = True
+                    for reader in [r for r in self.readers if r.ended]:
+                        self._drop(reader)
+                by_fd, wait = self._by_fd, self._poller.poll
+                timeout_ms = poll * 1000
+                while by_fd and not done():
+                    for fd, _ in wait(timeout_ms):
+                        reader = by_fd[fd]
+                        if not reader.read_once():
+                            self._drop(reader)
+                            self.broken = True
+        finally:
+            for reader in self.readers:
+                reader.leave()
+
+    def _drop(self, reader: Reader) -> None:
+        if self._by_fd.pop(reader.fd, None) is not None:
+            self._poller.unregister(reader.fd)

@@ -1,0 +1,166 @@
+"""The client's fast path (`skyward.transport.fastpath`) against the plain behaviour it stands
+for: the broadcast's lock idiom, the reader of replies' packed metadata, a Local broadcast's
+multi-pipe read, and a function's bytes reaching every node before its calls."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from typing import Any
+
+import pytest
+
+import skyward as sky
+from skyward.transport import fastpath, frames, messages
+from skyward.transport.pipes import _ControlReader
+
+
+def test_all_held_takes_the_locks_in_order_and_gives_them_back() -> None:
+    locks = [threading.Lock() for _ in range(8)]
+    with fastpath.all_held(locks):
+        assert all(lock.locked() for lock in locks)
+    assert not any(lock.locked() for lock in locks)
+    with pytest.raises(RuntimeError), fastpath.all_held(locks):
+        raise RuntimeError("the body fails")
+    assert not any(lock.locked() for lock in locks)
+
+
+def test_all_held_gives_back_what_it_took_when_taking_is_interrupted() -> None:
+    locks = [threading.Lock() for _ in range(3)]
+    broken: list[Any] = [*locks, "not a lock", threading.Lock()]
+    with pytest.raises(TypeError), fastpath.all_held(broken):
+        pytest.fail("the body must not run")
+    assert not any(lock.locked() for lock in locks)
+    assert not broken[-1].locked()  # never taken: the ones after the failure are left alone
+
+
+class _Outcome:
+    def __init__(self) -> None:
+        self.value: Any = None
+
+    def set_result(self, result: Any) -> None:
+        self.value = ("value", result)
+
+
+def _every_kind() -> list[tuple[messages.Message, list[bytes]]]:
+    error = messages.ErrorReport("ValueError", "bad", "tb")
+    big = {"blob": b"x" * (frames.COALESCE_LIMIT + 10)}
+    return [
+        (messages.Result(1), [pickle.dumps(7, 5)]),
+        (messages.Heartbeat(), []),
+        (messages.Result(2), frames.dumps(big)),  # a large one: several segments
+        (messages.Raised(3, error), [pickle.dumps(ValueError("bad"), 5)]),
+        (messages.Reported(((1.0, {"loss": 0.5}, None),)), []),
+        (messages.HookStarted("jax", "around_app"), []),
+        (messages.Ready(), []),
+        (messages.Result(2**40), [pickle.dumps("last", 5)]),
+    ]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 1 << 20])
+def test_the_packed_reader_agrees_with_the_plain_decoder(chunk: int) -> None:
+    """`settle_frames` (then `FrameDecoder` for what it leaves) settles and hands on exactly
+    what the plain decoder alone decodes, whatever the chunking."""
+    sent = _every_kind()
+    stream = b"".join(bytes(c) for m, s in sent for c in frames.encode(m, s))
+    plain: list[tuple[messages.Message, Any]] = []
+    decoder = frames.FrameDecoder(
+        lambda m, segs: plain.append((m, frames.loads(segs) if segs else None))
+    )
+    fast_other: list[tuple[messages.Message, Any]] = []
+    pending = {call_id: _Outcome() for call_id in (1, 2, 2**40)}
+    outcomes = dict(pending)
+
+    def other(m: messages.Message, segs: list[frames.Buffer]) -> None:
+        fast_other.append((m, frames.loads(segs) if segs else None))
+
+    leftover = frames.FrameDecoder(
+        lambda m, segs: (
+            fastpath.settle(pending, m.call_id, segs, pytest.fail)
+            if isinstance(m, messages.Result)
+            else other(m, segs)
+        )
+    )
+    for start in range(0, len(stream), chunk):
+        piece = stream[start : start + chunk]
+        decoder.feed(piece)
+        if leftover.between_frames:
+            taken = fastpath.settle_frames(piece, pending, pytest.fail, other)
+            piece = piece[taken:]
+        if piece:
+            leftover.feed(piece)
+    results = {m.call_id: v for m, v in plain if isinstance(m, messages.Result)}
+    assert {k: o.value for k, o in outcomes.items()} == {
+        k: ("value", v) for k, v in results.items()
+    }
+    assert not pending
+    others = [(m, v) for m, v in plain if not isinstance(m, messages.Result)]
+    assert [m for m, _ in fast_other] == [m for m, _ in others]
+    assert isinstance(fast_other[1][1], ValueError)
+
+
+def test_a_result_that_cannot_be_unpickled_goes_to_unpicklable() -> None:
+    pending: dict[int, Any] = {5: _Outcome()}
+    failed: list[tuple[Any, Exception]] = []
+    data = b"".join(bytes(c) for c in frames.encode(messages.Result(5), [b"not a pickle"]))
+    taken = fastpath.settle_frames(data, pending, lambda o, e: failed.append((o, e)), pytest.fail)
+    assert taken == len(data) and not pending and len(failed) == 1
+
+
+def test_a_local_broadcast_reads_every_pipe_and_notices_one_that_ended() -> None:
+    got: dict[int, list[bytes]] = {}
+    pipes = [os.pipe() for _ in range(8)]
+    readers = []
+    for index, (r, _) in enumerate(pipes):
+        got[index] = []
+        readers.append(_ControlReader(r, got[index].append))
+    group = fastpath.PipeGroup(readers)
+    try:
+        for _, w in pipes:
+            os.write(w, b"reply")
+        group.read_until(lambda: all(b"".join(chunks) == b"reply" for chunks in got.values()))
+        assert not group.broken
+        os.close(pipes[3][1])
+        os.write(pipes[0][1], b"more")
+        group.read_until(lambda: readers[3].ended and b"more" in b"".join(got[0]))
+        assert group.broken and readers[3].ended and got[3][-1] == b""
+        assert not any(reader.lock.locked() for reader in readers)
+    finally:
+        for index, (_, w) in enumerate(pipes):
+            if index != 3:
+                os.close(w)
+
+
+def test_calls_with_and_without_the_function_from_two_threads_never_outrun_it() -> None:
+    """A function's first calls, a broadcast and a `>>` made at once from two threads: one is
+    written with the function's bytes, and the other, written first or not, carries them too
+    until that write has returned (a node given a call before its function fails it)."""
+    with sky.ComputePool(nodes=2, stream_output=False) as pool:
+        for round_ in range(30):
+            exec(f"def fresh(x):\n    return x + {round_}", namespace := {})  # a new function
+            fresh = sky.compute(namespace["fresh"])
+            barrier = threading.Barrier(2)
+            errors: list[BaseException] = []
+            results: list[Any] = []
+
+            def call(
+                broadcast: bool,
+                fn: Any = fresh,
+                wait: Any = barrier,
+                results: list[Any] = results,
+                errors: list[BaseException] = errors,
+            ) -> None:
+                wait.wait()
+                try:
+                    results.append(fn(1) @ pool if broadcast else fn(1) >> pool)
+                except BaseException as exc:
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=call, args=(b,)) for b in (True, False)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert not errors, errors[0]
+            assert sorted(results, key=str) == sorted([[1 + round_] * 2, 1 + round_], key=str)

@@ -132,6 +132,64 @@ def test_a_local_broadcast_reads_every_pipe_and_notices_one_that_ended() -> None
                 os.close(w)
 
 
+class _Session:
+    def __init__(self, dead: BaseException | None = None, has: set[int] | None = None) -> None:
+        self.dead = dead
+        self.pending: dict[int, Any] = {}
+        self.sent_functions = has or set()
+        self.lock = threading.Lock()
+
+
+class _Reply:
+    error: BaseException | None = None
+
+    def set_exception(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+class _Pipe:
+    def __init__(self, fd: int) -> None:
+        self.stdin_fd = fd
+        self.write_lock = threading.Lock()
+
+
+def test_register_each_registers_live_nodes_and_fails_dead_ones_at_once() -> None:
+    call = _FakeFrames(call_id=7, fn_id=3)
+    lost = RuntimeError("node 1 died")
+    sessions = [_Session(has={3}), _Session(dead=lost), _Session()]
+    replies = [_Reply() for _ in sessions]
+    chunks = fastpath.register_each(call, sessions, replies, [s.lock for s in sessions])
+    assert chunks == [call.without_fn, [], call.with_fn]  # node 2 lacks the function
+    assert sessions[0].pending == {7: replies[0]} and sessions[2].pending == {7: replies[2]}
+    assert not sessions[1].pending and replies[1].error is lost
+    assert not any(s.lock.locked() for s in sessions)
+
+
+def test_write_each_writes_every_pipe_and_names_the_ones_that_failed() -> None:
+    pipes = [os.pipe() for _ in range(3)]
+    os.close(pipes[1][0])  # nobody reads node 1: its write fails (EPIPE)
+    writers = [_Pipe(w) for _, w in pipes]
+    try:
+        failed = fastpath.write_each(
+            writers, [w.write_lock for w in writers], [[b"a", b"b"], [b"x"], [b"c"]]
+        )
+        assert [index for index, _ in failed] == [1] and isinstance(failed[0][1], OSError)
+        assert os.read(pipes[0][0], 10) == b"ab" and os.read(pipes[2][0], 10) == b"c"
+        assert not any(w.write_lock.locked() for w in writers)
+    finally:
+        for index, (r, w) in enumerate(pipes):
+            os.close(w)
+            if index != 1:
+                os.close(r)
+
+
+class _FakeFrames:
+    def __init__(self, call_id: int, fn_id: int) -> None:
+        self.call_id, self.fn_id = call_id, fn_id
+        self.without_fn: list[frames.Buffer] = [b"call"]
+        self.with_fn: list[frames.Buffer] | None = [b"call+fn"]
+
+
 def test_calls_with_and_without_the_function_from_two_threads_never_outrun_it() -> None:
     """A function's first calls, a broadcast and a `>>` made at once from two threads: one is
     written with the function's bytes, and the other, written first or not, carries them too

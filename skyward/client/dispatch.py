@@ -12,7 +12,7 @@ import itertools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from skyward.client.replies import Reply, Tally, new_reply
 from skyward.client.session import NodeSession
@@ -21,9 +21,13 @@ from skyward.errors import ConfigError, PoolClosedError, WorkerError
 from skyward.transport import frames
 from skyward.transport.base import AgentStream
 from skyward.transport.callframes import CallFrames, Calls
-from skyward.transport.fastpath import all_held
+from skyward.transport.fastpath import register_each, write_each
+from skyward.transport.pipes import SubprocessStream
 
 _call_ids = itertools.count(1)
+_Wire = tuple[
+    list[NodeSession], list[AgentStream], list[threading.Lock], list[threading.Lock] | None
+]
 
 
 class Function(Protocol):
@@ -45,13 +49,10 @@ class Dispatch:
     """The calls of one pool over its node sessions (`sessions` is replaced on a restart)."""
 
     def __init__(self, broadcast_grace: float) -> None:
-        # The sessions with their streams and locks, each list made once per restart (a
-        # Local stream keeps the pipe group of a broadcast's streams by the list's identity).
-        self._wire: tuple[list[NodeSession], list[AgentStream], list[threading.Lock]] = (
-            [],
-            [],
-            [],
-        )
+        # The sessions with their streams and locks, and the pipes' write locks when every
+        # node is Local; each list made once per restart (a Local stream keeps the pipe group
+        # of a broadcast's streams by the list's identity).
+        self._wire: _Wire = ([], [], [], None)
         self.broken: str | None = None  # why the pool takes no more calls
         self._broadcast_grace = broadcast_grace
         self._cursor = itertools.count()
@@ -65,7 +66,9 @@ class Dispatch:
     @sessions.setter
     def sessions(self, sessions: list[NodeSession]) -> None:
         streams = [session.stream for session in sessions]
-        self._wire = (sessions, streams, [session.lock for session in sessions])
+        pipes = [s for s in streams if isinstance(s, SubprocessStream)]
+        pipe_locks = [p.write_lock for p in pipes] if len(pipes) == len(streams) else None
+        self._wire = (sessions, streams, [session.lock for session in sessions], pipe_locks)
 
     def session(self, node: int) -> NodeSession:
         if not 0 <= node < len(self.sessions):
@@ -117,7 +120,7 @@ class Dispatch:
     def broadcast(self, call: Call) -> list[Any]:
         """Run `call` on every node; results in node order (see `ComputePool.broadcast`)."""
         payload = call.serialized_args(self.stage)
-        sessions, streams, locks = self._wire  # replaced, never changed: a snapshot
+        sessions, streams, locks, pipe_locks = self._wire  # replaced, not changed
         if any(session.dead is not None for session in sessions):
             dead = [session.node for session in sessions if session.dead is not None]
             raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
@@ -126,10 +129,24 @@ class Dispatch:
         replies = [new_reply(tally) for _ in sessions]
         # Registered on every session first, then written back to back: each write wakes a
         # node, which then competes for the cores with the rest of this loop.
-        with all_held(locks):
-            chunks = [s.register(frames_, r) for s, r in zip(sessions, replies, strict=True)]
-        for session, reply, node_chunks in zip(sessions, replies, chunks, strict=True):
-            session.flush([(frames_, reply)], node_chunks)
+        chunks = register_each(frames_, sessions, replies, locks)
+        if pipe_locks is not None:  # Local: every write in one call (see `fastpath`)
+            failed = write_each(cast(list[SubprocessStream], streams), pipe_locks, chunks)
+        else:
+            failed = []
+            for index, (stream, node_chunks) in enumerate(zip(streams, chunks, strict=True)):
+                try:
+                    if node_chunks:
+                        stream.write(node_chunks)
+                except OSError as exc:
+                    failed.append((index, exc))
+        for index, error in failed:
+            sessions[index].write_failed(error, [(frames_, replies[index])])
+        if frames_.with_fn is not None:  # some node lacked the function: those written have it
+            unsent = {index for index, _ in failed}
+            for index, session in enumerate(sessions):
+                if chunks[index] and index not in unsent:
+                    session.mark_sent(frames_.fn_id)
         return self._collect(tally, replies, sessions, spmd=True, streams=streams)
 
     def gather(self, calls: Sequence[Call]) -> tuple[Any, ...]:

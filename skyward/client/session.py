@@ -75,8 +75,9 @@ class NodeSession:
         self.stage = Stage.STARTING
         self.plugin: str | None = None  # the plugin whose hook runs, in Stage.IN_PLUGIN
         self._hook = ""
-        # The functions a write that carried their bytes has returned for (see `flush`).
-        self._sent_functions: set[int] = set()
+        # The functions a write that carried their bytes has returned for (see `flush`);
+        # read by the broadcast's fast path (`fastpath.register_each`), changed only here.
+        self.sent_functions: set[int] = set()
         self._explain = explain
         self._on_output = on_output
         self._on_report = on_report
@@ -108,7 +109,7 @@ class NodeSession:
 
     async def open(self, port_names: tuple[str, ...]) -> messages.Started:
         """Ask for the head ports the plugins need; the agent's `Started` answer."""
-        self.send(messages.Open(port_names))
+        self._send_at_start(messages.Open(port_names))
         return await self._expect(messages.Started, ())
 
     async def hello(
@@ -124,9 +125,15 @@ class NodeSession:
         """
         self.stage = Stage.SETTING_UP  # from here on, `ping_agents` pings a remote node
         silence = silence_timeout if self.stream.remote else 0.0
-        self.send(messages.Hello(info, silence), [plugins])
+        self._send_at_start(messages.Hello(info, silence), [plugins])
         await self._expect(messages.Ready, peers)
         self.stage = Stage.READY
+
+    def _send_at_start(self, message: messages.Message, segments: frames.Segments = ()) -> None:
+        """`send` during the handshake: an agent that is already gone (it exited at once) makes
+        the write fail, and its end, which `_expect` then reads, says what happened."""
+        with contextlib.suppress(OSError):
+            self.send(message, segments)
 
     async def _expect(self, kind: type[M], peers: Sequence[NodeSession]) -> M:
         """Wait for a `kind` message, following the node's progress through its plugins."""
@@ -177,7 +184,7 @@ class NodeSession:
 
     def has_function(self, fn_id: int) -> bool:
         """Whether the node has function `fn_id` (a write that carried it has returned)."""
-        return fn_id in self._sent_functions
+        return fn_id in self.sent_functions
 
     def enqueue(self, calls: Calls) -> list[frames.Buffer]:
         """Register calls as pending and return the bytes that send them (`flush` writes them).
@@ -203,7 +210,7 @@ class NodeSession:
         if not future.set_running_or_notify_cancel():
             return []
         self.pending[call.call_id] = future
-        has = call.fn_id in self._sent_functions
+        has = call.fn_id in self.sent_functions
         if carried is not None and not has:
             has = call.fn_id in carried
             carried.add(call.fn_id)
@@ -222,8 +229,13 @@ class NodeSession:
             self.write_failed(exc, calls)
             return
         for call, _ in calls:
-            if call.with_fn is not None and call.fn_id not in self._sent_functions:
-                self._sent_functions.add(call.fn_id)
+            if call.with_fn is not None:
+                self.mark_sent(call.fn_id)
+
+    def mark_sent(self, fn_id: int) -> None:
+        """A write that carried function `fn_id`'s bytes has returned: the node will have it
+        before any later write, so later calls go without it."""
+        self.sent_functions.add(fn_id)
 
     def write_failed(self, exc: OSError, calls: Calls) -> None:
         """The write of `calls` failed with `exc`: fail those of them still pending."""

@@ -285,7 +285,7 @@ def _interrupts_wait() -> bool:
     """Whether SIGINT and SIGTERM wait for the end of the main thread's run of a loop: their
     handlers are ours, or they run no Python code."""
     # Asked on every call a main thread waits for: `signal.getsignal` turns a Python handler
-    # into an enum first and fails (a ValueError raised and caught, ~4 us a call); the C
+    # into an enum first and fails (a ValueError raised and caught on every call); the C
     # function under it returns the handler as it is.
     return all(
         getattr(handler, "skyward_defers", False) or not callable(handler)

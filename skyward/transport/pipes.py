@@ -43,8 +43,8 @@ class SubprocessStream:
         self._process = process
         self._linger = linger
         self.pid = process.pid
-        self._write_lock = threading.Lock()
-        self._stdin_fd = process.stdin.fileno()
+        self.write_lock = threading.Lock()
+        self.stdin_fd = process.stdin.fileno()
         self._exit: asyncio.Future[int | None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.control: _ControlReader | None = None  # the agent's control output, once started
@@ -131,14 +131,14 @@ class SubprocessStream:
             self._exit.set_result(status)
 
     def write(self, chunks: Sequence[Buffer]) -> None:
-        with self._write_lock:
+        with self.write_lock:
             for chunk in chunks:
-                write_all(self._stdin_fd, chunk)
+                write_all(self.stdin_fd, chunk)
 
     def close_input(self) -> None:
-        with self._write_lock, contextlib.suppress(OSError):
+        with self.write_lock, contextlib.suppress(OSError):
             assert self._process.stdin
-            self._stdin_fd = -1  # a later write fails (EBADF), never reaches a reused number
+            self.stdin_fd = -1  # a later write fails (EBADF), never reaches a reused number
             self._process.stdin.close()
 
     async def exit_status(self) -> int | None:

@@ -39,6 +39,7 @@ _EXPORTS = {
     "SSH": "skyward.providers.ssh",
     "AWS": "skyward.providers.aws",
     "GCP": "skyward.providers.gcp",
+    "Slurm": "skyward.providers.slurm.provider",
     "ClusterSpec": "skyward.cluster",
     "SkywardError": "skyward.errors",
     "ConfigError": "skyward.errors",
@@ -55,7 +56,7 @@ _EXPORTS = {
 }
 
 # Providers whose dependencies are optional extras.
-_EXTRAS = {"SSH": "ssh", "AWS": "aws", "GCP": "gcp"}
+_EXTRAS = {"SSH": "ssh", "AWS": "aws", "GCP": "gcp", "Slurm": "slurm"}
 
 if TYPE_CHECKING:
     from skyward import plugins
@@ -82,6 +83,7 @@ if TYPE_CHECKING:
     from skyward.providers.aws import AWS
     from skyward.providers.gcp import GCP
     from skyward.providers.local import Local
+    from skyward.providers.slurm.provider import Slurm
     from skyward.providers.ssh import SSH
     from skyward.reports import Report, report
 
@@ -112,6 +114,7 @@ __all__ = [
     "Report",
     "SerializationError",
     "SkywardError",
+    "Slurm",
     "WorkerError",
     "compute",
     "gather",

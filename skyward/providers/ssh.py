@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from skyward.cluster import ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
@@ -25,7 +24,7 @@ from skyward.image import Image
 from skyward.providers.base import Cluster, Node, Provider, count
 from skyward.providers.remote import bootstrap, connect, hoststeps
 from skyward.providers.remote.data import RemoteData, remove_outputs
-from skyward.transport.sshhost import Endpoint, KnownHosts, load_known_hosts
+from skyward.transport.sshhost import Endpoint, KnownHosts
 
 
 class SSH(RemoteData, Provider):
@@ -71,18 +70,8 @@ class SSH(RemoteData, Provider):
         if isinstance(hosts, str) or not hosts:
             raise ConfigError("hosts must be a non-empty list of 'host' / 'user@host:port' strings")
         self.endpoints = [Endpoint.parse(h, user, port) for h in hosts]
-        key_file: str | None = None
-        if key is not None:
-            path = Path(key).expanduser()
-            if not path.is_file():
-                raise ConfigError(f"SSH key file {str(path)!r} does not exist")
-            key_file = str(path)
-        self.connect_options = connect.ConnectOptions(
-            known_hosts=load_known_hosts(known_hosts),
-            key=key_file,
-            config=tuple(config) if config is not None else (),
-            timeout=connect_timeout,
-            keepalive=keepalive,
+        self.connect_options = connect.login_options(
+            key, known_hosts, config, connect_timeout, keepalive
         )
         self.bootstrap = hoststeps.Bootstrap(
             python, uv_version or metadata.version("uv"), dict(build_env or {})

@@ -35,8 +35,9 @@ _HOST = re.compile(
 KnownHosts = str | Path | Sequence[str] | asyncssh.SSHKnownHosts | None
 
 # AES-GCM first: asyncssh's default, ChaCha20-Poly1305, sets up several cipher contexts per
-# packet in Python, which made a small call's round trip about 80 us slower here and caps bulk
-# transfers; the others stay as fallbacks for servers without GCM (all are OpenSSH's defaults).
+# packet in Python, which made a small call's round trip measurably slower (bench_ssh.py) and
+# caps bulk transfers; the others stay as fallbacks for servers without GCM (all are OpenSSH's
+# defaults).
 ENCRYPTION_ALGS = (
     "aes128-gcm@openssh.com",
     "aes256-gcm@openssh.com",
@@ -234,6 +235,11 @@ class SSHHost:
 
     def __str__(self) -> str:
         return str(self.endpoint)
+
+    @property
+    def address(self) -> str:
+        """The host's name or address, as the client reaches it."""
+        return self.endpoint.host
 
     def wrap(self, command: str) -> str:
         """`command` behind the wrapper that prints its pid (its process group) first."""

@@ -24,7 +24,8 @@ Plain functions, used by `sky.SSH`, `sky.AWS` and `sky.GCP` once their hosts are
     another version), or only the image's setup commands when the host's interpreter
     already satisfies the image (`hostcheck.decide`);
 
-- `RemoteNode`: a node on one `SSHHost`; it starts the agent in the prepared interpreter.
+- `RemoteNode`: a node on one `Host` (an SSH connection, or a Slurm node's job steps); it
+  starts the agent in the prepared interpreter.
 
 A second pool with the same image on the same hosts costs one check command and the agent start
 per host (two check commands when what the hosts have changes the image: see `survey_nodes`).
@@ -47,6 +48,7 @@ from skyward.image import Image
 from skyward.providers.base import Cluster, Log, Node
 from skyward.providers.environment import env_spec
 from skyward.providers.remote import hoststeps
+from skyward.providers.remote.host import Host
 from skyward.providers.remote.hoststeps import CACHE, Bootstrap
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.base import AgentStream
@@ -59,8 +61,8 @@ from skyward.worker.gpus import Inventory, visible_env
 class RemoteNode(Node):
     """A node on one SSH host: its connection and, once prepared, the interpreter to run."""
 
-    def __init__(self, index: int, host: SSHHost, private_addr: str | None = None) -> None:
-        super().__init__(index, private_addr or host.endpoint.host, host.endpoint.host)
+    def __init__(self, index: int, host: Host, private_addr: str | None = None) -> None:
+        super().__init__(index, private_addr or host.address, host.address)
         self.host = host
         self.python: str | None = None
         self.prepared = ""  # the environment hash the node was prepared for
@@ -87,11 +89,23 @@ class RemoteNode(Node):
             f"{shlex.quote(self.python)} -m skyward.worker"
         )
         try:
-            return await open_agent(self.host, command)
+            return await self.open_agent(command)
         except (OSError, asyncssh.Error) as exc:
             raise BootstrapError(
                 f"starting the agent on {self.host} failed: {exc}", node=self.index
             ) from None
+
+    async def open_agent(self, command: str) -> AgentStream:
+        """Start the agent's shell command line on the host, its stdio the stream: an SSH exec
+        channel (a Slurm node, whose host is no SSH connection, starts a job step instead)."""
+        return await open_agent(ssh_host(self), command)
+
+
+def ssh_host(node: RemoteNode) -> SSHHost:
+    """The node's SSH connection, for what streams over one (the agent, a data tree)."""
+    if not isinstance(node.host, SSHHost):
+        raise TypeError(f"node {node.index} ({node.host}) is not reached over SSH")
+    return node.host
 
 
 def remote_nodes(cluster: Cluster) -> list[RemoteNode]:

@@ -9,13 +9,22 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import asyncssh
 
-from skyward.errors import ProvisionError
-from skyward.transport.sshhost import Endpoint, SSHConnectError, SSHHost, connect
+from skyward.errors import ConfigError, ProvisionError
+from skyward.transport.sshhost import (
+    Endpoint,
+    KnownHosts,
+    SSHConnectError,
+    SSHHost,
+    connect,
+    load_known_hosts,
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,30 @@ class ConnectOptions:
             timeout=self.timeout if timeout is None else timeout,
             keepalive=self.keepalive,
         )
+
+
+def login_options(
+    key: str | os.PathLike[str] | None,
+    known_hosts: KnownHosts,
+    config: Sequence[str] | None,
+    timeout: float,
+    keepalive: float = 15.0,
+) -> ConnectOptions:
+    """`ConnectOptions` from a provider's arguments: the key file checked to exist, the known
+    hosts loaded, ``config=None`` for ~/.ssh/config."""
+    key_file: str | None = None
+    if key is not None:
+        path = Path(key).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"SSH key file {str(path)!r} does not exist")
+        key_file = str(path)
+    return ConnectOptions(
+        known_hosts=load_known_hosts(known_hosts),
+        key=key_file,
+        config=tuple(config) if config is not None else (),
+        timeout=timeout,
+        keepalive=keepalive,
+    )
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ from skyward.errors import BootstrapError
 from skyward.image import Index
 from skyward.providers.base import Log
 from skyward.providers.environment import packaged_uv
+from skyward.providers.remote.host import Host
 from skyward.providers.source import source_hash
-from skyward.transport.sshhost import Completed, SSHHost, shell_env
+from skyward.transport.sshhost import Completed, shell_env
 from skyward.worker import hostcheck, uvinstall
 
 
@@ -39,7 +40,7 @@ class NodeOnHost(Protocol):
     @property
     def index(self) -> int: ...
     @property
-    def host(self) -> SSHHost: ...
+    def host(self) -> Host: ...
 
 
 # skyward's cache directory on a host as its shell spells it, by the rule of

@@ -1,0 +1,180 @@
+"""The Slurm command lines a pool uses, and how their output is read.
+
+Plain functions over strings, tested without a cluster. The commands and the output fields used
+exist in Slurm 20.11 and later (``srun --overlap`` came in 20.11); the test cluster runs
+Debian's 22.05.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from skyward.cluster import Accelerator
+
+# The holding command's line, once the allocation is granted: the job id, the node list and the
+# CPUs per node, as salloc hands them to the command it runs.
+GRANTED = "SKYWARD-ALLOCATION"
+HOLDER = (
+    f'echo "{GRANTED} $SLURM_JOB_ID $SLURM_JOB_NODELIST $SLURM_JOB_CPUS_PER_NODE"; '
+    # Held while its stdin stays open: the client's pipe (or its SSH channel). When the client
+    # ends, however it ends, the pipe closes, `cat` returns and salloc gives the nodes back.
+    "exec cat >/dev/null"
+)
+
+# Every SLURM_* and SLURMD_* variable of the step, unset before the agent starts: JAX (and
+# other libraries) read them to guess the world size, and a step's world is one task.
+UNSET_STEP_VARIABLES = "unset $(env | sed -n 's/^\\(SLURMD\\{0,1\\}_[A-Za-z0-9_]*\\)=.*/\\1/p')"
+
+# Refusals that are the request's fault: the user fixes the settings, not the cluster.
+_CONFIG_ERRORS = (
+    "invalid partition",
+    "invalid account",
+    "invalid qos",
+    "requested node configuration is not available",
+    "requested time limit is invalid",
+    "invalid generic resource",
+    "invalid gres",
+    "node count specification invalid",
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a pool asks Slurm for, in Slurm's words."""
+
+    job_name: str
+    comment: str
+    nodes: int
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_limit: str | None = None
+    gres: str | None = None
+    options: tuple[str, ...] = ()
+
+    def salloc(self) -> list[str]:
+        """The ``salloc`` command line that holds the allocation for the pool's life."""
+        args = ["salloc", f"--nodes={self.nodes}", "--ntasks-per-node=1"]
+        args += [f"--job-name={self.job_name}", f"--comment={self.comment}"]
+        for flag, value in (
+            ("--partition", self.partition),
+            ("--account", self.account),
+            ("--qos", self.qos),
+            ("--time", self.time_limit),
+            ("--gres", self.gres),
+        ):
+            if value:
+                args.append(f"{flag}={value}")
+        args += list(self.options)
+        return [*args, "/bin/sh", "-c", HOLDER]
+
+
+def gres_for(accelerator: Accelerator | None, typed: bool = True) -> str | None:
+    """``gpu:a100:4`` for ``A100:4`` (``gpu:4`` with `typed` False: a site without GPU types)."""
+    if accelerator is None or accelerator.name.lower() in {"cpu", "none"}:
+        return None
+    count = max(accelerator.count, 1)
+    if not typed:
+        return f"gpu:{count}"
+    return f"gpu:{accelerator.name.lower()}:{count}"
+
+
+def duration(seconds: float | None) -> str | None:
+    """A time limit in Slurm's ``D-HH:MM:SS`` (rounded up to the minute Slurm counts in)."""
+    if seconds is None:
+        return None
+    minutes = max(1, int(-(-seconds // 60)))
+    days, rest = divmod(minutes, 24 * 60)
+    return f"{days}-{rest // 60:02d}:{rest % 60:02d}:00"
+
+
+@dataclass(frozen=True)
+class Granted:
+    """The holding command's line: the allocation's job, nodes (as Slurm writes the list) and
+    CPUs per node (``4(x2),2``)."""
+
+    job_id: str
+    nodelist: str
+    cpus: str
+
+    @classmethod
+    def parse(cls, line: str) -> Granted | None:
+        words = line.split()
+        if len(words) != 4 or words[0] != GRANTED:
+            return None
+        return cls(words[1], words[2], words[3])
+
+    def cpus_per_node(self, count: int) -> list[int]:
+        """The CPUs of each of the allocation's `count` nodes, in node order."""
+        return expand_counts(self.cpus, count)
+
+
+def expand_counts(text: str, count: int) -> list[int]:
+    """``4(x2),2`` -> ``[4, 4, 2]``: Slurm's run-length list of per-node counts."""
+    out: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise ValueError(f"unexpected Slurm count list {text!r}")
+        out += [int(match.group(1))] * int(match.group(2) or 1)
+    if len(out) != count:
+        raise ValueError(f"Slurm count list {text!r} is for {len(out)} nodes, not {count}")
+    return out
+
+
+def job_id_in(line: str) -> str | None:
+    """The job id salloc names on stderr (``Pending job allocation 42``, ``Granted ... 42``)."""
+    match = re.search(r"job allocation (\d+)", line) or re.search(r"\bjob (\d+) queued", line)
+    return match.group(1) if match else None
+
+
+def refusal(lines: Sequence[str]) -> tuple[str, bool] | None:
+    """The error salloc printed, and whether it is the request's fault (a `ConfigError`)."""
+    errors = [line for line in lines if "error:" in line.lower()]
+    if not errors:
+        return None
+    text = errors[-1].split("error:", 1)[1].strip()
+    return text, any(marker in text.lower() for marker in _CONFIG_ERRORS)
+
+
+def step(job_id: str, node: str, command: str, cpus: int = 1, gres: str | None = None) -> str:
+    """`command` (a shell command line) as a step of the job on one node, sharing the
+    allocation's resources with the other steps (``--overlap``); its stdio is srun's."""
+    args = [
+        "srun",
+        f"--jobid={job_id}",
+        "--overlap",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={node}",
+        f"--cpus-per-task={cpus}",
+        "--quiet",
+        "--kill-on-bad-exit=1",
+        # Without it slurmstepd passes a task's output on only at line ends, and a frame of
+        # the wire is binary: the agent's first answer would wait for a newline forever.
+        "--unbuffered",
+    ]
+    if gres:
+        args.append(f"--gres={gres}")
+    # `exec` so that killing srun's process group on the client's side ends the step too.
+    return "exec " + shlex.join([*args, "/bin/sh", "-c", command])
+
+
+def node_addresses(scontrol_output: str) -> dict[str, str]:
+    """``NodeName -> NodeAddr`` from ``scontrol -o show node`` (one line per node)."""
+    out: dict[str, str] = {}
+    for line in scontrol_output.splitlines():
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        if "NodeName" in fields:
+            out[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
+    return out
+
+
+def node_state(scontrol_output: str) -> tuple[str, str]:
+    """A node's state and reason from ``scontrol -o show node NAME``."""
+    state = re.search(r"\bState=(\S+)", scontrol_output)
+    reason = re.search(r"\bReason=(.*?)(?: \w+=|$)", scontrol_output)
+    return (state.group(1) if state else "UNKNOWN", reason.group(1).strip() if reason else "")

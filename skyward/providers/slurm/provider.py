@@ -1,0 +1,347 @@
+"""The Slurm provider: a pool is one allocation of N nodes, each node's agent a job step.
+
+`launch` runs ``salloc`` through the login (this machine, or a login node over SSH) with a
+holding command that prints the granted nodes and then reads its stdin until it closes: the
+pool keeps that stdin open for its life, so the allocation ends when the pool does, and also when
+the client dies in any way (its pipe or SSH channel closes, the holder returns, salloc gives the
+nodes back), with no reliance on the time limit. While the job pends, the console shows
+``squeue``'s reason. Each node is a `SlurmNode`: the remote bootstrap runs on it through
+``srun --overlap`` steps, and so does the agent, whose stdio is the step's, so the pool talks to
+it through the same pipe (or SSH channel) transport as a Local or SSH node.
+
+On a cluster whose nodes share the cache directory (a shared home: the usual case), node 0
+prepares the environment first and the others find it built; otherwise each node builds its own.
+`terminate` cancels the job (``scancel``) and closes the holder's stdin, on every exit path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata as metadata
+import os
+import secrets
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from skyward.cluster import ClusterSpec, Hardware
+from skyward.console.progress import Phase, Progress
+from skyward.errors import ConfigError, ProvisionError
+from skyward.image import Image
+from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
+from skyward.providers.remote import bootstrap, connect, hoststeps
+from skyward.providers.remote.hoststeps import CACHE
+from skyward.providers.slurm import commands
+from skyward.providers.slurm.login import Held, LocalLogin, Login, SSHLogin
+from skyward.providers.slurm.steps import SlurmNode, StepHost
+from skyward.transport.sshhost import Endpoint, KnownHosts
+
+# How often the pending job's reason is read while it waits.
+PENDING_POLL_SECONDS = 2.0
+# How long a Slurm command (squeue, scontrol, scancel) may take before it is given up on.
+COMMAND_SECONDS = 30.0
+
+
+@dataclass
+class SlurmCluster(Cluster):
+    """A pool's allocation: its job, the holding salloc and the login the commands go through."""
+
+    login: Login | None = None
+    held: Held | None = None
+    job_id: str = ""
+    shared_cache: bool | None = None  # whether the nodes share one cache directory
+    names: list[str] = field(default_factory=list)
+
+
+class Slurm(Provider):
+    """Nodes from a Slurm cluster: one allocation of N nodes, one agent per node as a job step.
+
+    Args:
+        partition: the partition to allocate from (default: the cluster's default one).
+        account: the account to charge (default: the user's default account).
+        time_limit: the allocation's time limit, in seconds or as Slurm writes it
+            (``"2:00:00"``, ``"1-00:00:00"``); default: the partition's.
+        login: ``None`` when this machine can run the Slurm commands (a login node, with
+            ``SLURM_CONF`` as you have it), or ``"user@host[:port]"``, a login node reached
+            over SSH with verified host keys.
+        qos: the quality of service to ask for.
+        gres: the generic resources per node, verbatim (``"gpu:4"`` on a site without GPU
+            types); default: from the pool's accelerator (``A100:4`` -> ``gpu:a100:4``).
+        options: more allocation options as sbatch and salloc take them
+            (``["--constraint=ib", "--exclusive"]``).
+        pending_timeout: seconds to wait for a pending allocation before giving up; default:
+            wait, showing Slurm's reason (Priority, Resources, QOS...) in the console.
+        python: the interpreter on the compute nodes (default ``python3``).
+        key, known_hosts, connect_timeout, config: how to log into `login` (as `sky.SSH`).
+        uv_version, build_env: as `sky.SSH`: the uv to install, and the build steps' env.
+    """
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        partition: str | None = None,
+        account: str | None = None,
+        time_limit: float | str | None = None,
+        login: str | None = None,
+        *,
+        qos: str | None = None,
+        gres: str | None = None,
+        options: Sequence[str] = (),
+        pending_timeout: float | None = None,
+        python: str | None = None,
+        key: str | os.PathLike[str] | None = None,
+        known_hosts: KnownHosts = None,
+        connect_timeout: float = 10.0,
+        config: Sequence[str] | None = None,
+        uv_version: str | None = None,
+        build_env: Mapping[str, str] | None = None,
+    ) -> None:
+        if isinstance(options, str):
+            raise ConfigError("options must be a list of strings, e.g. ['--constraint=ib']")
+        self.partition = partition
+        self.account = account
+        self.time_limit = (
+            time_limit
+            if isinstance(time_limit, str) or time_limit is None
+            else commands.duration(time_limit)
+        )
+        self.qos = qos
+        self.gres = gres
+        self.options = tuple(options)
+        self.pending_timeout = pending_timeout
+        self.login = Endpoint.parse(login, None, 22) if login else None
+        self.connect_options = connect.login_options(key, known_hosts, config, connect_timeout)
+        self.bootstrap = hoststeps.Bootstrap(
+            python, uv_version or metadata.version("uv"), dict(build_env or {})
+        )
+
+    def validate(self, spec: ClusterSpec) -> None:
+        if spec.accelerator is not None and spec.accelerator.is_tpu:
+            raise ConfigError("a Slurm pool cannot ask for a TPU; use sky.GCP for TPU slices")
+
+    def _request(self, spec: ClusterSpec) -> commands.Request:
+        return commands.Request(
+            job_name=f"skyward-{spec.pool_id}",
+            comment=f"skyward pool {spec.pool_id}",
+            nodes=spec.nodes,
+            partition=self.partition,
+            account=self.account,
+            qos=self.qos,
+            time_limit=self.time_limit,
+            gres=self.gres or commands.gres_for(spec.accelerator),
+            options=self.options,
+        )
+
+    async def _open_login(self) -> Login:
+        if self.login is None:
+            return LocalLogin()
+        return SSHLogin(await self.connect_options.connect(self.login))
+
+    async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
+        request = self._request(spec)
+        login = await self._open_login()
+        cluster = SlurmCluster(spec, [], login=login)
+        try:
+            for index in range(spec.nodes):
+                progress.phase(index, Phase.BOOTING, "asking Slurm for the allocation")
+            cluster.held = await login.hold(shlex.join(request.salloc()))
+            granted = await self._granted(cluster, cluster.held, progress)
+            cluster.job_id = granted.job_id
+            cluster.names = await self._hostnames(login, granted.nodelist)
+            addresses = commands.node_addresses(
+                await self._command(login, "scontrol -o show node " + ",".join(cluster.names))
+            )
+            cpus = granted.cpus_per_node(len(cluster.names))
+            for index, name in enumerate(cluster.names):
+                host = StepHost(login, granted.job_id, name, addresses.get(name, name), cpus[index])
+                host.gres = request.gres
+                cluster.nodes.append(SlurmNode(index, host))
+                progress.phase(index, Phase.CONNECTING, f"{name} (job {granted.job_id})")
+        except BaseException:
+            await self._release(cluster)
+            raise
+        return cluster
+
+    async def _granted(
+        self, cluster: SlurmCluster, held: Held, progress: Progress
+    ) -> commands.Granted:
+        """Wait for the holder's line; meanwhile read salloc's stderr for the job id and its
+        errors, and show why the job pends."""
+        errors: list[str] = []
+
+        async def read_stderr() -> None:
+            while line := await held.stderr_line():
+                errors.append(line.rstrip())
+                job = commands.job_id_in(line)
+                if job and not cluster.job_id:
+                    cluster.job_id = job
+
+        async def read_stdout() -> commands.Granted | None:
+            while line := await held.stdout_line():
+                granted = commands.Granted.parse(line)
+                if granted is not None:
+                    return granted
+            return None
+
+        stderr = asyncio.ensure_future(read_stderr())
+        waiting = asyncio.ensure_future(read_stdout())
+        loop = asyncio.get_running_loop()
+        started, shown = loop.time(), ""
+        try:
+            while not waiting.done():
+                await asyncio.wait({waiting}, timeout=PENDING_POLL_SECONDS)
+                if waiting.done():
+                    break
+                if cluster.job_id and cluster.login is not None:
+                    shown = await self._show_pending(cluster, progress, shown)
+                if (
+                    self.pending_timeout is not None
+                    and loop.time() - started > self.pending_timeout
+                ):
+                    raise ProvisionError(
+                        f"Slurm job {cluster.job_id or '?'} was still pending after "
+                        f"{self.pending_timeout:g} s ({shown or 'no reason given'}); it was "
+                        "cancelled. Ask for fewer nodes, another partition, or wait longer "
+                        "(pending_timeout=None waits)"
+                    )
+            granted = waiting.result()
+            if granted is None:  # salloc ended without granting
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(stderr), 5)
+                raise self._refused(errors)
+            return granted
+        finally:
+            waiting.cancel()
+            if not stderr.done():
+                # salloc keeps writing to stderr ("Relinquishing..."); keep draining it.
+                stderr.add_done_callback(lambda _: None)
+
+    def _refused(self, errors: list[str]) -> Exception:
+        found = commands.refusal(errors)
+        asked = ", ".join(
+            f"{name}={value!r}"
+            for name, value in (
+                ("partition", self.partition),
+                ("account", self.account),
+                ("qos", self.qos),
+                ("gres", self.gres),
+            )
+            if value
+        )
+        if found is None:
+            tail = "\n".join(errors[-10:]) or "(no output)"
+            return ProvisionError(f"salloc ended without an allocation:\n{tail}")
+        text, ours = found
+        if ours:
+            return ConfigError(
+                f"Slurm refused the allocation: {text}"
+                + (f" (asked: {asked})" if asked else "")
+                + ". `sinfo -s` lists the partitions, `sacctmgr show assoc user=$USER` your "
+                "accounts"
+            )
+        return ProvisionError(f"Slurm refused the allocation: {text}")
+
+    async def _show_pending(self, cluster: SlurmCluster, progress: Progress, shown: str) -> str:
+        assert cluster.login is not None
+        with contextlib.suppress(Exception):
+            out = await self._command(cluster.login, f"squeue -h -j {cluster.job_id} -o '%T %r'")
+            state, _, reason = out.strip().partition(" ")
+            if state == "PENDING":
+                detail = f"job {cluster.job_id} pending: {reason or 'no reason given'}"
+                if detail != shown:
+                    progress.phase(None, Phase.BOOTING, detail)
+                return detail
+        return shown
+
+    async def _hostnames(self, login: Login, nodelist: str) -> list[str]:
+        out = await self._command(login, f"scontrol show hostnames {shlex.quote(nodelist)}")
+        return out.split()
+
+    async def _command(self, login: Login, command: str) -> str:
+        done = await asyncio.wait_for(login.run(command), COMMAND_SECONDS)
+        if done.status != 0:
+            raise ProvisionError(f"`{command}` failed (exit status {done.status}): {done.tail}")
+        return done.stdout.decode(errors="replace")
+
+    async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
+        return await bootstrap.survey_nodes(cluster, image, self.bootstrap, progress)
+
+    async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
+        slurm = _slurm(cluster)
+        if slurm.shared_cache is None:
+            slurm.shared_cache = await _shares_cache(slurm)
+            if slurm.shared_cache and len(slurm.nodes) > 1:
+                progress("the nodes share one cache directory: node 0 builds, the others reuse")
+        if slurm.shared_cache and len(slurm.nodes) > 1:
+            first = Cluster(slurm.spec, slurm.nodes[:1])
+            await bootstrap.prepare_nodes(first, image, self.bootstrap, progress)
+            for node in bootstrap.remote_nodes(slurm)[1:]:
+                node.checked = None  # checked before node 0 built: look again, find it built
+        await bootstrap.prepare_nodes(slurm, image, self.bootstrap, progress)
+
+    def teardown_summary(self, cluster: Cluster) -> str:
+        job = _slurm(cluster).job_id
+        if not job:
+            return "no allocation was made"
+        return f"cancelled job {job} ({count(len(cluster.nodes), 'node')})"
+
+    async def terminate(self, cluster: Cluster) -> None:
+        await self._release(_slurm(cluster))
+
+    async def _release(self, cluster: SlurmCluster) -> None:
+        """Cancel the job and end the holder; idempotent, bounded, never raises."""
+        login, held = cluster.login, cluster.held
+        if login is None:
+            return
+        if cluster.job_id and not login.closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(login.run(f"scancel {cluster.job_id}"), COMMAND_SECONDS)
+        if held is not None:
+            held.release()
+            with contextlib.suppress(Exception):
+                await held.wait(10)
+        with contextlib.suppress(Exception):
+            await login.close()
+
+    async def explain(self, cluster: Cluster, node: Node) -> NodeLoss | None:
+        slurm = _slurm(cluster)
+        if slurm.login is None or slurm.login.closed or not isinstance(node, SlurmNode):
+            return None
+        name = node.step_host.name
+        out = await self._command(slurm.login, f"scontrol -o show node {shlex.quote(name)}")
+        state, reason = commands.node_state(out)
+        job = await self._command(slurm.login, f"squeue -h -j {slurm.job_id} -o %T")
+        job_state = job.strip() or "ENDED"
+        if job_state in {"PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"}:
+            return NodeLoss(f"Slurm preempted job {slurm.job_id} ({job_state})", preempted=True)
+        if any(word in state for word in ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING")):
+            why = f": {reason}" if reason else ""
+            return NodeLoss(f"Slurm node {name} is {state}{why}")
+        if job_state != "RUNNING":
+            return NodeLoss(f"Slurm job {slurm.job_id} is {job_state}")
+        return None
+
+
+def _slurm(cluster: Cluster) -> SlurmCluster:
+    if not isinstance(cluster, SlurmCluster):
+        raise TypeError(f"{cluster!r} is not a Slurm pool's cluster")
+    return cluster
+
+
+async def _shares_cache(cluster: SlurmCluster) -> bool:
+    """Whether every node sees one cache directory: a token node 0 writes, read by the rest."""
+    if len(cluster.nodes) < 2:
+        return False
+    token = secrets.token_hex(8)
+    path = f'"{CACHE}/.shared-{cluster.spec.pool_id}"'
+    first = bootstrap.remote_nodes(cluster)[0].host
+    with contextlib.suppress(Exception):
+        await first.run(f'mkdir -p "{CACHE}" && echo {token} > {path}')
+        seen = await asyncio.gather(
+            *(n.host.run(f"cat {path} 2>/dev/null") for n in bootstrap.remote_nodes(cluster)[1:])
+        )
+        await first.run(f"rm -f {path}")
+        return all(done.stdout.decode().strip() == token for done in seen)
+    return False

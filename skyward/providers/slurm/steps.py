@@ -1,0 +1,60 @@
+"""A Slurm compute node as the remote machinery sees it: a `Host` whose commands are job steps.
+
+Each command (the host check, the environment build, the agent) runs as
+``srun --jobid=J --overlap --nodelist=NODE ...`` started through the login, so the compute nodes
+need no sshd and the site's rules (cgroups, accounting) apply to all of it. A step's stdio is
+srun's, so the agent's stream is the same pipe or SSH channel a Local or SSH node has.
+"""
+
+from __future__ import annotations
+
+from skyward.providers.remote.bootstrap import RemoteNode
+from skyward.providers.slurm import commands
+from skyward.providers.slurm.login import Log, Login
+from skyward.transport.base import AgentStream
+from skyward.transport.sshhost import Completed
+
+
+class StepHost:
+    """One node of a job's allocation; its commands run as steps of the job."""
+
+    def __init__(self, login: Login, job_id: str, name: str, address: str, cpus: int = 1) -> None:
+        self.login = login
+        self.job_id = job_id
+        self.name = name
+        self.address = address
+        self.cpus = cpus  # the allocation's CPUs on this node: what the agent's step may use
+        self.gres: str | None = None  # the GPUs the agent's step asks for
+
+    def __str__(self) -> str:
+        return f"{self.name} (job {self.job_id})"
+
+    @property
+    def closed(self) -> bool:
+        return self.login.closed
+
+    async def run(self, command: str, input: bytes = b"", log: Log | None = None) -> Completed:
+        return await self.login.run(commands.step(self.job_id, self.name, command), input, log)
+
+    async def close(self) -> None:
+        return None  # the login, shared by every node of the job, is the provider's to close
+
+    def agent_step(self, command: str) -> str:
+        """The agent's step: every CPU (and GPU) of the allocation on the node, and an
+        environment without the step's SLURM_* world (the pool is the world)."""
+        inner = (
+            f"{commands.UNSET_STEP_VARIABLES}; export SKYWARD_SLURM_JOB_ID={self.job_id} "
+            f"SKYWARD_SLURM_NODE={self.name}; {command}"
+        )
+        return commands.step(self.job_id, self.name, inner, self.cpus, self.gres)
+
+
+class SlurmNode(RemoteNode):
+    """A node of the pool: one node of the job's allocation."""
+
+    def __init__(self, index: int, host: StepHost) -> None:
+        super().__init__(index, host)
+        self.step_host = host
+
+    async def open_agent(self, command: str) -> AgentStream:
+        return await self.step_host.login.open_agent(self.step_host.agent_step(command))

@@ -1,0 +1,94 @@
+"""The Slurm command lines and the reading of their output, without a cluster (the cluster
+tests are in tests/slurm/)."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from skyward.cluster import Accelerator
+from skyward.providers.slurm import commands
+
+
+def test_gres_comes_from_the_accelerator() -> None:
+    assert commands.gres_for(Accelerator("A100", 4)) == "gpu:a100:4"
+    assert commands.gres_for(Accelerator("H100", 8), typed=False) == "gpu:8"
+    assert commands.gres_for(None) is None
+
+
+def test_a_time_limit_in_seconds_is_rounded_up_to_slurms_minutes() -> None:
+    assert commands.duration(None) is None
+    assert commands.duration(30) == "0-00:01:00"
+    assert commands.duration(3601) == "0-01:01:00"
+    assert commands.duration(2 * 86400) == "2-00:00:00"
+
+
+def test_the_holders_line_and_slurms_count_lists() -> None:
+    granted = commands.Granted.parse("SKYWARD-ALLOCATION 42 n[1-3] 4(x2),2\n")
+    assert granted == commands.Granted("42", "n[1-3]", "4(x2),2")
+    assert granted.cpus_per_node(3) == [4, 4, 2]
+    assert commands.Granted.parse("salloc: Granted job allocation 42") is None
+    with pytest.raises(ValueError, match="for 3 nodes, not 2"):
+        granted.cpus_per_node(2)
+
+
+def test_salloc_names_the_job_and_keeps_the_users_options_last() -> None:
+    request = commands.Request(
+        "skyward-p1",
+        "skyward pool p1",
+        2,
+        partition="gpu",
+        account="lab",
+        time_limit="1:00:00",
+        gres="gpu:a100:4",
+        options=("--exclusive",),
+    )
+    args = request.salloc()
+    assert args[:3] == ["salloc", "--nodes=2", "--ntasks-per-node=1"]
+    assert "--job-name=skyward-p1" in args and "--partition=gpu" in args
+    assert "--account=lab" in args and "--gres=gpu:a100:4" in args and "--time=1:00:00" in args
+    assert "--qos" not in " ".join(args)  # not asked: not passed
+    assert args[-4:] == ["--exclusive", "/bin/sh", "-c", commands.HOLDER]
+
+
+def test_salloc_output_is_read_for_the_job_and_the_refusal() -> None:
+    assert commands.job_id_in("salloc: Pending job allocation 17") == "17"
+    assert commands.job_id_in("salloc: job 17 queued and waiting for resources") == "17"
+    assert commands.job_id_in("salloc: Nodes n1 are ready for job") is None
+    refused = commands.refusal(
+        ["salloc: error: Job submit/allocate failed: Invalid partition name specified"]
+    )
+    assert refused == ("Job submit/allocate failed: Invalid partition name specified", True)
+    assert commands.refusal(["salloc: error: Unable to contact slurm controller"]) == (
+        "Unable to contact slurm controller",
+        False,
+    )
+    assert commands.refusal(["salloc: Granted job allocation 3"]) is None
+
+
+def test_a_step_overlaps_the_allocation_and_passes_binary_output_at_once() -> None:
+    line = commands.step("42", "n1", "echo 'hi there'", cpus=8, gres="gpu:4")
+    words = shlex.split(line)
+    assert words[:2] == ["exec", "srun"]
+    for flag in (
+        "--jobid=42",
+        "--overlap",
+        "--nodelist=n1",
+        "--cpus-per-task=8",
+        "--unbuffered",
+        "--gres=gpu:4",
+    ):
+        assert flag in words
+    assert words[-3:] == ["/bin/sh", "-c", "echo 'hi there'"]
+
+
+def test_scontrol_output_gives_addresses_and_states() -> None:
+    out = (
+        "NodeName=n1 Arch=x86_64 CoresPerSocket=1 NodeAddr=10.0.0.11 NodeHostName=n1\n"
+        "NodeName=n2 Arch=x86_64 NodeAddr= NodeHostName=n2\n"
+    )
+    assert commands.node_addresses(out) == {"n1": "10.0.0.11", "n2": "n2"}
+    state = "NodeName=n1 State=DOWN+NOT_RESPONDING ThreadsPerCore=1 Reason=Not responding [root@x]"
+    assert commands.node_state(state) == ("DOWN+NOT_RESPONDING", "Not responding [root@x]")
+    assert commands.node_state("NodeName=n1 State=IDLE ThreadsPerCore=1") == ("IDLE", "")

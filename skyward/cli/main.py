@@ -197,6 +197,19 @@ def _gcp_command(args: argparse.Namespace) -> int:
     return _cloud_command(args, command, (SkywardError, GoogleAPIError, OSError))
 
 
+def _slurm_command(args: argparse.Namespace) -> int:
+    """`skyward ls --provider slurm` / `skyward down --provider slurm`: this user's pools' jobs
+    in the queue (through `--login`, a login node over SSH, or this machine's Slurm commands)."""
+    from skyward.errors import SkywardError
+    from skyward.providers.slurm.provider import Slurm
+
+    def command() -> int:
+        slurm = Slurm(login=args.login)
+        return _ls_or_down(args, slurm.find, lambda pool: slurm.cleanup(pool), "cluster's queue")
+
+    return _cloud_command(args, command, (SkywardError, OSError))
+
+
 def _run(args: argparse.Namespace) -> int:
     from skyward.cli import profiles, runner
 
@@ -216,6 +229,10 @@ def _run(args: argparse.Namespace) -> int:
             "spot": True if args.spot else None,
             "project": args.project,
             "zone": args.zone,
+            "partition": args.partition,
+            "account": args.account,
+            "time_limit": args.time_limit,
+            "login": args.login,
         },
     }
     if args.nodes is not None and args.nodes < 1:
@@ -236,6 +253,7 @@ PROVIDER_NAMES = (
     "ssh",
     "aws",
     "gcp",
+    "slurm",
 )  # profiles.PROVIDERS, not imported
 
 
@@ -256,6 +274,8 @@ def _status(args: argparse.Namespace) -> int:
             found += runner.print_gcp_pools(profile)
         elif profile.provider == "ssh":
             found += runner.print_ssh_pools(profile)
+        elif profile.provider == "slurm":
+            found += runner.print_slurm_pools(profile)
         else:
             print(f"{profile.provider:<6} profile {profile.name!r}: not checked")
     if not found:
@@ -305,6 +325,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--spot", action="store_true", help="aws, gcp: spot instances or VMs")
     run.add_argument("--project", help="gcp: the project")
     run.add_argument("--zone", help="gcp: the zone")
+    run.add_argument("--partition", help="slurm: the partition")
+    run.add_argument("--account", help="slurm: the account")
+    run.add_argument("--time-limit", help="slurm: the allocation's time limit, e.g. 2:00:00")
+    run.add_argument("--login", help="slurm: a login node over SSH, user@host (default: here)")
     run.add_argument("script", help="the script, as you would give it to python")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     status = commands.add_parser(
@@ -315,13 +339,24 @@ def _parser() -> argparse.ArgumentParser:
         "cache", parents=[common], help="node environments and sky.Data stored on this machine"
     )
     cache.add_argument("action", choices=["list", "clear"])
-    for name, text in (("ls", "list skyward's cloud resources"), ("down", "remove them")):
+    for name, text in (
+        ("ls", "list skyward's cloud resources (or Slurm jobs)"),
+        ("down", "remove them"),
+    ):
         sub = commands.add_parser(name, parents=[common], help=text)
-        sub.add_argument("--cloud", choices=["aws", "gcp"], default="aws", help="default: aws")
+        sub.add_argument(
+            "--cloud",
+            "--provider",
+            dest="cloud",
+            choices=["aws", "gcp", "slurm"],
+            default="aws",
+            help="default: aws",
+        )
         sub.add_argument("--region", help="AWS region (default: the standard resolution)")
         sub.add_argument("--profile", help="AWS profile")
         sub.add_argument("--project", help="GCP project (default: the standard resolution)")
         sub.add_argument("--zone", help="GCP zone (default: the standard resolution)")
+        sub.add_argument("--login", help="Slurm login node over SSH, user@host (default: here)")
         if name == "down":
             sub.add_argument("pool", nargs="?", help="the pool id (see `skyward ls`)")
             sub.add_argument("--all", action="store_true", help="every skyward pool")
@@ -332,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = _parser().parse_args(argv)
     if args.command in ("ls", "down"):
+        if args.cloud == "slurm":
+            return _slurm_command(args)
         return _gcp_command(args) if args.cloud == "gcp" else _aws_command(args)
     try:
         if args.command == "run":

@@ -33,6 +33,7 @@ PROVIDERS = {
     "ssh": ("skyward.providers.ssh", "SSH"),
     "aws": ("skyward.providers.aws", "AWS"),
     "gcp": ("skyward.providers.gcp", "GCP"),
+    "slurm": ("skyward.providers.slurm.provider", "Slurm"),
 }
 POOL_KEYS = ("provider", "nodes", "accelerator", "plugins", "env", "workdir")
 PLUGINS = ("jax",)
@@ -92,7 +93,7 @@ def provider_class(name: str) -> type[Provider]:
     try:
         cls: type[Provider] = getattr(importlib.import_module(module), attr)
     except ImportError as exc:
-        extra = name if name in ("aws", "gcp") else "ssh"
+        extra = name if name in ("aws", "gcp", "slurm") else "ssh"
         raise ConfigError(
             f"provider {name!r} needs an extra: pip install 'skyward[{extra}]' ({exc})"
         ) from None

@@ -10,6 +10,7 @@ the run and the pool; its status is the run's.
 
 from __future__ import annotations
 
+import getpass
 import os
 import signal
 import sys
@@ -198,12 +199,27 @@ def print_gcp_pools(profile: Profile) -> int:
     return _print_cloud_pools(f"gcp    {project}", found, me)
 
 
+def print_slurm_pools(profile: Profile) -> int:
+    """`skyward status` for one Slurm profile: this user's pools' jobs in the queue."""
+    from skyward.providers.slurm.provider import Slurm
+
+    provider = profile.build_provider()
+    assert isinstance(provider, Slurm)
+    found = provider.find()
+    # squeue was asked for this user's jobs only: every one found is this user's
+    me = next((job.created_by for job in found.values() if job.created_by), getpass.getuser())
+    return _print_cloud_pools(f"slurm  {provider.login or 'here'}", found, me)
+
+
 class _CloudPool(Protocol):
     """What `skyward status` reads of a pool found on a cloud (AWS's or GCP's resources)."""
 
-    pool_id: str
-    created_at: datetime | None
-    created_by: str | None
+    @property
+    def pool_id(self) -> str: ...
+    @property
+    def created_at(self) -> datetime | None: ...
+    @property
+    def created_by(self) -> str | None: ...
 
     def describe(self) -> list[str]: ...
 

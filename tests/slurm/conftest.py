@@ -6,7 +6,13 @@ network namespaces are unavailable or when Slurm cannot be installed.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +69,85 @@ def slurm_cluster(slurm_ready: None) -> Iterator[SlurmCluster]:
     ]
     with SlurmCluster(3, gres=GRES, partitions=partitions, subnet=SUBNET) as cluster:
         yield cluster
+
+
+PROVIDER_SUBNET = "10.213.33.0/24"
+"""The provider tests' cluster's subnet."""
+
+
+@pytest.fixture(scope="session")
+def provider_cluster(slurm_ready: None) -> Iterator[SlurmCluster]:
+    """The cluster the provider's tests run pools on: three nodes (``gpu:a100:4`` each),
+    partitions ``debug`` (default) and ``restricted`` (refuses every account)."""
+    partitions = [
+        Partition("debug", default=True),
+        Partition("restricted", allow_accounts=(ALLOWED_ACCOUNT,)),
+    ]
+    with SlurmCluster(3, gres=GRES, partitions=partitions, subnet=PROVIDER_SUBNET) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def login(provider_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCluster:
+    """This process as the cluster's login node: only SLURM_CONF names the cluster."""
+    for name in list(os.environ):
+        if name.startswith("SLURM"):
+            monkeypatch.delenv(name)
+    for name, value in provider_cluster.env().items():
+        monkeypatch.setenv(name, value)
+    return provider_cluster
+
+
+def queue(cluster: SlurmCluster) -> list[str]:
+    """The jobs in the queue: ``id name state`` lines."""
+    out = cluster.run(["squeue", "-h", "-o", "%i %j %T"], check=True).stdout
+    return out.split("\n")[:-1] if out else []
+
+
+def wait_for_empty_queue(cluster: SlurmCluster, seconds: float) -> list[str]:
+    """The queue once it is empty, or as it still is after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while (jobs := queue(cluster)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return jobs
+
+
+CLIENT = textwrap.dedent(
+    """
+    import time
+    import skyward as sky
+
+    @sky.compute
+    def nap():
+        time.sleep(600)
+
+    with sky.ComputePool(provider=sky.Slurm(), nodes=2) as pool:
+        print("POOL", pool.pool_id, flush=True)
+        nap() @ pool
+    """
+)
+
+
+@pytest.fixture
+def running_pool(
+    login: SlurmCluster, tmp_path: Path
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """A client in another process, its pool's call running: the pool id and the process."""
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    client = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    try:
+        assert client.stdout is not None
+        line = client.stdout.readline()
+        assert line.startswith("POOL "), line
+        yield line.split()[1], client
+    finally:
+        client.kill()
+        client.wait()

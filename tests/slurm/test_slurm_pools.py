@@ -12,52 +12,15 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import skyward as sky
-from tests.support.slurmcluster import Partition, SlurmCluster
-
-SUBNET = "10.213.33.0/24"  # the cluster self-tests use .31 and .32
-
-
-@pytest.fixture(scope="module")
-def cluster(slurm_ready: None) -> Iterator[SlurmCluster]:
-    partitions = [
-        Partition("debug", default=True),
-        Partition("restricted", allow_accounts=("research",)),
-    ]
-    with SlurmCluster(3, gres="gpu:a100:4", partitions=partitions, subnet=SUBNET) as cluster:
-        yield cluster
-
-
-@pytest.fixture
-def login(cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCluster:
-    """This process as the cluster's login node: SLURM_CONF names the cluster."""
-    for name in list(os.environ):
-        if name.startswith("SLURM"):
-            monkeypatch.delenv(name)
-    for name, value in cluster.env().items():
-        monkeypatch.setenv(name, value)
-    return cluster
-
-
-def queue(cluster: SlurmCluster) -> list[str]:
-    """The jobs in the queue: ``id name state`` lines."""
-    out = cluster.run(["squeue", "-h", "-o", "%i %j %T"], check=True).stdout
-    return out.split("\n")[:-1] if out else []
-
-
-def wait_for_empty_queue(cluster: SlurmCluster, seconds: float) -> list[str]:
-    deadline = time.monotonic() + seconds
-    while (jobs := queue(cluster)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return jobs
+from tests.slurm.conftest import queue, wait_for_empty_queue
+from tests.support import sshd
+from tests.support.slurmcluster import SlurmCluster
 
 
 @sky.compute
@@ -142,44 +105,40 @@ def test_a_node_lost_mid_call_is_a_worker_error_naming_it(login: SlurmCluster) -
     assert wait_for_empty_queue(login, 10) == []
 
 
-CLIENT = textwrap.dedent(
-    """
-    import sys, time
-    import skyward as sky
-
-    @sky.compute
-    def nap():
-        time.sleep(600)
-
-    with sky.ComputePool(provider=sky.Slurm(), nodes=2) as pool:
-        print("RUNNING", flush=True)
-        nap() @ pool
-    """
-)
+def test_a_client_killed_with_sigkill_leaves_no_job(
+    login: SlurmCluster, running_pool: tuple[str, subprocess.Popen[str]]
+) -> None:
+    _, client = running_pool
+    time.sleep(1)
+    assert len(queue(login)) == 1
+    client.send_signal(signal.SIGKILL)
+    client.wait(10)
+    assert wait_for_empty_queue(login, 60) == []
 
 
-def test_a_client_killed_with_sigkill_leaves_no_job(login: SlurmCluster, tmp_path: Path) -> None:
-    script = tmp_path / "client.py"
-    script.write_text(CLIENT)
-    client = subprocess.Popen(
-        [sys.executable, str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+def test_a_pool_through_a_login_node_reached_over_ssh(
+    provider_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`login="root@host:port"`: every Slurm command and every agent's step goes over one
+    verified SSH connection to the login node, whose sessions know the cluster (SLURM_CONF),
+    while this process does not."""
+    for name in list(os.environ):
+        if name.startswith("SLURM"):
+            monkeypatch.delenv(name)
+    key = sshd.KeyPair.generate(tmp_path)
+    login_node = sshd.SshdServer(
+        authorized_keys=[key], extra_config=[f"SetEnv SLURM_CONF={provider_cluster.conf_path}"]
     )
-    try:
-        assert client.stdout is not None
-        deadline = time.monotonic() + 120
-        while (line := client.stdout.readline()) and "RUNNING" not in line:
-            assert time.monotonic() < deadline, "the pool did not start"
-        assert "RUNNING" in line
-        time.sleep(1)
-        assert len(queue(login)) == 1
-        client.send_signal(signal.SIGKILL)
-        client.wait(10)
-        assert wait_for_empty_queue(login, 60) == []
-    finally:
-        client.kill()
-        client.wait()
+    with login_node:
+        known_hosts = login_node.write_known_hosts(tmp_path / "known_hosts")
+        provider = sky.Slurm(
+            login=f"root@127.0.0.1:{login_node.port}",
+            key=key.private_path,
+            known_hosts=str(known_hosts),
+        )
+        with sky.ComputePool(provider=provider, nodes=2) as pool:
+            found = whereabouts() @ pool
+            assert len(queue(provider_cluster)) == 1
+    assert sorted(name for name, *_ in found) == ["node0", "node1"]
+    assert len({job for _, job, *_ in found}) == 1
+    assert wait_for_empty_queue(provider_cluster, 5) == []

@@ -22,20 +22,30 @@ import importlib.metadata as metadata
 import os
 import secrets
 import shlex
-from collections.abc import Mapping, Sequence
+import shutil
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
 
 from skyward.cluster import ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
-from skyward.errors import ConfigError, ProvisionError
+from skyward.data import S3_SCHEME, Data, Placement
+from skyward.errors import ConfigError, DataError, ProvisionError
 from skyward.image import Image
-from skyward.providers.base import Cluster, Node, NodeLoss, Provider, count
+from skyward.info import cache_root
+from skyward.providers.base import Cluster, Log, Node, NodeLoss, Provider, count, local_outputs
 from skyward.providers.remote import bootstrap, connect, hoststeps
+from skyward.providers.remote import data as remote_data
 from skyward.providers.remote.hoststeps import CACHE
-from skyward.providers.slurm import commands
+from skyward.providers.slurm import commands, jobs
 from skyward.providers.slurm.login import Held, LocalLogin, Login, SSHLogin
 from skyward.providers.slurm.steps import SlurmNode, StepHost
 from skyward.transport.sshhost import Endpoint, KnownHosts
+from skyward.worker import treestore
+from skyward.worker.objectstore import Store, store_root
+
+T = TypeVar("T")
 
 # How often the pending job's reason is read while it waits.
 PENDING_POLL_SECONDS = 2.0
@@ -51,6 +61,7 @@ class SlurmCluster(Cluster):
     held: Held | None = None
     job_id: str = ""
     shared_cache: bool | None = None  # whether the nodes share one cache directory
+    client_shares: bool = False  # whether it is this machine's own (login=None, shared home)
     names: list[str] = field(default_factory=list)
 
 
@@ -116,6 +127,21 @@ class Slurm(Provider):
         self.bootstrap = hoststeps.Bootstrap(
             python, uv_version or metadata.version("uv"), dict(build_env or {})
         )
+
+    def find(self) -> dict[str, jobs.PoolJob]:
+        """This user's pools' jobs in the queue, by pool id (`skyward ls --provider slurm`)."""
+        return asyncio.run(self._with_login(jobs.find))
+
+    def cleanup(self, pool: str | None = None) -> list[str]:
+        """Cancel the job of `pool` (of every pool with None): what a crashed client left."""
+        return asyncio.run(self._with_login(lambda login: jobs.cancel(login, pool)))
+
+    async def _with_login(self, work: Callable[[Login], Awaitable[T]]) -> T:
+        login = await self._open_login()
+        try:
+            return await work(login)
+        finally:
+            await login.close()
 
     def validate(self, spec: ClusterSpec) -> None:
         if spec.accelerator is not None and spec.accelerator.is_tpu:
@@ -271,7 +297,8 @@ class Slurm(Provider):
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
         slurm = _slurm(cluster)
         if slurm.shared_cache is None:
-            slurm.shared_cache = await _shares_cache(slurm)
+            slurm.client_shares = await _shares_clients_cache(slurm)
+            slurm.shared_cache = slurm.client_shares or await _shares_cache(slurm)
             if slurm.shared_cache and len(slurm.nodes) > 1:
                 progress("the nodes share one cache directory: node 0 builds, the others reuse")
         if slurm.shared_cache and len(slurm.nodes) > 1:
@@ -280,6 +307,41 @@ class Slurm(Provider):
             for node in bootstrap.remote_nodes(slurm)[1:]:
                 node.checked = None  # checked before node 0 built: look again, find it built
         await bootstrap.prepare_nodes(slurm, image, self.bootstrap, progress)
+
+    async def stage_data(self, cluster: Cluster, data: Data, log: Log) -> Placement:
+        """A tree built once in the cache the client shares with the nodes (a shared home):
+        the nodes find it there, with no copy over the network."""
+        if data.is_s3:
+            return ("s3", data.source)
+        if not _slurm(cluster).client_shares:
+            raise DataError(
+                "sky.Data on a Slurm pool needs the compute nodes to share this machine's "
+                "cache directory (a shared home, with login=None); put the data on the shared "
+                "filesystem and pass its path as a plain string, or use an s3:// Data",
+                path=data.source,
+            )
+        root = data.existing_path()
+        manifest = await asyncio.to_thread(treestore.scan, root)
+        await asyncio.to_thread(treestore.import_tree, root, manifest, Store(store_root()))
+        single = manifest.entries[0].path if manifest.single else ""
+        return ("tree", manifest.digest, single)
+
+    async def collect_outputs(self, cluster: Cluster, nodes: Sequence[int], log: Log) -> None:
+        """Outputs to S3 are uploaded by the nodes; to a local directory, copied from the cache
+        the client shares with the nodes."""
+        outputs = cluster.spec.outputs
+        if outputs is None:
+            return
+        if outputs.startswith(S3_SCHEME):
+            await remote_data.collect_outputs(cluster, nodes, outputs)
+            return
+        if not _slurm(cluster).client_shares:
+            raise DataError(
+                "collecting a Slurm pool's outputs to a local output_dir needs the compute "
+                "nodes to share this machine's cache directory; use an s3:// output_dir",
+                path=outputs,
+            )
+        await asyncio.to_thread(_copy_outputs, cluster, nodes)
 
     def teardown_summary(self, cluster: Cluster) -> str:
         job = _slurm(cluster).job_id
@@ -291,10 +353,16 @@ class Slurm(Provider):
         await self._release(_slurm(cluster))
 
     async def _release(self, cluster: SlurmCluster) -> None:
-        """Cancel the job and end the holder; idempotent, bounded, never raises."""
+        """Cancel the job and end the holder; idempotent, bounded, never raises. What the pool
+        wrote in the nodes' cache goes first, while the allocation still runs steps."""
         login, held = cluster.login, cluster.held
         if login is None:
             return
+        if cluster.client_shares:
+            await asyncio.to_thread(shutil.rmtree, _client_outputs(cluster), True)
+        elif cluster.nodes and cluster.job_id:
+            with contextlib.suppress(Exception):
+                await remote_data.remove_outputs(cluster)
         if cluster.job_id and not login.closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(login.run(f"scancel {cluster.job_id}"), COMMAND_SECONDS)
@@ -328,6 +396,42 @@ def _slurm(cluster: Cluster) -> SlurmCluster:
     if not isinstance(cluster, SlurmCluster):
         raise TypeError(f"{cluster!r} is not a Slurm pool's cluster")
     return cluster
+
+
+def _client_outputs(cluster: Cluster) -> Path:
+    """The pool's outputs in this machine's cache (the nodes', when it is shared)."""
+    return Path(cache_root()).absolute() / "outputs" / cluster.spec.pool_id
+
+
+def _copy_outputs(cluster: Cluster, nodes: Sequence[int]) -> None:
+    for index in nodes:
+        source = _client_outputs(cluster) / f"node-{index}"
+        if source.is_dir():
+            shutil.copytree(source, local_outputs(cluster, index), dirs_exist_ok=True)
+
+
+async def _shares_clients_cache(cluster: SlurmCluster) -> bool:
+    """Whether every node sees this machine's cache directory as its own: a token the client
+    writes there, read by every node (only with the client on the login node itself)."""
+    if not isinstance(cluster.login, LocalLogin):
+        return False
+    token = secrets.token_hex(8)
+    name = f".shared-{cluster.spec.pool_id}"
+    mine = Path(cache_root()).absolute() / name
+    try:
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        mine.write_text(token)
+        seen = await asyncio.gather(
+            *(
+                n.host.run(f'cat "{CACHE}/{name}" 2>/dev/null')
+                for n in bootstrap.remote_nodes(cluster)
+            )
+        )
+        return all(done.stdout.decode().strip() == token for done in seen)
+    except Exception:
+        return False
+    finally:
+        mine.unlink(missing_ok=True)
 
 
 async def _shares_cache(cluster: SlurmCluster) -> bool:

@@ -1,0 +1,89 @@
+"""`skyward ls/down --provider slurm`, `skyward status` and `skyward run --provider slurm`, and
+the JAX plugin, on the real Slurm cluster of tests/slurm/conftest.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import skyward as sky
+from skyward.cli import runner
+from skyward.cli.main import main
+from skyward.cli.profiles import Profile
+from tests.slurm.conftest import queue, wait_for_empty_queue
+from tests.support.slurmcluster import SlurmCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ls_lists_a_pools_job_and_down_cancels_it(
+    login: SlurmCluster,
+    running_pool: tuple[str, subprocess.Popen[str]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pool_id, client = running_pool
+    assert main(["ls", "--provider", "slurm"]) == 0
+    listed = capsys.readouterr().out
+    assert pool_id in listed and "running on node[0-1]" in listed, listed
+    assert runner.print_slurm_pools(Profile(provider="slurm")) == 1  # `skyward status`
+    assert f"slurm  here  {pool_id}" in capsys.readouterr().out
+    assert main(["down", "--provider", "slurm", pool_id]) == 0
+    assert "removed job" in capsys.readouterr().out
+    assert wait_for_empty_queue(login, 10) == []
+    client.wait(60)  # its nodes are gone: the call fails and the client ends
+    assert client.returncode != 0
+    assert client.stderr is not None and "WorkerError" in client.stderr.read()
+    assert main(["down", "--provider", "slurm", "--all"]) == 0
+    assert "nothing to remove" in capsys.readouterr().out
+
+
+@sky.compute
+def psum_of_ranks() -> float:
+    import jax
+    import jax.numpy as jnp
+
+    total = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")(
+        jnp.full(jax.local_device_count(), float(jax.process_index() + 1))
+    )
+    return float(total[0])
+
+
+@pytest.mark.slow
+def test_the_jax_plugin_spans_the_allocation(login: SlurmCluster) -> None:
+    provider = sky.Slurm(python=sys.executable)  # the nodes share this machine's Python
+    with sky.ComputePool(
+        provider=provider, nodes=3, plugins=[sky.plugins.jax()], env={"JAX_PLATFORMS": "cpu"}
+    ) as pool:
+        assert psum_of_ranks() @ pool == [6.0, 6.0, 6.0]  # 1 + 2 + 3 on every node
+    assert wait_for_empty_queue(login, 5) == []
+
+
+SCRIPT = """\
+import socket
+import jax
+
+jax.distributed.initialize()  # bare: it must see the pool, not the step's one-task world
+total = jax.pmap(lambda v: jax.lax.psum(v, "i"), axis_name="i")(jax.numpy.ones(1))
+print("rank", jax.process_index(), "of", jax.process_count(), total, socket.gethostname())
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_skyward_run_on_slurm_with_a_bare_jax_initialize(
+    login: SlurmCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    profile = Profile(
+        provider="slurm", options={"python": sys.executable}, nodes=3, env={"JAX_PLATFORMS": "cpu"}
+    )
+    assert runner.run(profile, str(script), []) == runner.Outcome(0)
+    out = capsys.readouterr().out
+    for rank in range(3):
+        assert f"rank {rank} of 3 [3.] node" in out, out
+    assert wait_for_empty_queue(login, 5) == []
+    assert queue(login) == []

@@ -78,12 +78,17 @@ PROVIDER_SUBNET = "10.213.33.0/24"
 @pytest.fixture(scope="session")
 def provider_cluster(slurm_ready: None) -> Iterator[SlurmCluster]:
     """The cluster the provider's tests run pools on: three nodes (``gpu:a100:4`` each),
-    partitions ``debug`` (default) and ``restricted`` (refuses every account)."""
+    partitions ``debug`` (default), ``restricted`` (refuses every account) and ``urgent``
+    (same nodes, higher priority tier: its jobs preempt, by cancelling, those of ``debug``)."""
     partitions = [
-        Partition("debug", default=True),
+        Partition("debug", default=True, options=("PriorityTier=1",)),
         Partition("restricted", allow_accounts=(ALLOWED_ACCOUNT,)),
+        Partition("urgent", options=("PriorityTier=10",)),
     ]
-    with SlurmCluster(3, gres=GRES, partitions=partitions, subnet=PROVIDER_SUBNET) as cluster:
+    preemption = ["PreemptType=preempt/partition_prio", "PreemptMode=CANCEL"]
+    with SlurmCluster(
+        3, gres=GRES, partitions=partitions, subnet=PROVIDER_SUBNET, extra_config=preemption
+    ) as cluster:
         yield cluster
 
 

@@ -142,3 +142,23 @@ def test_a_pool_through_a_login_node_reached_over_ssh(
     assert sorted(name for name, *_ in found) == ["node0", "node1"]
     assert len({job for _, job, *_ in found}) == 1
     assert wait_for_empty_queue(provider_cluster, 5) == []
+
+
+def test_a_preempted_allocation_is_a_preempted_worker_error(login: SlurmCluster) -> None:
+    """A job of a higher priority tier takes the nodes (PreemptMode=CANCEL): the call fails
+    with a WorkerError that says the pool was preempted, not that a node crashed."""
+    try:
+        with sky.ComputePool(provider=sky.Slurm(), nodes=3, broadcast_grace=1) as pool:
+            whereabouts() @ pool
+            future = pool.submit(sleep_on(0, 120), node=0)
+            time.sleep(1)
+            login.submit(
+                ["-p", "urgent", "-N3", "--exclusive", "-J", "urgent", "--wrap", "sleep 60"]
+            )
+            with pytest.raises(sky.WorkerError) as caught:
+                future.result(timeout=60)
+        assert caught.value.preempted, str(caught.value)
+        assert "preempted" in str(caught.value)
+    finally:
+        login.run(["scancel", "--name", "urgent"], check=True)
+    assert wait_for_empty_queue(login, 10) == []

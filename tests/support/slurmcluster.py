@@ -246,6 +246,8 @@ class Partition:
     refuses every job, the listed accounts too (see the module's note)."""
     max_time: str = "INFINITE"
     """Slurm time (``INFINITE``, minutes, ``1:00:00``)."""
+    options: tuple[str, ...] = ()
+    """More ``Key=Value`` words for the line (``PriorityTier=10``, ``PreemptMode=CANCEL``)."""
 
     def line(self, all_nodes: Sequence[str]) -> str:
         """The slurm.conf line."""
@@ -255,6 +257,7 @@ class Partition:
         return (
             f"PartitionName={self.name} Nodes={nodes} Default={default}"
             f" MaxTime={self.max_time} AllowAccounts={accounts} State=UP"
+            + "".join(f" {option}" for option in self.options)
         )
 
 

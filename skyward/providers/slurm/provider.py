@@ -380,8 +380,7 @@ class Slurm(Provider):
         name = node.step_host.name
         out = await self._command(slurm.login, f"scontrol -o show node {shlex.quote(name)}")
         state, reason = commands.node_state(out)
-        job = await self._command(slurm.login, f"squeue -h -j {slurm.job_id} -o %T")
-        job_state = job.strip() or "ENDED"
+        job_state = await _settled_state(slurm.login, slurm.job_id)
         if job_state in {"PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"}:
             return NodeLoss(f"Slurm preempted job {slurm.job_id} ({job_state})", preempted=True)
         if any(word in state for word in ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING")):
@@ -390,6 +389,22 @@ class Slurm(Provider):
         if job_state != "RUNNING":
             return NodeLoss(f"Slurm job {slurm.job_id} is {job_state}")
         return None
+
+
+async def _settled_state(login: Login, job_id: str, seconds: float = 2.0) -> str:
+    """The job's state once it is past COMPLETING (the steps being killed), or as it is after
+    `seconds`: "PREEMPTED", "TIMEOUT", "RUNNING"...; "ENDED" once Slurm forgot it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while True:
+        # -t all: a job that ended (preempted, timed out) stays listed a while (MinJobAge)
+        done = await asyncio.wait_for(
+            login.run(f"squeue -h -t all -j {job_id} -o %T"), COMMAND_SECONDS
+        )
+        state = done.stdout.decode(errors="replace").strip() or "ENDED"
+        if state != "COMPLETING" or loop.time() >= deadline:
+            return state
+        await asyncio.sleep(0.2)
 
 
 def _slurm(cluster: Cluster) -> SlurmCluster:

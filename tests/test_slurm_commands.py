@@ -45,7 +45,7 @@ def test_salloc_names_the_job_and_keeps_the_users_options_last() -> None:
         options=("--exclusive",),
     )
     args = request.salloc()
-    assert args[:3] == ["salloc", "--nodes=2", "--ntasks-per-node=1"]
+    assert args[:4] == ["salloc", "--nodes=2", "--ntasks-per-node=1", "--no-kill"]
     assert "--job-name=skyward-p1" in args and "--partition=gpu" in args
     assert "--account=lab" in args and "--gres=gpu:a100:4" in args and "--time=1:00:00" in args
     assert "--qos" not in " ".join(args)  # not asked: not passed

@@ -162,3 +162,24 @@ def test_a_preempted_allocation_is_a_preempted_worker_error(login: SlurmCluster)
     finally:
         login.run(["scancel", "--name", "urgent"], check=True)
     assert wait_for_empty_queue(login, 10) == []
+
+
+def test_replace_brings_a_lost_node_back_from_a_new_allocation(login: SlurmCluster) -> None:
+    try:
+        with sky.ComputePool(provider=sky.Slurm(), nodes=2, broadcast_grace=1) as pool:
+            before = whereabouts() @ pool
+            lost = before[1][0]
+            future = pool.submit(sleep_on(1, 120), node=1)
+            time.sleep(1)
+            login.kill_node(lost)
+            with pytest.raises(sky.WorkerError):
+                future.result(timeout=60)
+            pool.replace(1)
+            after = whereabouts() @ pool
+            assert len(queue(login)) == 2  # the pool's job, and the replacement's
+        names = [name for name, *_ in after]
+        assert names[0] == before[0][0] and names[1] not in (lost, names[0]), names
+        assert after[0][1] == before[0][1] != after[1][1]  # node 1 runs in a job of its own
+    finally:
+        login.start_node(lost)
+    assert wait_for_empty_queue(login, 10) == []

@@ -57,7 +57,9 @@ class Request:
 
     def salloc(self) -> list[str]:
         """The ``salloc`` command line that holds the allocation for the pool's life."""
-        args = ["salloc", f"--nodes={self.nodes}", "--ntasks-per-node=1"]
+        # --no-kill: a node that fails leaves the job (by default Slurm ends the whole job,
+        # and with it every survivor's step), so the pool can replace just that node.
+        args = ["salloc", f"--nodes={self.nodes}", "--ntasks-per-node=1", "--no-kill"]
         args += [f"--job-name={self.job_name}", f"--comment={self.comment}"]
         for flag, value in (
             ("--partition", self.partition),

@@ -16,18 +16,28 @@ _FIELDS = "%i|%j|%T|%V|%u|%N"  # id, name, state, submit time, user, nodes
 
 
 @dataclass(frozen=True)
-class PoolJob:
-    """A pool's allocation as `squeue` shows it."""
+class Job:
+    """One of a pool's allocations as `squeue` shows it."""
 
-    pool_id: str
     job_id: str
     state: str
     nodes: str
+
+
+@dataclass(frozen=True)
+class PoolJob:
+    """A pool's jobs (its allocation, and one more per replaced node)."""
+
+    pool_id: str
+    jobs: tuple[Job, ...]
     created_at: datetime | None
     created_by: str | None
 
     def describe(self) -> list[str]:
-        return [f"job {self.job_id} {self.state.lower()} on {self.nodes or '(no nodes yet)'}"]
+        return [
+            f"job {job.job_id} {job.state.lower()} on {job.nodes or '(no nodes yet)'}"
+            for job in self.jobs
+        ]
 
 
 def parse_queue(text: str) -> dict[str, PoolJob]:
@@ -43,7 +53,12 @@ def parse_queue(text: str) -> dict[str, PoolJob]:
         except ValueError:
             created = None
         pool = name[len(JOB_PREFIX) :]
-        found[pool] = PoolJob(pool, job_id, state, nodes, created, user)
+        job = Job(job_id, state, nodes)
+        if pool in found:
+            first = found[pool]
+            found[pool] = PoolJob(pool, (*first.jobs, job), first.created_at, first.created_by)
+        else:
+            found[pool] = PoolJob(pool, (job,), created, user)
     return found
 
 
@@ -62,8 +77,8 @@ async def cancel(login: Login, pool: str | None) -> list[str]:
     chosen = [job for job in jobs.values() if pool is None or job.pool_id == pool]
     if not chosen:
         return []
-    ids = " ".join(job.job_id for job in chosen)
+    ids = " ".join(job.job_id for pool_job in chosen for job in pool_job.jobs)
     done = await login.run(f"scancel {ids}")
     if done.status != 0:
         raise ProvisionError(f"scancel {ids} failed (exit status {done.status}): {done.tail}")
-    return [f"job {job.job_id} of pool {job.pool_id}" for job in chosen]
+    return [f"job {job.job_id} of pool {p.pool_id}" for p in chosen for job in p.jobs]

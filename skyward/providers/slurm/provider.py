@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.metadata as metadata
 import os
 import secrets
@@ -54,15 +55,27 @@ COMMAND_SECONDS = 30.0
 
 
 @dataclass
+class Allocation:
+    """One job of the pool: its id (once salloc names it) and the holding salloc."""
+
+    held: Held
+    job_id: str = ""
+
+
+@dataclass
 class SlurmCluster(Cluster):
-    """A pool's allocation: its job, the holding salloc and the login the commands go through."""
+    """A pool's allocations (the first for every node; one more per replaced node) and the
+    login the commands go through."""
 
     login: Login | None = None
-    held: Held | None = None
-    job_id: str = ""
+    allocations: list[Allocation] = field(default_factory=list)
     shared_cache: bool | None = None  # whether the nodes share one cache directory
     client_shares: bool = False  # whether it is this machine's own (login=None, shared home)
-    names: list[str] = field(default_factory=list)
+
+    @property
+    def job_id(self) -> str:
+        """The pool's first job: every node's but the replacements'."""
+        return self.allocations[0].job_id if self.allocations else ""
 
 
 class Slurm(Provider):
@@ -172,37 +185,66 @@ class Slurm(Provider):
         try:
             for index in range(spec.nodes):
                 progress.phase(index, Phase.BOOTING, "asking Slurm for the allocation")
-            cluster.held = await login.hold(shlex.join(request.salloc()))
-            granted = await self._granted(cluster, cluster.held, progress)
-            cluster.job_id = granted.job_id
-            cluster.names = await self._hostnames(login, granted.nodelist)
-            addresses = commands.node_addresses(
-                await self._command(login, "scontrol -o show node " + ",".join(cluster.names))
-            )
-            cpus = granted.cpus_per_node(len(cluster.names))
-            for index, name in enumerate(cluster.names):
-                host = StepHost(login, granted.job_id, name, addresses.get(name, name), cpus[index])
-                host.gres = request.gres
+            hosts = await self._allocate(cluster, request, progress)
+            for index, host in enumerate(hosts):
                 cluster.nodes.append(SlurmNode(index, host))
-                progress.phase(index, Phase.CONNECTING, f"{name} (job {granted.job_id})")
+                progress.phase(index, Phase.CONNECTING, str(host))
         except BaseException:
             await self._release(cluster)
             raise
         return cluster
 
+    async def replace(self, cluster: Cluster, index: int) -> Node:
+        """A node from a new one-node allocation (Slurm does not grow a running job), on none
+        of the pool's machines (the lost one included); the rest of the pool keeps its job,
+        which survives the loss (``--no-kill``)."""
+        slurm = _slurm(cluster)
+        assert slurm.login is not None
+        # Not the lost node, nor one the pool has: one node per machine, as at launch.
+        taken = ",".join(n.step_host.name for n in cluster.nodes if isinstance(n, SlurmNode))
+        request = dataclasses.replace(
+            self._request(dataclasses.replace(cluster.spec, nodes=1)),
+            options=(*self.options, f"--exclude={taken}"),
+        )
+        (host,) = await self._allocate(slurm, request, Progress())
+        cluster.nodes[index] = SlurmNode(index, host)
+        return cluster.nodes[index]
+
+    async def _allocate(
+        self, cluster: SlurmCluster, request: commands.Request, progress: Progress
+    ) -> list[StepHost]:
+        """One more allocation for `cluster`, held open: a host for each of its nodes."""
+        login = cluster.login
+        assert login is not None
+        allocation = Allocation(await login.hold(shlex.join(request.salloc())))
+        cluster.allocations.append(allocation)
+        granted = await self._granted(allocation, login, progress)
+        allocation.job_id = granted.job_id
+        names = await self._hostnames(login, granted.nodelist)
+        addresses = commands.node_addresses(
+            await self._command(login, "scontrol -o show node " + ",".join(names))
+        )
+        hosts = []
+        for name, cpus in zip(names, granted.cpus_per_node(len(names)), strict=True):
+            host = StepHost(login, granted.job_id, name, addresses.get(name, name), cpus)
+            host.gres = request.gres
+            hosts.append(host)
+        return hosts
+
     async def _granted(
-        self, cluster: SlurmCluster, held: Held, progress: Progress
+        self, allocation: Allocation, login: Login, progress: Progress
     ) -> commands.Granted:
         """Wait for the holder's line; meanwhile read salloc's stderr for the job id and its
         errors, and show why the job pends."""
         errors: list[str] = []
+        held = allocation.held
 
         async def read_stderr() -> None:
             while line := await held.stderr_line():
                 errors.append(line.rstrip())
                 job = commands.job_id_in(line)
-                if job and not cluster.job_id:
-                    cluster.job_id = job
+                if job and not allocation.job_id:
+                    allocation.job_id = job
 
         async def read_stdout() -> commands.Granted | None:
             while line := await held.stdout_line():
@@ -220,14 +262,14 @@ class Slurm(Provider):
                 await asyncio.wait({waiting}, timeout=PENDING_POLL_SECONDS)
                 if waiting.done():
                     break
-                if cluster.job_id and cluster.login is not None:
-                    shown = await self._show_pending(cluster, progress, shown)
+                if allocation.job_id:
+                    shown = await self._show_pending(login, allocation.job_id, progress, shown)
                 if (
                     self.pending_timeout is not None
                     and loop.time() - started > self.pending_timeout
                 ):
                     raise ProvisionError(
-                        f"Slurm job {cluster.job_id or '?'} was still pending after "
+                        f"Slurm job {allocation.job_id or '?'} was still pending after "
                         f"{self.pending_timeout:g} s ({shown or 'no reason given'}); it was "
                         "cancelled. Ask for fewer nodes, another partition, or wait longer "
                         "(pending_timeout=None waits)"
@@ -269,13 +311,12 @@ class Slurm(Provider):
             )
         return ProvisionError(f"Slurm refused the allocation: {text}")
 
-    async def _show_pending(self, cluster: SlurmCluster, progress: Progress, shown: str) -> str:
-        assert cluster.login is not None
+    async def _show_pending(self, login: Login, job_id: str, progress: Progress, shown: str) -> str:
         with contextlib.suppress(Exception):
-            out = await self._command(cluster.login, f"squeue -h -j {cluster.job_id} -o '%T %r'")
+            out = await self._command(login, f"squeue -h -j {job_id} -o '%T %r'")
             state, _, reason = out.strip().partition(" ")
             if state == "PENDING":
-                detail = f"job {cluster.job_id} pending: {reason or 'no reason given'}"
+                detail = f"job {job_id} pending: {reason or 'no reason given'}"
                 if detail != shown:
                     progress.phase(None, Phase.BOOTING, detail)
                 return detail
@@ -344,18 +385,19 @@ class Slurm(Provider):
         await asyncio.to_thread(_copy_outputs, cluster, nodes)
 
     def teardown_summary(self, cluster: Cluster) -> str:
-        job = _slurm(cluster).job_id
-        if not job:
+        jobs = [a.job_id for a in _slurm(cluster).allocations if a.job_id]
+        if not jobs:
             return "no allocation was made"
-        return f"cancelled job {job} ({count(len(cluster.nodes), 'node')})"
+        which = f"job {jobs[0]}" if len(jobs) == 1 else f"jobs {', '.join(jobs)}"
+        return f"cancelled {which} ({count(len(cluster.nodes), 'node')})"
 
     async def terminate(self, cluster: Cluster) -> None:
         await self._release(_slurm(cluster))
 
     async def _release(self, cluster: SlurmCluster) -> None:
-        """Cancel the job and end the holder; idempotent, bounded, never raises. What the pool
-        wrote in the nodes' cache goes first, while the allocation still runs steps."""
-        login, held = cluster.login, cluster.held
+        """Cancel the jobs and end their holders; idempotent, bounded, never raises. What the
+        pool wrote in the nodes' cache goes first, while the allocations still run steps."""
+        login = cluster.login
         if login is None:
             return
         if cluster.client_shares:
@@ -363,13 +405,15 @@ class Slurm(Provider):
         elif cluster.nodes and cluster.job_id:
             with contextlib.suppress(Exception):
                 await remote_data.remove_outputs(cluster)
-        if cluster.job_id and not login.closed:
+        jobs = " ".join(a.job_id for a in cluster.allocations if a.job_id)
+        if jobs and not login.closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(login.run(f"scancel {cluster.job_id}"), COMMAND_SECONDS)
-        if held is not None:
-            held.release()
+                await asyncio.wait_for(login.run(f"scancel {jobs}"), COMMAND_SECONDS)
+        for allocation in cluster.allocations:
+            allocation.held.release()
+        for allocation in cluster.allocations:
             with contextlib.suppress(Exception):
-                await held.wait(10)
+                await allocation.held.wait(10)
         with contextlib.suppress(Exception):
             await login.close()
 
@@ -380,14 +424,15 @@ class Slurm(Provider):
         name = node.step_host.name
         out = await self._command(slurm.login, f"scontrol -o show node {shlex.quote(name)}")
         state, reason = commands.node_state(out)
-        job_state = await _settled_state(slurm.login, slurm.job_id)
+        job_id = node.step_host.job_id
+        job_state = await _settled_state(slurm.login, job_id)
         if job_state in {"PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"}:
-            return NodeLoss(f"Slurm preempted job {slurm.job_id} ({job_state})", preempted=True)
+            return NodeLoss(f"Slurm preempted job {job_id} ({job_state})", preempted=True)
         if any(word in state for word in ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING")):
             why = f": {reason}" if reason else ""
             return NodeLoss(f"Slurm node {name} is {state}{why}")
         if job_state != "RUNNING":
-            return NodeLoss(f"Slurm job {slurm.job_id} is {job_state}")
+            return NodeLoss(f"Slurm job {job_id} is {job_state}")
         return None
 
 

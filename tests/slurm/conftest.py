@@ -87,7 +87,12 @@ def provider_cluster(slurm_ready: None) -> Iterator[SlurmCluster]:
     ]
     preemption = ["PreemptType=preempt/partition_prio", "PreemptMode=CANCEL"]
     with SlurmCluster(
-        3, gres=GRES, partitions=partitions, subnet=PROVIDER_SUBNET, extra_config=preemption
+        3,
+        gres=GRES,
+        partitions=partitions,
+        subnet=PROVIDER_SUBNET,
+        extra_config=preemption,
+        slurmd_timeout=5,  # a killed node is noticed (down) within about 10 s
     ) as cluster:
         yield cluster
 

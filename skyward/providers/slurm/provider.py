@@ -36,8 +36,10 @@ from skyward.errors import ConfigError, DataError, ProvisionError
 from skyward.image import Image
 from skyward.info import cache_root
 from skyward.providers.base import Cluster, Log, Node, NodeLoss, Provider, count, local_outputs
+from skyward.providers.environment import env_spec
 from skyward.providers.remote import bootstrap, connect, hoststeps
 from skyward.providers.remote import data as remote_data
+from skyward.providers.remote.bootstrap import RemoteNode
 from skyward.providers.remote.hoststeps import CACHE
 from skyward.providers.slurm import commands, jobs
 from skyward.providers.slurm.login import Held, LocalLogin, Login, SSHLogin
@@ -333,20 +335,32 @@ class Slurm(Provider):
         return done.stdout.decode(errors="replace")
 
     async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
-        return await bootstrap.survey_nodes(cluster, image, self.bootstrap, progress)
+        slurm = _slurm(cluster)
+        # Whether the nodes share a cache is asked beside the host check, not after it.
+        hardware, _ = await asyncio.gather(
+            bootstrap.survey_nodes(cluster, image, self.bootstrap, progress),
+            self._find_shared_cache(slurm, progress),
+        )
+        return hardware
+
+    async def _find_shared_cache(self, slurm: SlurmCluster, progress: Progress) -> None:
+        if slurm.shared_cache is not None:
+            return
+        slurm.client_shares = await _shares_clients_cache(slurm)
+        slurm.shared_cache = slurm.client_shares or await _shares_cache(slurm)
+        if slurm.shared_cache and len(slurm.nodes) > 1:
+            progress("the nodes share one cache directory: one environment serves them all")
 
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
         slurm = _slurm(cluster)
-        if slurm.shared_cache is None:
-            slurm.client_shares = await _shares_clients_cache(slurm)
-            slurm.shared_cache = slurm.client_shares or await _shares_cache(slurm)
-            if slurm.shared_cache and len(slurm.nodes) > 1:
-                progress("the nodes share one cache directory: node 0 builds, the others reuse")
-        if slurm.shared_cache and len(slurm.nodes) > 1:
+        await self._find_shared_cache(slurm, progress)
+        nodes = bootstrap.remote_nodes(slurm)
+        if slurm.shared_cache and len(nodes) > 1 and not _ready(nodes[0], image):
+            # Node 0 builds; the others, checked before it did, look again and find it built.
             first = Cluster(slurm.spec, slurm.nodes[:1])
             await bootstrap.prepare_nodes(first, image, self.bootstrap, progress)
-            for node in bootstrap.remote_nodes(slurm)[1:]:
-                node.checked = None  # checked before node 0 built: look again, find it built
+            for node in nodes[1:]:
+                node.checked = None
         await bootstrap.prepare_nodes(slurm, image, self.bootstrap, progress)
 
     async def stage_data(self, cluster: Cluster, data: Data, log: Log) -> Placement:
@@ -456,6 +470,14 @@ def _slurm(cluster: Cluster) -> SlurmCluster:
     if not isinstance(cluster, SlurmCluster):
         raise TypeError(f"{cluster!r} is not a Slurm pool's cluster")
     return cluster
+
+
+def _ready(node: RemoteNode, image: Image) -> bool:
+    """Whether the node's host check (for `image`) found nothing to build or copy."""
+    if node.checked is None or node.checked[0] != env_spec(image).hash:
+        return False
+    report = node.checked[1]
+    return report.src and not report.apt_missing and (bool(report.satisfied) or bool(report.env))
 
 
 def _client_outputs(cluster: Cluster) -> Path:

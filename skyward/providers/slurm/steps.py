@@ -34,7 +34,10 @@ class StepHost:
         return self.login.closed
 
     async def run(self, command: str, input: bytes = b"", log: Log | None = None) -> Completed:
-        return await self.login.run(commands.step(self.job_id, self.name, command), input, log)
+        # With the node's GRES too: where the site confines devices (cgroups), a step that did
+        # not ask for the GPUs would not see them, and the host check would find none.
+        step = commands.step(self.job_id, self.name, command, gres=self.gres)
+        return await self.login.run(step, input, log)
 
     async def close(self) -> None:
         return None  # the login, shared by every node of the job, is the provider's to close

@@ -90,21 +90,6 @@ def sleep_on(node: int, seconds: float) -> str:
     return socket.gethostname()
 
 
-def test_a_node_lost_mid_call_is_a_worker_error_naming_it(login: SlurmCluster) -> None:
-    try:
-        with sky.ComputePool(provider=sky.Slurm(), nodes=2, broadcast_grace=1) as pool:
-            names = [name for name, *_ in whereabouts() @ pool]
-            future = pool.submit(sleep_on(1, 120), node=1)
-            time.sleep(1)
-            login.kill_node(names[1])  # slurmd and everything it started on that node
-            with pytest.raises(sky.WorkerError) as caught:
-                future.result(timeout=60)
-        assert caught.value.node == 1 and names[1] in str(caught.value)
-    finally:
-        login.start_node(names[1])
-    assert wait_for_empty_queue(login, 10) == []
-
-
 def test_a_client_killed_with_sigkill_leaves_no_job(
     login: SlurmCluster, running_pool: tuple[str, subprocess.Popen[str]]
 ) -> None:
@@ -136,12 +121,32 @@ def test_a_pool_through_a_login_node_reached_over_ssh(
             key=key.private_path,
             known_hosts=str(known_hosts),
         )
-        with sky.ComputePool(provider=provider, nodes=2) as pool:
+        data = tmp_path / "data"
+        data.mkdir()
+        (data / "a.txt").write_text("alpha")
+        runs = tmp_path / "runs"
+        with sky.ComputePool(provider=provider, nodes=2, output_dir=runs) as pool:
             found = whereabouts() @ pool
             assert len(queue(provider_cluster)) == 1
+            # streamed through the login's connection into a step (the nodes share a cache)
+            assert read_data(sky.Data(data)) @ pool == ["alpha", "alpha"]
+            write_output() @ pool
     assert sorted(name for name, *_ in found) == ["node0", "node1"]
     assert len({job for _, job, *_ in found}) == 1
+    for node in (0, 1):  # pulled through the login's connection from a step on each node
+        assert (runs / f"node-{node}" / "out.txt").read_text() == f"from node {node}"
     assert wait_for_empty_queue(provider_cluster, 5) == []
+
+
+@sky.compute
+def read_data(data: str) -> str:  # a sky.Data arrives on the node as its path
+    return (Path(data) / "a.txt").read_text()
+
+
+@sky.compute
+def write_output() -> None:
+    node = sky.instance_info().node
+    (Path(sky.output_dir()) / "out.txt").write_text(f"from node {node}")
 
 
 def test_a_preempted_allocation_is_a_preempted_worker_error(login: SlurmCluster) -> None:
@@ -164,7 +169,12 @@ def test_a_preempted_allocation_is_a_preempted_worker_error(login: SlurmCluster)
     assert wait_for_empty_queue(login, 10) == []
 
 
-def test_replace_brings_a_lost_node_back_from_a_new_allocation(login: SlurmCluster) -> None:
+def test_a_node_lost_mid_call_is_named_and_replaced_from_a_new_allocation(
+    login: SlurmCluster,
+) -> None:
+    """A node killed mid-call (its slurmd and everything on it): a WorkerError naming it and
+    Slurm's account of the node; the job survives (--no-kill), and replace() brings the node
+    back from a one-node allocation on another machine while node 0 keeps its job."""
     try:
         with sky.ComputePool(provider=sky.Slurm(), nodes=2, broadcast_grace=1) as pool:
             before = whereabouts() @ pool
@@ -172,8 +182,10 @@ def test_replace_brings_a_lost_node_back_from_a_new_allocation(login: SlurmClust
             future = pool.submit(sleep_on(1, 120), node=1)
             time.sleep(1)
             login.kill_node(lost)
-            with pytest.raises(sky.WorkerError):
+            with pytest.raises(sky.WorkerError) as caught:
                 future.result(timeout=60)
+            assert caught.value.node == 1, str(caught.value)
+            assert f"Slurm node {lost} is DOWN" in str(caught.value), str(caught.value)
             pool.replace(1)
             after = whereabouts() @ pool
             assert len(queue(login)) == 2  # the pool's job, and the replacement's

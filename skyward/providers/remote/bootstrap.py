@@ -36,8 +36,9 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from functools import cache
+from typing import TypeVar
 
 import asyncssh
 
@@ -52,10 +53,12 @@ from skyward.providers.remote.host import Host
 from skyward.providers.remote.hoststeps import CACHE, Bootstrap
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.base import AgentStream
-from skyward.transport.sshhost import SSHHost, shell_env
+from skyward.transport.sshhost import RemoteProcess, SSHHost, shell_env
 from skyward.transport.sshstream import open_agent
 from skyward.worker import hostcheck
 from skyward.worker.gpus import Inventory, visible_env
+
+T = TypeVar("T")
 
 
 class RemoteNode(Node):
@@ -100,6 +103,11 @@ class RemoteNode(Node):
         channel (a Slurm node, whose host is no SSH connection, starts a job step instead)."""
         return await open_agent(ssh_host(self), command)
 
+    async def start_process(self, command: str) -> RemoteProcess:
+        """Start a shell command line on the host whose stdio the client streams over (a data
+        tree's push or pull), in a process group its SSH connection adopts."""
+        return await ssh_host(self).start(command)
+
 
 def ssh_host(node: RemoteNode) -> SSHHost:
     """The node's SSH connection, for what streams over one (the agent, a data tree)."""
@@ -122,6 +130,20 @@ async def close_hosts(cluster: Cluster) -> None:
     await asyncio.gather(*(h.close() for h in hosts.values()), return_exceptions=True)
 
 
+async def all_or_none(*steps: Awaitable[T]) -> list[T]:
+    """Run `steps` at once; their results, or the first failure once the others are cancelled
+    and have ended (`asyncio.gather` would leave them running: a host's command that outlives
+    the pool's start, and its process with it)."""
+    tasks = [asyncio.ensure_future(step) for step in steps]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 async def survey_nodes(
     cluster: Cluster, image: Image, bootstrap: Bootstrap, progress: Progress
 ) -> Hardware:
@@ -133,7 +155,7 @@ async def survey_nodes(
     command per host; where it changed (a CUDA wheel instead of the planned CPU one), two.
     """
     nodes = remote_nodes(cluster)
-    await asyncio.gather(
+    await all_or_none(
         *(_survey(node, image, bootstrap, progress, cluster.spec.accelerator) for node in nodes)
     )
     hardware = Hardware.of(
@@ -162,7 +184,7 @@ async def prepare_nodes(
 ) -> None:
     """Prepare every node of `cluster` not yet prepared for `image`, all hosts at once."""
     key = env_spec(image).hash
-    await asyncio.gather(
+    await all_or_none(
         *(
             prepare_host(node, image, bootstrap, progress, cluster.spec.accelerator)
             for node in remote_nodes(cluster)

@@ -32,7 +32,7 @@ from typing import TypeVar
 from skyward.cluster import ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
 from skyward.data import S3_SCHEME, Data, Placement
-from skyward.errors import ConfigError, DataError, ProvisionError
+from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
 from skyward.info import cache_root
 from skyward.providers.base import Cluster, Log, Node, NodeLoss, Provider, count, local_outputs
@@ -62,6 +62,7 @@ class Allocation:
 
     held: Held
     job_id: str = ""
+    stderr: asyncio.Future[None] | None = None  # salloc's stderr, read until it ends
 
 
 @dataclass
@@ -284,9 +285,8 @@ class Slurm(Provider):
             return granted
         finally:
             waiting.cancel()
-            if not stderr.done():
-                # salloc keeps writing to stderr ("Relinquishing..."); keep draining it.
-                stderr.add_done_callback(lambda _: None)
+            # salloc keeps writing to stderr ("Relinquishing..."): read on until it ends.
+            allocation.stderr = stderr
 
     def _refused(self, errors: list[str]) -> Exception:
         found = commands.refusal(errors)
@@ -337,10 +337,11 @@ class Slurm(Provider):
     async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
         slurm = _slurm(cluster)
         # Whether the nodes share a cache is asked beside the host check, not after it.
-        hardware, _ = await asyncio.gather(
+        hardware, _ = await bootstrap.all_or_none(
             bootstrap.survey_nodes(cluster, image, self.bootstrap, progress),
             self._find_shared_cache(slurm, progress),
         )
+        assert isinstance(hardware, Hardware)
         return hardware
 
     async def _find_shared_cache(self, slurm: SlurmCluster, progress: Progress) -> None:
@@ -364,17 +365,21 @@ class Slurm(Provider):
         await bootstrap.prepare_nodes(slurm, image, self.bootstrap, progress)
 
     async def stage_data(self, cluster: Cluster, data: Data, log: Log) -> Placement:
-        """A tree built once in the cache the client shares with the nodes (a shared home):
-        the nodes find it there, with no copy over the network."""
+        """Where the client shares the nodes' cache (a shared home, the client on the login
+        node), the tree is built once into it and the nodes find it there; otherwise it is
+        streamed through the login's SSH connection into a step on each node (on node 0 only
+        when the nodes share one cache)."""
         if data.is_s3:
             return ("s3", data.source)
-        if not _slurm(cluster).client_shares:
-            raise DataError(
-                "sky.Data on a Slurm pool needs the compute nodes to share this machine's "
-                "cache directory (a shared home, with login=None); put the data on the shared "
-                "filesystem and pass its path as a plain string, or use an s3:// Data",
-                path=data.source,
-            )
+        slurm = _slurm(cluster)
+        if not slurm.client_shares:
+            if not slurm.shared_cache:
+                return await remote_data.stage_tree(cluster, data, log)
+            first = Cluster(cluster.spec, cluster.nodes[:1])
+            placement = await remote_data.stage_tree(first, data, log)
+            for node in bootstrap.remote_nodes(cluster):
+                node.trees.add(placement[1])
+            return placement
         root = data.existing_path()
         manifest = await asyncio.to_thread(treestore.scan, root)
         await asyncio.to_thread(treestore.import_tree, root, manifest, Store(store_root()))
@@ -382,20 +387,15 @@ class Slurm(Provider):
         return ("tree", manifest.digest, single)
 
     async def collect_outputs(self, cluster: Cluster, nodes: Sequence[int], log: Log) -> None:
-        """Outputs to S3 are uploaded by the nodes; to a local directory, copied from the cache
-        the client shares with the nodes."""
+        """Copied from the cache the client shares with the nodes; otherwise pulled through
+        the login's SSH connection from a step on each node, or uploaded by the nodes to
+        s3://."""
         outputs = cluster.spec.outputs
         if outputs is None:
             return
-        if outputs.startswith(S3_SCHEME):
+        if outputs.startswith(S3_SCHEME) or not _slurm(cluster).client_shares:
             await remote_data.collect_outputs(cluster, nodes, outputs)
             return
-        if not _slurm(cluster).client_shares:
-            raise DataError(
-                "collecting a Slurm pool's outputs to a local output_dir needs the compute "
-                "nodes to share this machine's cache directory; use an s3:// output_dir",
-                path=outputs,
-            )
         await asyncio.to_thread(_copy_outputs, cluster, nodes)
 
     def teardown_summary(self, cluster: Cluster) -> str:
@@ -428,6 +428,9 @@ class Slurm(Provider):
         for allocation in cluster.allocations:
             with contextlib.suppress(Exception):
                 await allocation.held.wait(10)
+            if allocation.stderr is not None:  # its end: salloc's pipes are closed
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(allocation.stderr, 2)
         with contextlib.suppress(Exception):
             await login.close()
 

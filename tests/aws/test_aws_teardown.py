@@ -8,6 +8,7 @@ not see them, so what recovers here is the teardown loop itself.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -148,6 +149,26 @@ def test_a_listing_that_fails_for_good_still_removes_what_the_client_made(
     assert leftovers(ec2, pool.pool_id) == []
     states = ec2.describe_instances(InstanceIds=ids)["Reservations"][0]["Instances"]
     assert {i["State"]["Name"] for i in states} == {"terminated"}
+
+
+def test_a_kind_the_pool_never_made_does_not_hold_its_teardown(
+    ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """DescribePlacementGroups by tag answers a 500 for good (moto's server did, for real): the
+    pool made no placement group, so after two failed listings the teardown says so on the
+    console and ends, instead of retrying for the whole teardown_timeout."""
+    sim = ec2_hosts()
+    aws = aws_for(sim, stubs)  # teardown_timeout: the default, 600 s
+    with sky.ComputePool(provider=aws, nodes=1) as pool:
+        inject(aws, "DescribePlacementGroups", "500", times=None, when=_tagged)
+        began = time.monotonic()
+    took = time.monotonic() - began
+    assert took < 30, f"the teardown took {took:.0f} s"
+    err = capfd.readouterr().err
+    assert "DescribePlacementGroups failed: InternalError" in err, err
+    assert "trying again in" in err  # the retry is on the console, with its reason
+    assert "the pool made no placement group, so none is left" in err, err
+    assert leftovers(new_session(stubs).client("ec2"), pool.pool_id) == []
 
 
 def aws_pool_instance(pool: sky.ComputePool, index: int) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -210,6 +210,7 @@ class AWS(CloudProvider):
             [],
             key_dir=Path(tempfile.mkdtemp(prefix=f"skyward-aws-{spec.pool_id}-")),
             host_key=userdata.HostKey.generate(f"skyward-{spec.pool_id}"),
+            tell=progress,
         )
         return await self.launched(
             cluster,
@@ -350,16 +351,17 @@ class AWS(CloudProvider):
     # -- teardown --------------------------------------------------------------------------
 
     def remove_resources(self, pool: CloudCluster) -> None:
-        self._remove_pool(self.client("ec2"), pool.pool_id, _aws(pool).made)
+        self._remove_pool(self.client("ec2"), pool.pool_id, _aws(pool).made, pool.tell)
 
-    def _remove_pool(self, ec2: Any, pool_id: str, made: teardown.Made | None = None) -> list[str]:
+    def _remove_pool(
+        self,
+        ec2: Any,
+        pool_id: str,
+        made: teardown.Made | None = None,
+        log: Callable[[str], None] = logger.info,
+    ) -> list[str]:
         return teardown.remove_pool(
-            ec2,
-            pool_id,
-            made,
-            timeout=self.teardown_timeout,
-            poll=self.poll_interval,
-            log=logger.info,
+            ec2, pool_id, made, timeout=self.teardown_timeout, poll=self.poll_interval, log=log
         )
 
 

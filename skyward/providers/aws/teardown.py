@@ -35,6 +35,12 @@ KEY_PAIR = "key pair"
 KINDS = (INSTANCE, PLACEMENT_GROUP, SECURITY_GROUP, KEY_PAIR)  # the order of removal
 _AFTER_INSTANCES = (PLACEMENT_GROUP, SECURITY_GROUP)
 _NOT_YET = ("DependencyViolation", "InvalidPlacementGroup.InUse")
+# Kinds whose every resource the client names (`Made`) before it asks EC2 for it: for a pool's
+# own teardown, a kind it never made needs no listing to be known gone. (Not the security
+# group, whose id EC2 gives: a create whose answer was lost may have made one.)
+_NAMED_FIRST = (PLACEMENT_GROUP, KEY_PAIR)
+# Failed listings of a kind the pool never made before the teardown stops asking.
+NEVER_MADE_TRIES = 2
 _WORDS = Words("EC2", "removing", "")
 
 
@@ -50,6 +56,7 @@ class Made:
 
 @dataclass(frozen=True)
 class _Kind:
+    list_api: str  # the EC2 API name of the listing, as a failure names it
     list_call: str  # the botocore method that lists the kind by tag
     list_key: str  # where its reply holds them
     id_key: str  # what names one
@@ -60,6 +67,7 @@ class _Kind:
 
 _KINDS = {
     PLACEMENT_GROUP: _Kind(
+        "DescribePlacementGroups",
         "describe_placement_groups",
         "PlacementGroups",
         "GroupName",
@@ -68,6 +76,7 @@ _KINDS = {
         ("InvalidPlacementGroup.Unknown",),
     ),
     SECURITY_GROUP: _Kind(
+        "DescribeSecurityGroups",
         "describe_security_groups",
         "SecurityGroups",
         "GroupId",
@@ -76,6 +85,7 @@ _KINDS = {
         ("InvalidGroup.NotFound",),
     ),
     KEY_PAIR: _Kind(
+        "DescribeKeyPairs",
         "describe_key_pairs",
         "KeyPairs",
         "KeyName",
@@ -104,9 +114,28 @@ def remove_pool(
     suspects = {kind: set((made or Made()).ids[kind]) for kind in KINDS}
     seen: dict[str, set[str]] = {kind: set() for kind in KINDS}
     done: set[str] = set()  # kinds a successful listing showed none of: nothing brings them back
+    # The pool's own teardown knows what it made: a kind it never made whose listing keeps
+    # failing must not hold its user for the whole timeout (`skyward down` has no `made`).
+    never_made = {k for k in _NAMED_FIRST if made is not None and not made.ids[k]}
+    failed_listings = dict.fromkeys(never_made, 0)
 
     def one_round(problems: list[str]) -> Step:
+        before = len(problems)
         waiting = _round(ec2, pool_id, suspects, seen, done, problems, log)
+        for kind in sorted(never_made - done):
+            failure = next(
+                (p for p in problems[before:] if p.startswith(_KINDS[kind].list_api)), None
+            )
+            if failure is None:
+                continue
+            failed_listings[kind] += 1
+            if failed_listings[kind] >= NEVER_MADE_TRIES and not seen[kind]:
+                done.add(kind)
+                problems.remove(failure)
+                log(
+                    f"teardown of {pool_id}: {failure}, {NEVER_MADE_TRIES} times; the pool "
+                    f"made no {kind}, so none is left: not asking again"
+                )
         if len(done) == len(KINDS):
             return Step.DONE
         return Step.WAIT if waiting else Step.AGAIN

@@ -46,6 +46,9 @@ class CloudCluster(Cluster):
     provisioning: Future[list[Any]] | None = None  # the launch's thread
     node_instances: dict[int, str] = field(default_factory=dict)  # node index -> machine
     removed: bool = False
+    # Where the teardown says what it retries and why: the pool's console, once launched (a
+    # user who waits on a teardown sees why), the log before.
+    tell: Callable[[str], None] = field(default=logging.getLogger("skyward").info)
 
     @property
     def pool_id(self) -> str:

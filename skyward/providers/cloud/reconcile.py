@@ -60,10 +60,13 @@ def reconcile(
         if left <= 0:
             raise ProvisionError(_remains(pool_id, remaining(), problems, timeout, words))
         failing_rounds = failing_rounds + 1 if problems else 0
-        for problem in problems:
-            log(f"teardown of {pool_id}: {problem}; trying again")
-        pause = _delay(poll, failing_rounds) if step is Step.WAIT or problems else 0.0
-        time.sleep(min(left, pause))
+        pause = min(left, _delay(poll, failing_rounds) if step is Step.WAIT or problems else 0.0)
+        for problem in problems:  # said where the user waits (the console, during a pool's end)
+            log(
+                f"teardown of {pool_id}: {problem}; trying again in {pause:.0f} s "
+                f"(gives up {left:.0f} s from now: teardown_timeout)"
+            )
+        time.sleep(pause)
 
 
 def _delay(poll: float, failing_rounds: int) -> float:

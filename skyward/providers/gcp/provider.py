@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +210,7 @@ class GCP(CloudProvider):
             key_dir=Path(tempfile.mkdtemp(prefix=f"skyward-gcp-{spec.pool_id}-")),
             host_key=HostKey.generate(f"skyward-{spec.pool_id}"),
             tpu=tpu,
+            tell=progress,
         )
         progress.phase(None, Phase.BOOTING, what)
         return await self.launched(
@@ -320,10 +321,14 @@ class GCP(CloudProvider):
         gcp = _gcp(pool)
         # A VM pool's own teardown looks for no TPU: its calls stay those of the Compute API.
         zone = self.access().zone if gcp.tpu is not None else None
-        self._remove_pool(gcp.pool_id, gcp.made, tpu_zone=zone)
+        self._remove_pool(gcp.pool_id, gcp.made, tpu_zone=zone, log=pool.tell)
 
     def _remove_pool(
-        self, pool_id: str, made: teardown.Made | None = None, tpu_zone: str | None = None
+        self,
+        pool_id: str,
+        made: teardown.Made | None = None,
+        tpu_zone: str | None = None,
+        log: Callable[[str], None] = logger.info,
     ) -> list[str]:
         """Remove one pool; with `tpu_zone` (a zone, or `tpus.ALL_LOCATIONS`), its TPU nodes
         and queued resources there too."""
@@ -334,7 +339,7 @@ class GCP(CloudProvider):
             made,
             timeout=self.teardown_timeout,
             poll=self.poll_interval,
-            log=logger.info,
+            log=log,
             tpu_zone=tpu_zone,
         )
 

@@ -17,7 +17,7 @@ from typing import Any
 import asyncssh
 
 from skyward.errors import DataError
-from skyward.providers.remote.bootstrap import RemoteNode, module_command, ssh_host
+from skyward.providers.remote.bootstrap import RemoteNode, module_command
 from skyward.transport.sshhost import RemoteProcess
 
 MODULE = "skyward.worker.treestore"
@@ -104,8 +104,8 @@ class Peer:
         try:
             await asyncio.wait_for(self.proc.exit_status(), 10 if abort else 30)
         except TimeoutError:
-            await ssh_host(self.node).kill_groups([self.proc.pid])
-        ssh_host(self.node).groups.discard(self.proc.pid)
+            await self.proc.host.kill_groups([self.proc.pid])
+        self.proc.host.groups.discard(self.proc.pid)
 
 
 async def _launch(node: RemoteNode, what: str, *args: str) -> RemoteProcess:
@@ -118,6 +118,6 @@ async def _launch(node: RemoteNode, what: str, *args: str) -> RemoteProcess:
     # -S: the module needs only the stdlib, and a site with many .pth files costs ~50 ms.
     command = module_command(node.python, MODULE, *args, site=False)
     try:
-        return await ssh_host(node).start(command)
+        return await node.start_process(command)
     except (OSError, asyncssh.Error, TypeError) as exc:
         raise DataError(f"{what} on {node.host} failed: {exc}", node=node.index) from None

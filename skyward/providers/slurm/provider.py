@@ -165,7 +165,7 @@ class Slurm(Provider):
 
     def _request(self, spec: ClusterSpec) -> commands.Request:
         return commands.Request(
-            job_name=f"skyward-{spec.pool_id}",
+            job_name=f"{jobs.JOB_PREFIX}{spec.pool_id}",
             comment=f"skyward pool {spec.pool_id}",
             nodes=spec.nodes,
             partition=self.partition,

@@ -344,6 +344,14 @@ class ComputePool:
         """
         return self._transfers.latest_checkpoint(timeout)
 
+    def stacks(self, timeout: float = 5.0) -> dict[int, str]:
+        """Every live node's Python stacks, thread by thread, by node: what a hang
+        investigation starts with. The agents answer from a signal handler, so a node stuck
+        in a collective or a C extension answers too; one that does not within `timeout`
+        seconds gets a line saying so."""
+        self._check_open()
+        return activity.stacks(self._sessions, timeout)
+
     def logs(self, node: int | None = None) -> list[str]:
         """What the nodes printed: one node's lines, or every node's prefixed with its index."""
         return activity.logs(self._sessions, node)

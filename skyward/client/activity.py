@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import time
 from collections.abc import Callable
 
 from skyward.client.dispatch import Dispatch
@@ -49,6 +51,24 @@ def logs(sessions: list[NodeSession], node: int | None) -> list[str]:
     if node is not None:
         return list(sessions[node].lines)  # list() copies atomically under the GIL
     return [f"(node {s.node}) {line}" for s in sessions for line in list(s.lines)]
+
+
+def stacks(sessions: list[NodeSession], timeout: float) -> dict[int, str]:
+    """Every live node's threads' stacks, as its agent's faulthandler writes them on SIGUSR2
+    (from the signal handler: it answers while the main thread is stuck in a collective); a
+    node that does not answer within `timeout` seconds says so instead."""
+    live = [session for session in sessions if session.dead is None]
+    asked = time.monotonic()
+    for session in live:
+        session.stream.signal(signal.SIGUSR2)
+    deadline = asked + timeout
+    # The answers arrive where frames are decoded (the loop, a pipe's reader): look now and then.
+    while any(s.stacks[0] < asked for s in live) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return {
+        s.node: s.stacks[1] if s.stacks[0] >= asked else f"(no answer within {timeout:g} s)"
+        for s in live
+    }
 
 
 def drain_output(loop: LoopThread) -> None:

@@ -71,6 +71,8 @@ class NodeSession:
         self.lines = self.output.lines
         self.pending: dict[int, Outcome] = {}
         self.dead: WorkerError | None = None
+        # The agent's last answer to SIGUSR2 (`ComputePool.stacks`): when, and its threads.
+        self.stacks: tuple[float, str] = (0.0, "")
         self.exit_status: int | None = None
         self.stage = Stage.STARTING
         self.plugin: str | None = None  # the plugin whose hook runs, in Stage.IN_PLUGIN
@@ -262,6 +264,8 @@ class NodeSession:
             if self._on_report is not None:
                 for time_, metrics, checkpoint in message.entries:
                     self._on_report(Report(self.node, time_, metrics, checkpoint))
+        elif type(message) is messages.Stacks:
+            self.stacks = (time.monotonic(), message.text)
         elif type(message) is not messages.Heartbeat:
             self._loop.call_soon_threadsafe(self._control.put_nowait, message)
 

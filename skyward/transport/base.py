@@ -57,3 +57,7 @@ class AgentStream(Protocol):
     def kill(self) -> None:
         """End the agent and every process it started, now."""
         ...
+
+    def signal(self, signum: int) -> None:
+        """Send the agent signal `signum` (best effort; callable from any thread)."""
+        ...

@@ -152,6 +152,15 @@ class Reported:
     entries: list[tuple[float, dict[str, Any], str | None]]
 
 
+@dataclass(frozen=True, slots=True)
+class Stacks:
+    """agent -> client: the Python stack of every thread of the agent, as faulthandler writes
+    it when the agent gets SIGUSR2 (it answers even while the main thread is stuck in C)."""
+
+    KIND: ClassVar[int] = 18
+    text: str
+
+
 Message = (
     Open
     | Hello
@@ -166,6 +175,7 @@ Message = (
     | Raised
     | Heartbeat
     | Reported
+    | Stacks
 )
 
 _TYPES: tuple[type[Any], ...] = (
@@ -182,6 +192,7 @@ _TYPES: tuple[type[Any], ...] = (
     Raised,
     Heartbeat,
     Reported,
+    Stacks,
 )
 
 

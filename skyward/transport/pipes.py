@@ -149,6 +149,11 @@ class SubprocessStream:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
 
+    def signal(self, signum: int) -> None:
+        # The child itself: the agent, or the srun that forwards it to the agent's step.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, signum)
+
 
 class _ControlReader:
     """Leader/follower reading of one pipe: a background thread, or a caller that takes over.

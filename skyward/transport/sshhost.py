@@ -300,6 +300,19 @@ class SSHHost:
         self._kills.add(task)
         task.add_done_callback(self._kills.discard)
 
+    def schedule_signal(self, pid: int, signum: int) -> None:
+        """Send process `pid` on the host signal `signum` (best effort; on the loop)."""
+        if self.closed:
+            return
+        command = f"kill -{int(signum)} {int(pid)} 2>/dev/null; true"
+        task = asyncio.get_running_loop().create_task(self._quietly(command))
+        self._kills.add(task)
+        task.add_done_callback(self._kills.discard)
+
+    async def _quietly(self, command: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.conn.run(command, check=False), 10)
+
     async def kill_groups(self, pids: Sequence[int]) -> None:
         """``kill -KILL`` the process groups `pids` on the host (best effort, bounded)."""
         pids = [pid for pid in pids if pid > 1]

@@ -193,3 +193,8 @@ class ChannelStream(asyncssh.SSHClientSession[bytes]):
         """Kill the agent's whole process group on the host (scheduled on the running loop)."""
         if self.pid:
             self.host.schedule_kill(self.pid)
+
+    def signal(self, signum: int) -> None:
+        """Send the agent `signum` on its host (a command on the connection, from the loop)."""
+        if self.pid:
+            self._loop.call_soon_threadsafe(self.host.schedule_signal, self.pid, signum)

@@ -15,6 +15,7 @@ on the wire to report.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import fcntl
 import io
 import os
@@ -75,8 +76,12 @@ class Agent:
             return 0
         hello, plugins = second
         info_module.set_current(hello.info)
+        stacks = _dump_stacks_on_sigusr2()
         watcher = threading.Thread(
-            target=self._watch, args=(hello.silence_timeout,), name="skyward-watcher", daemon=True
+            target=self._watch,
+            args=(hello.silence_timeout, stacks),
+            name="skyward-watcher",
+            daemon=True,
         )
         watcher.start()
         reports.install(self.reports.put)
@@ -153,8 +158,9 @@ class Agent:
         self.reports.flush()
         self.send(messages.Raised(call_id, _report(exc, tb)), pickling.try_dumps(exc))
 
-    def _watch(self, silence_timeout: float) -> None:
-        """Heartbeats while calls run; and a hard exit when the client has gone away.
+    def _watch(self, silence_timeout: float, stacks: int) -> None:
+        """Heartbeats while calls run; the threads' stacks when they are asked for; and a hard
+        exit when the client has gone away.
 
         The client's end closing shows as POLLHUP on the control input without reading from it,
         so this works while the main thread is stuck in a call. An idle main thread sees the end
@@ -163,12 +169,24 @@ class Agent:
         A client cut off by the network closes nothing: with `silence_timeout`, the client
         pings, and this thread takes what arrived while the main thread runs a call
         (`read_ahead`); no word for that long and the agent stops.
+
+        `stacks` is the pipe faulthandler writes every thread's stack to on SIGUSR2 (from the
+        signal handler, in C: it works while the main thread is stuck); this thread sends it.
         """
         poller = select.poll()
         poller.register(self._wire.fileno_in, 0)  # 0: only hang-ups and errors wake us
+        poller.register(stacks, select.POLLIN)
         while True:
-            if poller.poll(HEARTBEAT_SECONDS * 1000):
+            ready = poller.poll(HEARTBEAT_SECONDS * 1000)
+            if any(fd == stacks for fd, _ in ready):
+                try:
+                    self.send(messages.Stacks(_read_dump(stacks)))
+                except OSError:
+                    break
+            if any(fd != stacks for fd, _ in ready):
                 break
+            if ready:
+                continue
             if silence_timeout > 0:
                 self._wire.read_ahead(_not_a_ping)
                 quiet = time.monotonic() - self._wire.last_input
@@ -187,6 +205,29 @@ class Agent:
                 break
         time.sleep(ORPHAN_GRACE_SECONDS)
         _exit_hard(1)
+
+
+def _dump_stacks_on_sigusr2() -> int:
+    """Have faulthandler write every thread's stack to a pipe on SIGUSR2; the pipe's read end
+    (SIGUSR1 stays free: Slurm sites and submitit use it for a preemption notice).
+    Its write end does not block: a dump larger than the pipe is cut short, rather than the
+    signal handler waiting on a reader that may need the thread it interrupted."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    faulthandler.register(signal.SIGUSR2, file=os.fdopen(write, "w"), all_threads=True)
+    return read
+
+
+def _read_dump(fd: int) -> str:
+    """What faulthandler wrote to `fd`: read until it has been quiet for a moment (it writes a
+    line at a time)."""
+    chunks = []
+    while select.select([fd], [], [], 0.05)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
 
 
 def _not_shutdown(message: messages.Message, segments: list[bytes]) -> bool:

@@ -195,3 +195,13 @@ def test_a_node_lost_mid_call_is_named_and_replaced_from_a_new_allocation(
     finally:
         login.start_node(lost)
     assert wait_for_empty_queue(login, 10) == []
+
+
+def test_stacks_reach_the_agents_through_srun(login: SlurmCluster) -> None:
+    """srun forwards the SIGUSR2 `pool.stacks()` sends to the agent of its step."""
+    from tests.test_stacks import assert_stuck_on, stuck_in_a_wait
+
+    with sky.ComputePool(provider=sky.Slurm(), nodes=2, stream_output=False) as pool:
+        pool.submit(stuck_in_a_wait(1, 30), node=1)
+        time.sleep(0.5)
+        assert_stuck_on(pool.stacks(timeout=10), node=1, nodes=2)

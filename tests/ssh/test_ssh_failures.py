@@ -440,3 +440,14 @@ def test_a_host_whose_every_process_dies_fails_the_call_and_can_be_replaced(
         pool.replace(0)
         assert node_pid() >> pool != first
     assert not sshd.pid_alive(first)
+
+
+def test_stacks_over_ssh_name_the_stuck_node(local_sshd: Server) -> None:
+    """`pool.stacks()` reaches an agent over SSH (a `kill -USR2` on the connection) while its
+    main thread is stuck in a call."""
+    from tests.test_stacks import assert_stuck_on, stuck_in_a_wait
+
+    with sky.ComputePool(provider=local_sshd.provider(), nodes=1, stream_output=False) as pool:
+        pool.submit(stuck_in_a_wait(0, 30), node=0)
+        time.sleep(0.5)
+        assert_stuck_on(pool.stacks(timeout=10), node=0, nodes=1)

@@ -21,6 +21,7 @@ from skyward.client import activity, plan, shutdown
 from skyward.client.dispatch import Dispatch
 from skyward.client.handshake import handshake
 from skyward.client.session import NodeSession, ping_agents, watch_heartbeats
+from skyward.client.stalls import watch_stalls
 from skyward.client.transfers import Transfers
 from skyward.console.console import Console
 from skyward.console.progress import Phase
@@ -58,6 +59,9 @@ class ComputePool:
         broadcast_grace: after one node of a broadcast fails, seconds the others get to finish
             before they are stopped (an SPMD program cannot go on without a rank).
         heartbeat_timeout: a node silent this long is declared dead.
+        stall_timeout: seconds the calls may run with none finishing and no node reporting
+            (`sky.report`) before the pool shows every node's stacks and fails the node(s)
+            whose stack did not move (a rank stuck in a collective); None: wait forever.
         stream_output: print every node's output, prefixed with its node, as it arrives, and
             show the nodes' phases in a live region on a terminal; False prints no node output
             and only plain status lines (``SKYWARD_QUIET=1`` silences those too).
@@ -84,6 +88,7 @@ class ComputePool:
         shutdown_timeout: float = 10.0,
         broadcast_grace: float = 5.0,
         heartbeat_timeout: float = 30.0,
+        stall_timeout: float | None = None,
         stream_output: bool = True,
         output_dir: str | os.PathLike[str] | None = None,
         collect_timeout: float = 600.0,
@@ -103,6 +108,11 @@ class ComputePool:
         self.shutdown_timeout = shutdown_timeout
         self.broadcast_grace = broadcast_grace
         self.heartbeat_timeout = heartbeat_timeout
+        if stall_timeout is not None and stall_timeout <= 0:
+            raise ConfigError(
+                f"stall_timeout must be a positive number of seconds or None, got {stall_timeout}"
+            )
+        self.stall_timeout = stall_timeout
         self.collect_timeout = collect_timeout
         self.console = Console(self.pool_id, self.spec.nodes, self.provider.name, stream_output)
         self._dispatch = Dispatch(broadcast_grace)
@@ -208,6 +218,12 @@ class ComputePool:
         self._watchers.append(
             asyncio.create_task(watch_heartbeats(lambda: self._sessions, self.heartbeat_timeout))
         )
+        if self.stall_timeout is not None:
+            self._watchers.append(
+                asyncio.create_task(
+                    watch_stalls(lambda: self._sessions, self.stall_timeout, self.console.status)
+                )
+            )
         self.console.phase(None, Phase.READY)
 
     async def _start_agents(self) -> None:

@@ -50,3 +50,41 @@ def test_stacks_of_a_closed_pool_is_an_error() -> None:
     pool = sky.ComputePool(nodes=1, stream_output=False)
     with pytest.raises(sky.PoolClosedError):
         pool.stacks()
+
+
+def test_a_stalled_broadcast_fails_naming_the_stuck_node_with_its_stack(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Node 1 waits forever while node 0 finished: nothing finishes and nobody reports for
+    stall_timeout, so the pool shows every node's stacks and the broadcast raises, naming
+    node 1, within stall_timeout + 5 s."""
+    with sky.ComputePool(nodes=2, stall_timeout=2) as pool:
+        began = time.monotonic()
+        with pytest.raises(sky.WorkerError) as caught:
+            stuck_in_a_wait(1, 600) @ pool
+        took = time.monotonic() - began
+    assert took < 2 + 5, f"named after {took:.1f} s"
+    assert caught.value.node == 1, str(caught.value)
+    message = str(caught.value)
+    assert "made no progress for 2 s (stall_timeout" in message and "stuck_in_a_wait" in message
+    err = capfd.readouterr().err
+    assert "did not move" in err and "--- node 0:" in err and "--- node 1:" in err, err
+
+
+def test_reports_are_progress_for_the_stall_watch() -> None:
+    """A call that reports more often than stall_timeout is not a stall, however long it runs."""
+    with sky.ComputePool(nodes=1, stall_timeout=1, stream_output=False) as pool:
+        assert reporting(steps=12, every=0.25) >> pool == 12
+
+
+@sky.compute
+def reporting(steps: int, every: float) -> int:
+    for step in range(steps):
+        time.sleep(every)
+        sky.report({"step": float(step)})
+    return steps
+
+
+def test_stall_timeout_must_be_positive() -> None:
+    with pytest.raises(sky.ConfigError, match="stall_timeout"):
+        sky.ComputePool(nodes=1, stall_timeout=0)

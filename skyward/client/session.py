@@ -73,6 +73,7 @@ class NodeSession:
         self.dead: WorkerError | None = None
         # The agent's last answer to SIGUSR2 (`ComputePool.stacks`): when, and its threads.
         self.stacks: tuple[float, str] = (0.0, "")
+        self.reports_seen = 0  # how many `sky.report`s the node sent
         self.exit_status: int | None = None
         self.stage = Stage.STARTING
         self.plugin: str | None = None  # the plugin whose hook runs, in Stage.IN_PLUGIN
@@ -261,6 +262,7 @@ class NodeSession:
         if type(message) is messages.Raised:
             self._reject(message, segments)
         elif type(message) is messages.Reported:
+            self.reports_seen += len(message.entries)  # progress (`stalls`)
             if self._on_report is not None:
                 for time_, metrics, checkpoint in message.entries:
                     self._on_report(Report(self.node, time_, metrics, checkpoint))

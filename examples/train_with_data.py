@@ -1,5 +1,6 @@
-"""Train on a dataset passed with `sky.Data`, checkpoint with Orbax, report metrics, lose a node,
-replace it and resume from the last checkpoint; every node's outputs end up in runs/.
+"""Train on a dataset passed with `sky.Data`, checkpoint with Orbax, report metrics, lose a node
+and let the pool replace it and resume from the last checkpoint (`restarts=2`: no try/except);
+every node's outputs end up in runs/.
 
     pip install -e '.[jax]' orbax-checkpoint && python examples/train_with_data.py
 
@@ -34,7 +35,7 @@ def make_dataset(root: Path, shards: int = 4, rows: int = 256) -> Path:
 
 
 @sky.compute
-def train(data: str, steps: int, resume: str | None, lose_node_at: int | None) -> float:
+def train(data: str, steps: int, lose_node_at: int | None) -> tuple[float, list[float]]:
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -56,7 +57,8 @@ def train(data: str, steps: int, resume: str | None, lose_node_at: int | None) -
         return w - 0.1 * grad, loss
 
     w, start = jnp.zeros(3), 0
-    if resume is not None:  # every node restores the same checkpoint, synced to it
+    resume = sky.resume_from()  # after a restart: the newest reported checkpoint, on every node
+    if resume is not None:
         with ocp.StandardCheckpointer() as checkpointer:
             state = checkpointer.restore(Path(resume).absolute())
         w, start = jnp.asarray(state["w"]), int(state["step"])
@@ -74,16 +76,20 @@ def train(data: str, steps: int, resume: str | None, lose_node_at: int | None) -
                 checkpointer.save(path, {"w": np.asarray(w), "step": done}, force=True)
             if info.is_head:
                 sky.report({"step": done, "loss": float(loss)}, checkpoint=str(path))
-        if lose_node_at == done and info.node == info.total_nodes - 1:
-            os._exit(1)  # stands in for a machine that goes away mid-run
-    return float(loss)
+        if lose_node_at == done and resume is None and info.node == info.total_nodes - 1:
+            os._exit(1)  # stands in for a machine that goes away mid-run (once)
+    return float(loss), np.asarray(w).tolist()
 
 
 def show(report: sky.Report) -> None:
     print(f"  node {report.node}: step {report.metrics['step']} loss {report.metrics['loss']:.2e}")
 
 
-def main(provider: sky.Local | sky.SSH | sky.AWS | None = None, runs: str = "runs/train") -> float:
+def main(
+    provider: sky.Local | sky.SSH | sky.AWS | None = None,
+    runs: str = "runs/train",
+    lose_node_at: int | None = 35,
+) -> tuple[float, list[float]]:
     with tempfile.TemporaryDirectory() as scratch:
         dataset = sky.Data(make_dataset(Path(scratch) / "dataset"))
         with sky.ComputePool(
@@ -93,15 +99,11 @@ def main(provider: sky.Local | sky.SSH | sky.AWS | None = None, runs: str = "run
             image=sky.Image(pip=["orbax-checkpoint"]),
             output_dir=runs,
             on_report=show,
+            restarts=2,  # a lost node is replaced and the call resumed from its checkpoint
         ) as pool:
-            try:
-                losses = train(dataset, 60, None, 35) @ pool
-            except sky.WorkerError as lost:
-                print(f"lost node {lost.node}; replacing it and resuming")
-                pool.replace(lost.node)
-                losses = train(dataset, 60, pool.latest_checkpoint(), None) @ pool
-    print(f"final loss {losses[0]:.2e}; checkpoints in {runs}/node-0/checkpoints")
-    return losses[0]
+            (loss, w), _ = train(dataset, 60, lose_node_at) @ pool
+    print(f"final loss {loss:.2e}; w {w}; checkpoints in {runs}/node-0/checkpoints")
+    return loss, w
 
 
 if __name__ == "__main__":

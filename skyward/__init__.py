@@ -27,6 +27,7 @@ _EXPORTS = {
     "PendingCall": "skyward.calls",
     "Gather": "skyward.calls",
     "Data": "skyward.data",
+    "resume_from": "skyward.data",
     "Image": "skyward.image",
     "Index": "skyward.image",
     "InstanceInfo": "skyward.info",
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from skyward import plugins
     from skyward.calls import Compute, Gather, PendingCall, compute, gather
     from skyward.cluster import ClusterSpec
-    from skyward.data import Data
+    from skyward.data import Data, resume_from
     from skyward.errors import (
         BootstrapError,
         ConfigError,
@@ -122,6 +123,7 @@ __all__ = [
     "output_dir",
     "plugins",
     "report",
+    "resume_from",
 ]
 
 

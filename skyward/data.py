@@ -21,6 +21,7 @@ This module is imported on the nodes too: standard library and skyward's shared 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -93,6 +94,11 @@ class Data(str):
             )
         return path
 
+    @property
+    def placement(self) -> Placement | None:
+        """Where the provider put it for the nodes (None until a pool staged it)."""
+        return self._placement
+
     def place(self, placement: Placement) -> bool:
         """Record where the nodes find this content; whether that changed (the pool's job)."""
         changed = placement != self._placement
@@ -136,6 +142,22 @@ def collecting() -> Iterator[list[Data]]:
         yield found
     finally:
         _collector.found = previous
+
+
+# A restarted agent's checkpoint to resume from: its placement, as JSON (`resume_from`).
+RESUME_ENV = "SKYWARD_RESUME_FROM"
+
+
+def resume_from() -> str | None:
+    """On a node: the local path of the checkpoint to resume from, after the pool restarted
+    the call (``ComputePool(restarts=N)``): the newest one a node reported with
+    ``sky.report(..., checkpoint=path)``, placed on every node. None on a first run, or when
+    nothing was reported before the failure."""
+    text = os.environ.get(RESUME_ENV)
+    if not text:
+        return None
+    kind, *rest = json.loads(text)
+    return _on_node((str(kind), *map(str, rest)))
 
 
 def _on_node(placement: Placement) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +18,7 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from skyward.client import activity, plan, shutdown
+from skyward.client import activity, plan, recovery, shutdown
 from skyward.client.dispatch import Dispatch
 from skyward.client.handshake import handshake
 from skyward.client.session import NodeSession, ping_agents, watch_heartbeats
@@ -25,7 +26,7 @@ from skyward.client.stalls import watch_stalls
 from skyward.client.transfers import Transfers
 from skyward.console.console import Console
 from skyward.console.progress import Phase
-from skyward.data import Data
+from skyward.data import RESUME_ENV, Data
 from skyward.errors import ConfigError, PoolClosedError
 from skyward.image import Image
 from skyward.info import InstanceInfo
@@ -62,6 +63,12 @@ class ComputePool:
         stall_timeout: seconds the calls may run with none finishing and no node reporting
             (`sky.report`) before the pool shows every node's stacks and fails the node(s)
             whose stack did not move (a rank stuck in a collective); None: wait forever.
+        restarts: how many times a broadcast that failed because a node died, was preempted
+            or stalled is run again: the lost nodes replaced (the others keep their hosts),
+            every agent restarted, and `sky.resume_from()` on the nodes the newest checkpoint
+            reported with `sky.report(..., checkpoint=)`. 0: fail at once.
+        restart_on: exception types raised by the function itself that are restarted too (by
+            default a user error is not: a restart would repeat it).
         stream_output: print every node's output, prefixed with its node, as it arrives, and
             show the nodes' phases in a live region on a terminal; False prints no node output
             and only plain status lines (``SKYWARD_QUIET=1`` silences those too).
@@ -89,6 +96,8 @@ class ComputePool:
         broadcast_grace: float = 5.0,
         heartbeat_timeout: float = 30.0,
         stall_timeout: float | None = None,
+        restarts: int = 0,
+        restart_on: Sequence[type[BaseException]] = (),
         stream_output: bool = True,
         output_dir: str | os.PathLike[str] | None = None,
         collect_timeout: float = 600.0,
@@ -113,6 +122,10 @@ class ComputePool:
                 f"stall_timeout must be a positive number of seconds or None, got {stall_timeout}"
             )
         self.stall_timeout = stall_timeout
+        if restarts < 0:
+            raise ConfigError(f"restarts must be 0 or more, got {restarts}")
+        self._policy = recovery.Policy(restarts, tuple(restart_on))
+        self._resume: dict[str, str] = {}  # the agents' env after a restart: what to resume
         self.collect_timeout = collect_timeout
         self.console = Console(self.pool_id, self.spec.nodes, self.provider.name, stream_output)
         self._dispatch = Dispatch(broadcast_grace)
@@ -230,7 +243,7 @@ class ComputePool:
         """Start an agent on every node and take each through the handshake and the plugins."""
         cluster = self.cluster
         assert cluster is not None, "launched first"
-        env = {**self.image.env, **self.env}
+        env = {**self.image.env, **self.env, **self._resume}
         self.console.phase(None, Phase.STARTING)
         streams = await asyncio.gather(*(node.start_agent(env) for node in cluster.nodes))
         earlier = {s.node: list(s.lines) for s in self._sessions}  # pool.logs() spans restarts
@@ -277,16 +290,40 @@ class ComputePool:
 
     async def _replace(self, index: int) -> None:
         self.console.status(f"replacing node {index}")
-        self.console.phase(index, Phase.REQUESTED)
+        await self._recover([index])
+
+    async def _recover(self, lost: Sequence[int]) -> None:
+        """Replace the `lost` nodes and start every agent again (an SPMD program's ranks must
+        all join a new coordinator together)."""
         cluster = self.cluster
         assert cluster is not None, "launched first"
-        await self.provider.replace(cluster, index)
-        # The whole cluster: the others' environments are there, so that costs a check each.
-        await self.provider.prepare(cluster, self.image, self.console)
+        for index in lost:
+            self.console.phase(index, Phase.REQUESTED)
+            await self.provider.replace(cluster, index)
+        if lost:  # the whole cluster: the others' environments are there, a check each
+            await self.provider.prepare(cluster, self.image, self.console)
         await shutdown.stop_agents(self._sessions, self.shutdown_timeout)
         await self._start_agents()
         self._dispatch.broken = None
         self.console.phase(None, Phase.READY)
+
+    def _restart(self, error: BaseException, attempt: int) -> None:
+        """Restart number `attempt` of a failed broadcast (see `restarts`)."""
+        lost = activity.lost(self._sessions)
+        first = (str(error).splitlines() or [type(error).__name__])[0]
+        what = f"replacing node(s) {lost}" if lost else "restarting every agent"
+        self.console.status(
+            f"restart {attempt} of {self._policy.restarts} after {type(error).__name__}: "
+            f"{first}; {what}"
+        )
+        checkpoint = self._transfers.latest_checkpoint(self.collect_timeout)
+        if checkpoint is not None:
+            self._transfers.stage([checkpoint])
+            self._resume = {RESUME_ENV: json.dumps(checkpoint.placement)}
+            self.console.status(f"resuming from {checkpoint.source}")
+        assert self._loop is not None
+        with self.console.calling():
+            self._loop.run(self._recover(lost))
 
     @property
     def nodes(self) -> list[Node]:
@@ -322,9 +359,12 @@ class ComputePool:
 
         If one node fails, the others get `broadcast_grace` seconds to finish; any still running
         is then stopped (an SPMD program cannot go on without a rank) and the pool is closed.
-        A node that dies stops the others at once.
+        A node that dies stops the others at once. With `restarts`, a lost node is replaced
+        and the call run again, resumed from the newest reported checkpoint.
         """
-        return self._calling(self._check_open().broadcast, call)
+        return recovery.with_restarts(
+            lambda: self._calling(self._check_open().broadcast, call), self._policy, self._restart
+        )
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
         """Run several calls at once, spread over the nodes; results in call order.

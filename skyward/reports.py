@@ -10,6 +10,7 @@ Imported by the agent on the node, so it uses the standard library only.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 import threading
@@ -168,7 +169,12 @@ class Outbox:
 
     def put(self, entry: Entry) -> None:
         self.queue.append(entry)  # atomic under the GIL: no lock on the call's path
-        if not self._wake.is_set():
+        if entry[2] is not None:
+            # A checkpoint is what a restart resumes from: on the wire before `report` returns,
+            # not up to `INTERVAL_SECONDS` later (a node stopped meanwhile would lose it).
+            with contextlib.suppress(OSError):  # the client is gone: the watcher handles it
+                self.flush()
+        elif not self._wake.is_set():
             self._wake.set()
 
     def start(self) -> None:

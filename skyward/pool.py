@@ -310,7 +310,7 @@ class ComputePool:
     def _restart(self, error: BaseException, attempt: int) -> None:
         """Restart number `attempt` of a failed broadcast (see `restarts`)."""
         lost = activity.lost(self._sessions)
-        first = (str(error).splitlines() or [type(error).__name__])[0]
+        first = (str(error).splitlines() or [type(error).__name__])[0].rstrip(".")
         what = f"replacing node(s) {lost}" if lost else "restarting every agent"
         self.console.status(
             f"restart {attempt} of {self._policy.restarts} after {type(error).__name__}: "

@@ -91,3 +91,24 @@ def test_a_user_error_is_not_restarted_unless_asked() -> None:
         with pytest.raises(LookupError) as caught:
             fails_with("lookup") @ p
     assert "the call failed 3 times" in "\n".join(getattr(caught.value, "__notes__", []))
+
+
+@sky.compute
+def checkpoint_then_lose_node_1() -> tuple[str | None, str]:
+    """First run: node 0 reports a checkpoint and works on; node 1 dies a moment later. After
+    the restart: what every node resumes from, and where it runs."""
+    import socket
+
+    resume = sky.resume_from()
+    if resume is not None:
+        return (Path(resume) / "state").read_text(), socket.gethostname()
+    if sky.instance_info().node == 0:
+        ckpt = Path(sky.output_dir()) / "ckpt"
+        ckpt.mkdir(parents=True, exist_ok=True)
+        (ckpt / "state").write_text("step 5")
+        sky.report({"step": 5.0}, checkpoint=str(ckpt))
+        time.sleep(120)  # stopped when node 1 dies
+    else:
+        time.sleep(1.0)  # after node 0's checkpoint (real ranks would be in lockstep)
+        os._exit(9)
+    return None, socket.gethostname()

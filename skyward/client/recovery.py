@@ -50,8 +50,11 @@ class Failure:
 
 
 def backoff(restart: int) -> float:
-    """The pause before restart number `restart` (1, 2, 4 s... up to 30)."""
-    return float(min(MAX_BACKOFF, 2 ** (restart - 1)))
+    """The pause before restart number `restart`: none before the first (a lost node is the
+    common case, and its replacement's start is pause enough), then 1, 2, 4 s... up to 30."""
+    if restart <= 1:
+        return 0.0
+    return float(min(MAX_BACKOFF, 2 ** (restart - 2)))
 
 
 def with_restarts(

@@ -224,3 +224,26 @@ def test_watchdog_powers_off_only_once_no_client_is_connected(
         assert len(off.read_text().splitlines()) == 1, "powered off once"
     finally:
         client.close()
+
+
+def test_restarts_replace_the_lost_instance_and_resume_from_the_checkpoint(
+    ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs, tmp_path: Path
+) -> None:
+    """restarts=1 on EC2 (moto, bare Debian hosts): node 1 dies, a new instance takes its
+    place, node 0 keeps its instance, and both resume from node 0's checkpoint, which was
+    copied off its host when it was reported."""
+    from skyward.providers.aws.provider import AWSCluster
+    from tests.test_restarts import checkpoint_then_lose_node_1
+
+    sim = ec2_hosts()
+    with sky.ComputePool(
+        provider=aws_for(sim, stubs), nodes=2, restarts=1, output_dir=tmp_path / "runs"
+    ) as pool:
+        cluster = pool.cluster
+        assert isinstance(cluster, AWSCluster)
+        before = dict(cluster.node_instances)
+        after = checkpoint_then_lose_node_1() @ pool
+        now = dict(cluster.node_instances)
+    assert [state for state, _ in after] == ["step 5", "step 5"]
+    assert now[0] == before[0] and now[1] != before[1], (before, now)
+    assert leftovers(new_session(stubs).client("ec2"), pool.pool_id) == []

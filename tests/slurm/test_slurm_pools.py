@@ -205,3 +205,21 @@ def test_stacks_reach_the_agents_through_srun(login: SlurmCluster) -> None:
         pool.submit(stuck_in_a_wait(1, 30), node=1)
         time.sleep(0.5)
         assert_stuck_on(pool.stacks(timeout=10), node=1, nodes=2)
+
+
+def test_restarts_replace_the_lost_node_and_resume_from_the_checkpoint(
+    login: SlurmCluster, tmp_path: Path
+) -> None:
+    """restarts=1 on Slurm: the lost node comes back from a new allocation on another machine,
+    node 0 keeps its machine and job, and both resume from node 0's checkpoint."""
+    from tests.test_restarts import checkpoint_then_lose_node_1
+
+    with sky.ComputePool(
+        provider=sky.Slurm(), nodes=2, restarts=1, output_dir=tmp_path / "runs"
+    ) as pool:
+        before = [name for name, *_ in whereabouts() @ pool]
+        after = checkpoint_then_lose_node_1() @ pool
+        assert len(queue(login)) == 2  # the pool's job, and the replacement's
+    assert [state for state, _ in after] == ["step 5", "step 5"]
+    assert after[0][1] == before[0] and after[1][1] not in before, (before, after)
+    assert wait_for_empty_queue(login, 10) == []

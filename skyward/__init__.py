@@ -28,6 +28,9 @@ _EXPORTS = {
     "Gather": "skyward.calls",
     "Data": "skyward.data",
     "resume_from": "skyward.data",
+    "preempting": "skyward.preemption",
+    "on_preemption": "skyward.preemption",
+    "Preemption": "skyward.preemption",
     "Image": "skyward.image",
     "Index": "skyward.image",
     "InstanceInfo": "skyward.info",
@@ -81,6 +84,7 @@ if TYPE_CHECKING:
     from skyward.info import InstanceInfo, instance_info, output_dir
     from skyward.plugins.base import Plugin
     from skyward.pool import ComputePool
+    from skyward.preemption import Preemption, on_preemption, preempting
     from skyward.providers.aws import AWS
     from skyward.providers.gcp import GCP
     from skyward.providers.local import Local
@@ -110,6 +114,7 @@ __all__ = [
     "Plugin",
     "PluginError",
     "PoolClosedError",
+    "Preemption",
     "ProvisionError",
     "RemoteError",
     "Report",
@@ -120,8 +125,10 @@ __all__ = [
     "compute",
     "gather",
     "instance_info",
+    "on_preemption",
     "output_dir",
     "plugins",
+    "preempting",
     "report",
     "resume_from",
 ]

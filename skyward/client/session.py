@@ -74,6 +74,7 @@ class NodeSession:
         # The agent's last answer to SIGUSR2 (`ComputePool.stacks`): when, and its threads.
         self.stacks: tuple[float, str] = (0.0, "")
         self.reports_seen = 0  # how many `sky.report`s the node sent
+        self.preempting: messages.Preempting | None = None  # the node's preemption notice
         self.exit_status: int | None = None
         self.stage = Stage.STARTING
         self.plugin: str | None = None  # the plugin whose hook runs, in Stage.IN_PLUGIN
@@ -268,6 +269,13 @@ class NodeSession:
                     self._on_report(Report(self.node, time_, metrics, checkpoint))
         elif type(message) is messages.Stacks:
             self.stacks = (time.monotonic(), message.text)
+        elif type(message) is messages.Preempting:
+            self.preempting = message
+            left = message.seconds_left
+            when = f", {left:.0f} s left" if left is not None else ""
+            self.output.line(
+                f"[skyward] node {self.node} got a preemption notice ({message.source}{when})"
+            )
         elif type(message) is not messages.Heartbeat:
             self._loop.call_soon_threadsafe(self._control.put_nowait, message)
 
@@ -306,6 +314,8 @@ class NodeSession:
         if self._stopping or self.dead is not None:
             return
         loss = await self._ask_provider()
+        if loss is None and self.preempting is not None:  # the node said it was going
+            loss = NodeLoss(f"node {self.node} was preempted ({self.preempting.source})", True)
         error = self._error(f"the agent of node {self.node} died")
         if loss is not None:
             error = WorkerError(
@@ -313,7 +323,7 @@ class NodeSession:
                 node=self.node,
                 exit_status=error.exit_status,
                 output_tail=error.output_tail,
-                preempted=loss.preempted,
+                preempted=loss.preempted or self.preempting is not None,
             )
         self.mark_dead(error)
 

@@ -161,6 +161,16 @@ class Stacks:
     text: str
 
 
+@dataclass(frozen=True, slots=True)
+class Preempting:
+    """agent -> client: the node got a preemption notice (`sky.preempting()`): from where, and
+    the seconds left when the notice said."""
+
+    KIND: ClassVar[int] = 19
+    source: str
+    seconds_left: float | None
+
+
 Message = (
     Open
     | Hello
@@ -176,6 +186,7 @@ Message = (
     | Heartbeat
     | Reported
     | Stacks
+    | Preempting
 )
 
 _TYPES: tuple[type[Any], ...] = (
@@ -193,6 +204,7 @@ _TYPES: tuple[type[Any], ...] = (
     Heartbeat,
     Reported,
     Stacks,
+    Preempting,
 )
 
 

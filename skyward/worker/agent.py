@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from skyward import info as info_module
-from skyward import reports
+from skyward import preemption, reports
 from skyward.errors import PluginError, SerializationError
 from skyward.plugins import hooks
 from skyward.transport import frames, messages, pickling
@@ -77,6 +77,7 @@ class Agent:
         hello, plugins = second
         info_module.set_current(hello.info)
         stacks = _dump_stacks_on_sigusr2()
+        signal.signal(signal.SIGUSR1, self._preemption_signal)
         watcher = threading.Thread(
             target=self._watch,
             args=(hello.silence_timeout, stacks),
@@ -153,6 +154,21 @@ class Agent:
             # the pickler's own traceback says what in the value could not travel
             self.fail_call(call_id, error, traceback.format_exc())
             return None
+
+    def _preemption_signal(self, signum: int, frame: object) -> None:
+        """SIGUSR1: a preemption notice (Slurm's ``--signal=USR1@...``, ``scancel --signal``).
+        Handled in a thread: this handler runs on the main thread between two bytecodes, maybe
+        in the middle of writing a frame, which a message of ours must not cut into."""
+        threading.Thread(
+            target=self._preempted, args=("SIGUSR1",), name="skyward-preempted", daemon=True
+        ).start()
+
+    def _preempted(self, source: str, seconds_left: float | None = None) -> None:
+        """Record the notice (`sky.preempting()`, the callbacks) and tell the client."""
+        notice = preemption.notice(source, seconds_left)
+        if notice is not None:
+            with contextlib.suppress(OSError):
+                self.send(messages.Preempting(source, notice.seconds_left))
 
     def fail_call(self, call_id: int, exc: BaseException, tb: str | None = None) -> None:
         self.reports.flush()

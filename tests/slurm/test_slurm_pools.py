@@ -223,3 +223,16 @@ def test_restarts_replace_the_lost_node_and_resume_from_the_checkpoint(
     assert [state for state, _ in after] == ["step 5", "step 5"]
     assert after[0][1] == before[0] and after[1][1] not in before, (before, after)
     assert wait_for_empty_queue(login, 10) == []
+
+
+def test_slurms_signal_is_a_preemption_notice_on_the_node(login: SlurmCluster) -> None:
+    """What Slurm sends ahead of a preemption or the time limit (``--signal=USR1@<s>``), here
+    with ``scancel --signal=USR1``: sky.preempting() on every node sees it."""
+    from tests.test_preemption import work_until_preempted
+
+    with sky.ComputePool(provider=sky.Slurm(), nodes=2, stream_output=False) as pool:
+        futures = [pool.submit(work_until_preempted(False), node=i) for i in (0, 1)]
+        time.sleep(1)
+        job = queue(login)[0].split()[0]
+        login.run(["scancel", "--signal=USR1", job], check=True)
+        assert [f.result(timeout=30)[0] for f in futures] == ["SIGUSR1", "SIGUSR1"]

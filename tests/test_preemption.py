@@ -27,7 +27,8 @@ def work_until_preempted(then_die: bool) -> tuple[str, float]:
     sky.on_preemption(save_now)
     deadline = time.time() + 30
     while (notice := sky.preempting()) is None:
-        assert time.time() < deadline, "no notice came"
+        if time.time() > deadline:  # (no assert: pytest rewrites them, and nodes lack pytest)
+            raise TimeoutError("no notice came")
         time.sleep(0.01)
     time.sleep(0.5)  # the callback runs in its own thread
     if then_die:

@@ -37,6 +37,7 @@ from skyward.errors import PluginError, SerializationError
 from skyward.plugins import hooks
 from skyward.transport import frames, messages, pickling
 from skyward.transport.agentwire import LINGER_ENV, AgentWire
+from skyward.worker import notices
 
 HEARTBEAT_SECONDS = 2.0
 # After the client disappears, how long a graceful exit (plugin hooks unwinding) may take.
@@ -78,6 +79,13 @@ class Agent:
         info_module.set_current(hello.info)
         stacks = _dump_stacks_on_sigusr2()
         signal.signal(signal.SIGUSR1, self._preemption_signal)
+        if os.environ.get(notices.NOTICES_ENV) == "aws":
+            threading.Thread(
+                target=notices.watch_aws,
+                args=(self._preempted,),
+                name="skyward-notices",
+                daemon=True,
+            ).start()
         watcher = threading.Thread(
             target=self._watch,
             args=(hello.silence_timeout, stacks),

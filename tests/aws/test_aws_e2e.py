@@ -10,6 +10,7 @@ except EC2 itself.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import time
@@ -247,3 +248,79 @@ def test_restarts_replace_the_lost_instance_and_resume_from_the_checkpoint(
     assert [state for state, _ in after] == ["step 5", "step 5"]
     assert now[0] == before[0] and now[1] != before[1], (before, now)
     assert leftovers(new_session(stubs).client("ec2"), pool.pool_id) == []
+
+
+class _Imds:
+    """A stand-in for the instance metadata service, on the hosts' bridge: IMDSv2's token, and
+    ``spot/instance-action`` (404 until `interrupt` schedules one, then its JSON)."""
+
+    def __init__(self, host: str) -> None:
+        import http.server
+        import threading
+
+        imds = self
+        self.action: dict[str, str] | None = None
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PUT(self) -> None:
+                ok = self.path == "/latest/api/token"
+                self._answer(200 if ok else 404, b"token-1" if ok else b"")
+
+            def do_GET(self) -> None:
+                known = self.headers.get("X-aws-ec2-metadata-token") == "token-1"
+                asked = self.path == "/latest/meta-data/spot/instance-action"
+                if asked and known and imds.action is not None:
+                    self._answer(200, json.dumps(imds.action).encode())
+                    return
+                self._answer(404 if known else 401, b"")
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
+        self.url = f"http://{host}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def interrupt(self, in_seconds: float) -> None:
+        when = time.gmtime(time.time() + in_seconds)
+        self.action = {"action": "terminate", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", when)}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_spot_interruption_notice_reaches_the_node_and_its_checkpoint_the_client(
+    ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs, tmp_path: Path
+) -> None:
+    """The node's agent watches spot/instance-action (IMDSv2) itself: once the stand-in
+    schedules a termination two minutes out, sky.preempting() on the node says so with the
+    time left, the on_preemption callback runs, and its checkpoint reaches the client."""
+    from tests.test_preemption import work_until_preempted
+
+    sim = ec2_hosts()
+    imds = _Imds(sim.net.bridge_address)
+    try:
+        env = {"AWS_EC2_METADATA_SERVICE_ENDPOINT": imds.url, "SKYWARD_NOTICE_POLL": "0.2"}
+        with sky.ComputePool(
+            provider=aws_for(sim, stubs), nodes=1, env=env, output_dir=tmp_path / "runs"
+        ) as pool:
+            future = pool.submit(work_until_preempted(False), node=0)
+            time.sleep(1)
+            imds.interrupt(120)
+            sent = time.time()
+            source, noticed_at = future.result(timeout=60)
+            assert source == "AWS spot interruption: terminate"
+            assert noticed_at - sent < 2  # within a poll or two
+            assert any(r.checkpoint for r in pool.reports), pool.reports
+            assert "got a preemption notice (AWS spot interruption: terminate, 1" in "\n".join(
+                pool.logs(0)
+            )
+    finally:
+        imds.close()

@@ -47,6 +47,7 @@ from skyward.providers.cloud.provider import CloudCluster, CloudProvider, check_
 from skyward.providers.remote.bootstrap import (
     RemoteNode,
 )
+from skyward.worker.notices import NOTICES_ENV
 
 T = TypeVar("T")
 
@@ -345,7 +346,10 @@ class AWS(CloudProvider):
         nodes: list[Node] = []
         for index, host, instance in zip(indexes, hosts, found, strict=True):
             pool.node_instances[index] = str(instance["InstanceId"])
-            nodes.append(RemoteNode(index, host, instance.get("PrivateIpAddress")))
+            node = RemoteNode(index, host, instance.get("PrivateIpAddress"))
+            # The agent watches the spot interruption notice (sky.preempting()) itself.
+            node.provider_env = {NOTICES_ENV: "aws"}
+            nodes.append(node)
         return nodes
 
     # -- teardown --------------------------------------------------------------------------

@@ -70,6 +70,8 @@ class RemoteNode(Node):
         self.python: str | None = None
         self.prepared = ""  # the environment hash the node was prepared for
         self.gpu_env: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES for the GPUs it owns
+        # What the provider has the agent watch for itself (a cloud's preemption notice)
+        self.provider_env: dict[str, str] = {}
         self.inventory: Inventory | None = None  # the host's GPUs, once listed
         # The survey's check and the environment hash it was for: `prepare_host` reuses it.
         self.checked: tuple[str, hostcheck.Report] | None = None
@@ -85,7 +87,7 @@ class RemoteNode(Node):
             )
         self.agent_env = dict(env)  # node-side commands for the pool (an S3 upload) get it too
         # The source path must expand on the host, so it is the one value left unquoted.
-        full = {**self.gpu_env, **env, "PYTHONUNBUFFERED": "1"}
+        full = {**self.gpu_env, **self.provider_env, **env, "PYTHONUNBUFFERED": "1"}
         words = shell_env({k: v for k, v in full.items() if k != "PYTHONPATH"})
         command = (
             f'cd "$HOME" && exec env {hoststeps.pythonpath()} {words} '

@@ -1,0 +1,68 @@
+"""Preemption notices a node watches for itself, beside the signal one (`preemption`).
+
+- AWS: the two-minute spot interruption notice, ``spot/instance-action`` in the instance
+  metadata service (IMDSv2: a session token first), polled every few seconds; 404 means no
+  action is scheduled. ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` moves the service, as it does for
+  the AWS SDKs.
+
+Runs on the node: standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from datetime import datetime
+
+# Which watch the provider asked its nodes' agents to run ("aws"), if any.
+NOTICES_ENV = "SKYWARD_NOTICES"
+POLL_ENV = "SKYWARD_NOTICE_POLL"  # seconds between two looks (default 5)
+_IMDS = "http://169.254.169.254"
+
+
+def watch_aws(on_notice: Callable[[str, float | None], None]) -> None:
+    """Poll the spot interruption notice until one is scheduled; then `on_notice(source,
+    seconds_left)` and return. A metadata service that cannot be reached is asked again."""
+    base = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", _IMDS).rstrip("/")
+    poll = float(os.environ.get(POLL_ENV, "5"))
+    while True:
+        action = _instance_action(base)
+        if action is not None:
+            left = _seconds_until(action.get("time"))
+            on_notice(f"AWS spot interruption: {action.get('action', '?')}", left)
+            return
+        time.sleep(poll)
+
+
+def _instance_action(base: str) -> dict[str, str] | None:
+    try:
+        token_request = urllib.request.Request(
+            f"{base}/latest/api/token",
+            method="PUT",
+            headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"},
+        )
+        with urllib.request.urlopen(token_request, timeout=2) as reply:
+            token = reply.read().decode()
+        request = urllib.request.Request(
+            f"{base}/latest/meta-data/spot/instance-action",
+            headers={"X-aws-ec2-metadata-token": token},
+        )
+        with urllib.request.urlopen(request, timeout=2) as reply:
+            found = json.loads(reply.read())
+    except (OSError, ValueError):  # 404 (nothing scheduled), no service, a broken answer
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _seconds_until(stamp: object) -> float | None:
+    if not isinstance(stamp, str):
+        return None
+    try:
+        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return max(0.0, when.timestamp() - time.time())

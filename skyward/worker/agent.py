@@ -79,12 +79,12 @@ class Agent:
         info_module.set_current(hello.info)
         stacks = _dump_stacks_on_sigusr2()
         signal.signal(signal.SIGUSR1, self._preemption_signal)
-        if os.environ.get(notices.NOTICES_ENV) == "aws":
+        watch = {"aws": notices.watch_aws, "gcp": notices.watch_gcp}.get(
+            os.environ.get(notices.NOTICES_ENV, "")
+        )
+        if watch is not None:  # the provider's preemption notice, watched on the node
             threading.Thread(
-                target=notices.watch_aws,
-                args=(self._preempted,),
-                name="skyward-notices",
-                daemon=True,
+                target=watch, args=(self._preempted,), name="skyward-notices", daemon=True
             ).start()
         watcher = threading.Thread(
             target=self._watch,

@@ -4,6 +4,9 @@
   metadata service (IMDSv2: a session token first), polled every few seconds; 404 means no
   action is scheduled. ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` moves the service, as it does for
   the AWS SDKs.
+- GCP: ``instance/preempted`` in the metadata server (``Metadata-Flavor: Google``), ``TRUE``
+  once Compute Engine preempts the VM, which then has about 30 s before it is stopped.
+  ``GCE_METADATA_HOST`` moves the server, as it does for Google's client libraries.
 
 Runs on the node: standard library only.
 """
@@ -34,6 +37,29 @@ def watch_aws(on_notice: Callable[[str, float | None], None]) -> None:
         if action is not None:
             left = _seconds_until(action.get("time"))
             on_notice(f"AWS spot interruption: {action.get('action', '?')}", left)
+            return
+        time.sleep(poll)
+
+
+# What Compute Engine gives a preempted VM between the notice and its stop.
+GCP_NOTICE_SECONDS = 30.0
+
+
+def watch_gcp(on_notice: Callable[[str, float | None], None]) -> None:
+    """Poll ``instance/preempted`` until it says TRUE; then `on_notice(source, seconds_left)`
+    and return. A metadata server that cannot be reached is asked again."""
+    host = os.environ.get("GCE_METADATA_HOST", "metadata.google.internal")
+    url = f"http://{host}/computeMetadata/v1/instance/preempted"
+    poll = float(os.environ.get(POLL_ENV, "5"))
+    while True:
+        try:
+            request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+            with urllib.request.urlopen(request, timeout=2) as reply:
+                preempted = reply.read().decode().strip().upper() == "TRUE"
+        except OSError:
+            preempted = False
+        if preempted:
+            on_notice("GCP preemption", GCP_NOTICE_SECONDS)
             return
         time.sleep(poll)
 

@@ -234,3 +234,67 @@ def test_the_default_login_user_is_the_one_the_guest_agent_creates(
     assert seen[0][1] != 0
     assert all(row[3].startswith("/home/skyward/") for row in seen), seen
     nothing_left(sim)
+
+
+class _MetadataServer:
+    """A stand-in for the GCE metadata server on the VMs' bridge: ``instance/preempted``
+    (``FALSE`` until `preempt`, then ``TRUE``), only with ``Metadata-Flavor: Google``."""
+
+    def __init__(self, host: str) -> None:
+        import http.server
+
+        server = self
+        self.preempted = False
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                flavored = self.headers.get("Metadata-Flavor") == "Google"
+                if self.path == "/computeMetadata/v1/instance/preempted" and flavored:
+                    body = b"TRUE" if server.preempted else b"FALSE"
+                    self.send_response(200)
+                else:
+                    body = b""
+                    self.send_response(403 if not flavored else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
+        self.address = f"{host}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_preemption_notice_reaches_the_node_and_its_checkpoint_the_client(
+    gce_hosts: Callable[..., GceHosts], tmp_path: Path
+) -> None:
+    """The node's agent watches instance/preempted itself: once the stand-in metadata server
+    says TRUE, sky.preempting() on the node says so (30 s left, as Compute Engine gives), the
+    on_preemption callback runs, and its checkpoint reaches the client."""
+    from tests.test_preemption import work_until_preempted
+
+    sim = gce_hosts()
+    metadata = _MetadataServer(sim.net.bridge_address)
+    try:
+        env = {"GCE_METADATA_HOST": metadata.address, "SKYWARD_NOTICE_POLL": "0.2"}
+        with sky.ComputePool(
+            provider=gce_for(sim), nodes=1, env=env, output_dir=tmp_path / "runs"
+        ) as pool:
+            future = pool.submit(work_until_preempted(False), node=0)
+            time.sleep(1)
+            metadata.preempted = True
+            sent = time.time()
+            source, noticed_at = future.result(timeout=60)
+            assert source == "GCP preemption"
+            assert noticed_at - sent < 2  # within a poll or two
+            assert any(r.checkpoint for r in pool.reports), pool.reports
+            logs = "\n".join(pool.logs(0))
+            assert "got a preemption notice (GCP preemption, 30 s left)" in logs, logs
+    finally:
+        metadata.close()

@@ -50,6 +50,7 @@ from skyward.providers.gcp.instances import logger
 from skyward.providers.gcp.provision import GCPCluster
 from skyward.providers.gcp.settings import Access, Clients, Placement, endpoint_of, resolve
 from skyward.providers.remote.bootstrap import RemoteNode
+from skyward.worker.notices import NOTICES_ENV
 
 
 class GCP(CloudProvider):
@@ -312,7 +313,10 @@ class GCP(CloudProvider):
         nodes: list[Node] = []
         for index, ssh, host in zip(indexes, connected, found, strict=True):
             pool.node_instances[index] = host.name
-            nodes.append(RemoteNode(index, ssh, host.private or None))
+            node = RemoteNode(index, ssh, host.private or None)
+            # The agent watches the preemption notice (sky.preempting()) itself.
+            node.provider_env = {NOTICES_ENV: "gcp"}
+            nodes.append(node)
         return nodes
 
     # -- teardown --------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from tests.aws.conftest import Ec2Hosts, Stubs, aws_for, leftovers, new_session
 from tests.contract import PROBE, ProviderContract
 from tests.ssh.conftest import wait_until
 from tests.support import bareroots, sshd, wheels
+from tests.support.metadata import MetadataServer
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -255,45 +256,25 @@ class _Imds:
     ``spot/instance-action`` (404 until `interrupt` schedules one, then its JSON)."""
 
     def __init__(self, host: str) -> None:
-        import http.server
-        import threading
-
-        imds = self
         self.action: dict[str, str] | None = None
+        self.server = MetadataServer(host, self._answer)
+        self.url = f"http://{self.server.address}"
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_PUT(self) -> None:
-                ok = self.path == "/latest/api/token"
-                self._answer(200 if ok else 404, b"token-1" if ok else b"")
-
-            def do_GET(self) -> None:
-                known = self.headers.get("X-aws-ec2-metadata-token") == "token-1"
-                asked = self.path == "/latest/meta-data/spot/instance-action"
-                if asked and known and imds.action is not None:
-                    self._answer(200, json.dumps(imds.action).encode())
-                    return
-                self._answer(404 if known else 401, b"")
-
-            def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
-        self.url = f"http://{host}:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def _answer(self, method: str, path: str, headers: Mapping[str, str]) -> tuple[int, bytes]:
+        if method == "PUT":
+            return (200, b"token-1") if path == "/latest/api/token" else (404, b"")
+        if headers.get("x-aws-ec2-metadata-token") != "token-1":
+            return 401, b""
+        if path == "/latest/meta-data/spot/instance-action" and self.action is not None:
+            return 200, json.dumps(self.action).encode()
+        return 404, b""
 
     def interrupt(self, in_seconds: float) -> None:
         when = time.gmtime(time.time() + in_seconds)
         self.action = {"action": "terminate", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", when)}
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 def test_a_spot_interruption_notice_reaches_the_node_and_its_checkpoint_the_client(

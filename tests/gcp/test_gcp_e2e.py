@@ -13,7 +13,7 @@ import contextlib
 import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from tests.contract import PROBE, ProviderContract
 from tests.gcp.conftest import PROJECT, GceHosts, gce_for
 from tests.ssh.conftest import wait_until
 from tests.support import bareroots, wheels
+from tests.support.metadata import MetadataServer
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -236,39 +237,24 @@ def test_the_default_login_user_is_the_one_the_guest_agent_creates(
     nothing_left(sim)
 
 
-class _MetadataServer:
+class _GceMetadata:
     """A stand-in for the GCE metadata server on the VMs' bridge: ``instance/preempted``
-    (``FALSE`` until `preempt`, then ``TRUE``), only with ``Metadata-Flavor: Google``."""
+    (``FALSE`` until `preempted` is set, then ``TRUE``), only with ``Metadata-Flavor: Google``."""
 
     def __init__(self, host: str) -> None:
-        import http.server
-
-        server = self
         self.preempted = False
+        self.server = MetadataServer(host, self._answer)
+        self.address = self.server.address
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                flavored = self.headers.get("Metadata-Flavor") == "Google"
-                if self.path == "/computeMetadata/v1/instance/preempted" and flavored:
-                    body = b"TRUE" if server.preempted else b"FALSE"
-                    self.send_response(200)
-                else:
-                    body = b""
-                    self.send_response(403 if not flavored else 404)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
-        self.address = f"{host}:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def _answer(self, method: str, path: str, headers: Mapping[str, str]) -> tuple[int, bytes]:
+        if headers.get("metadata-flavor") != "Google":
+            return 403, b""
+        if method == "GET" and path == "/computeMetadata/v1/instance/preempted":
+            return 200, b"TRUE" if self.preempted else b"FALSE"
+        return 404, b""
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 def test_a_preemption_notice_reaches_the_node_and_its_checkpoint_the_client(
@@ -280,7 +266,7 @@ def test_a_preemption_notice_reaches_the_node_and_its_checkpoint_the_client(
     from tests.test_preemption import work_until_preempted
 
     sim = gce_hosts()
-    metadata = _MetadataServer(sim.net.bridge_address)
+    metadata = _GceMetadata(sim.net.bridge_address)
     try:
         env = {"GCE_METADATA_HOST": metadata.address, "SKYWARD_NOTICE_POLL": "0.2"}
         with sky.ComputePool(

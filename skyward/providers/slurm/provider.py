@@ -35,7 +35,16 @@ from skyward.data import S3_SCHEME, Data, Placement
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
 from skyward.info import cache_root
-from skyward.providers.base import Cluster, Log, Node, NodeLoss, Provider, count, local_outputs
+from skyward.providers.base import (
+    Cluster,
+    Log,
+    Node,
+    NodeLoss,
+    Provider,
+    count,
+    local_outputs,
+    output_path,
+)
 from skyward.providers.environment import env_spec
 from skyward.providers.remote import bootstrap, connect, hoststeps
 from skyward.providers.remote import data as remote_data
@@ -490,7 +499,7 @@ def _client_outputs(cluster: Cluster) -> Path:
 
 def _copy_outputs(cluster: Cluster, nodes: Sequence[int]) -> None:
     for index in nodes:
-        source = _client_outputs(cluster) / f"node-{index}"
+        source = Path(cache_root()).absolute() / output_path(cluster, index)
         if source.is_dir():
             shutil.copytree(source, local_outputs(cluster, index), dirs_exist_ok=True)
 

@@ -28,6 +28,13 @@ def count(steps: int, die_at: int, marker: str) -> tuple[int, int]:
     for step in range(start, steps):
         if info.node == 1:
             if step == die_at and not os.path.exists(marker):
+                # The failure comes once the client has the checkpoint before it (the test's
+                # on_report writes "<marker>.go"): where it resumes is then known, not a race
+                # between the report's bytes and the death.
+                go = Path(marker + ".go")
+                deadline = time.monotonic() + 30
+                while not go.exists() and time.monotonic() < deadline:
+                    time.sleep(0.002)
                 open(marker, "w").close()
                 os._exit(9)  # the node dies mid-training
             progress.write_text(str(step))
@@ -50,7 +57,14 @@ def test_a_lost_node_is_replaced_and_the_call_resumes_from_the_last_checkpoint(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     marker = str(tmp_path / "died")
-    with sky.ComputePool(nodes=2, restarts=1, output_dir=tmp_path / "runs") as pool:
+
+    def on_report(report: sky.Report) -> None:
+        if report.checkpoint is not None and report.metrics["step"] == 10:
+            Path(marker + ".go").touch()
+
+    with sky.ComputePool(
+        nodes=2, restarts=1, output_dir=tmp_path / "runs", on_report=on_report
+    ) as pool:
         first = pool.nodes[0]
         results = count(40, die_at=12, marker=marker) @ pool
         survivor_kept = pool.nodes[0] is first

@@ -316,13 +316,17 @@ class ComputePool:
             f"restart {attempt} of {self._policy.restarts} after {type(error).__name__}: "
             f"{first}; {what}"
         )
-        checkpoint = self._transfers.latest_checkpoint(self.collect_timeout)
-        if checkpoint is not None:
-            self._transfers.stage([checkpoint])
-            self._resume = {RESUME_ENV: json.dumps(checkpoint.placement)}
-            self.console.status(f"resuming from {checkpoint.source}")
         assert self._loop is not None
         with self.console.calling():
+            # Every agent is stopped and its stream read to the end before the checkpoint is
+            # chosen: a survivor's report written just before the loss may still be on its way
+            # (over SSH it races the lost node's end), and it is the newest.
+            self._loop.run(shutdown.stop_agents(self._sessions, self.shutdown_timeout))
+            checkpoint = self._transfers.latest_checkpoint(self.collect_timeout)
+            if checkpoint is not None:
+                self._transfers.stage([checkpoint])
+                self._resume = {RESUME_ENV: json.dumps(checkpoint.placement)}
+                self.console.status(f"resuming from {checkpoint.source}")
             self._loop.run(self._recover(lost))
 
     @property

@@ -383,7 +383,11 @@ class NodeSession:
         self._loop.call_soon_threadsafe(self.abort, reason)
 
     async def close(self, timeout: float) -> None:
-        """Ask the agent to finish (plugins unwind), then make sure it is gone."""
+        """Ask the agent to finish (plugins unwind), then make sure it is gone. Once: a
+        second close (a restart stops the agents before `_recover` would) finds it done and
+        does not signal a process ID the host may have given to another process since."""
+        if self._stopping:
+            return
         self._stopping = True
         # Only an idle agent is asked to finish: a busy one may not be reading, and a write to
         # its full pipe would block this loop; it is killed after `timeout` like any laggard.

@@ -248,9 +248,11 @@ class Ec2Hosts:
     machine would: cloud-init authorizes the pool's key pair for root, then runs the provider's
     real user-data script inside the host (with a fake ``poweroff`` first on PATH); the host's
     sshd (which the harness supervises, as init would) is down meanwhile and then starts again,
-    serving the host key the script installed in /etc/ssh. Instances that moto reports
-    terminated lose every process (a power cut; their disk stays for the next instance at that
-    address). With `boot_at_most`, instances past that many never boot: their host's sshd is
+    serving the host key the script installed in /etc/ssh. A terminated instance loses every
+    process (a power cut; its disk stays for the next instance at that address) before the
+    provider's TerminateInstances returns (`watch_terminations`): moto gives the address to the
+    next instance at once, and EC2 frees it only once its instance is gone, so the old sshd must
+    not answer there. With `boot_at_most`, instances past that many never boot: their host's sshd is
     stopped, as on an instance that hangs in boot. With ``install_host_key=False`` the host
     keeps the key it had, one the client does not know.
     """
@@ -265,6 +267,7 @@ class Ec2Hosts:
     boot_logs: dict[str, str] = field(default_factory=dict)  # instance id -> user data output
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # one power change at a time
     _thread: threading.Thread | None = None
 
     def host(self, address: str) -> bareroots.BareHost:
@@ -282,6 +285,20 @@ class Ec2Hosts:
         if self._thread is not None:
             self._thread.join(10)
 
+    def watch_terminations(self, session: boto3.session.Session) -> boto3.session.Session:
+        """Power off what `session`'s TerminateInstances ends, before the call returns."""
+        session.events.register("after-call.ec2.TerminateInstances", self._terminated)
+        return session
+
+    def _terminated(self, parsed: dict[str, Any], **_: Any) -> None:
+        with self._lock:
+            for change in parsed.get("TerminatingInstances", []):
+                self._power_off(change["InstanceId"])
+
+    def _power_off(self, iid: str) -> None:
+        if iid in self.booted:
+            self.host(self.booted.pop(iid)).kill_all()
+
     def _run(self) -> None:
         while not self._stop.wait(0.05):
             try:
@@ -294,12 +311,16 @@ class Ec2Hosts:
             Filters=[{"Name": "subnet-id", "Values": [self.subnet_id]}]
         )
         instances = [i for r in reply["Reservations"] for i in r["Instances"]]
-        # Terminations first: moto may already have given a terminated instance's address to
-        # a new one, which must not be powered off with it.
+        with self._lock:
+            self._boot_and_power_off(instances)
+
+    def _boot_and_power_off(self, instances: list[dict[str, Any]]) -> None:
+        # Terminations first (those made by another client than the provider's): moto may
+        # already have given a terminated instance's address to a new one, which must not be
+        # powered off with it.
         for instance in instances:
-            iid = instance["InstanceId"]
-            if instance["State"]["Name"] == "terminated" and iid in self.booted:
-                self.host(self.booted.pop(iid)).kill_all()
+            if instance["State"]["Name"] == "terminated":
+                self._power_off(instance["InstanceId"])
         for instance in instances:
             iid, address = instance["InstanceId"], instance.get("PrivateIpAddress")
             if instance["State"]["Name"] == "running" and iid not in self.booted and address:
@@ -396,7 +417,7 @@ def aws_for(sim: Ec2Hosts, stubs: Stubs, **kwargs: Any) -> sky.AWS:
         "poll_interval": 0.1,
         "boot_timeout": 30.0,
         "connect_timeout": 3.0,
-        "session": new_session(stubs),
+        "session": sim.watch_terminations(new_session(stubs)),
     }
     options.update(kwargs)
     return sky.AWS(**options)

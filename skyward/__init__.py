@@ -46,6 +46,9 @@ _EXPORTS = {
     "Slurm": "skyward.providers.slurm.provider",
     "ClusterSpec": "skyward.cluster",
     "SkywardError": "skyward.errors",
+    "BudgetExceeded": "skyward.errors",
+    "Cost": "skyward.cost",
+    "Price": "skyward.cost",
     "ConfigError": "skyward.errors",
     "SerializationError": "skyward.errors",
     "ProvisionError": "skyward.errors",
@@ -66,9 +69,11 @@ if TYPE_CHECKING:
     from skyward import plugins
     from skyward.calls import Compute, Gather, PendingCall, compute, gather
     from skyward.cluster import ClusterSpec
+    from skyward.cost import Cost, Price
     from skyward.data import Data, resume_from
     from skyward.errors import (
         BootstrapError,
+        BudgetExceeded,
         ConfigError,
         DataError,
         NotOnNodeError,
@@ -98,10 +103,12 @@ __all__ = [
     "GCP",
     "SSH",
     "BootstrapError",
+    "BudgetExceeded",
     "ClusterSpec",
     "Compute",
     "ComputePool",
     "ConfigError",
+    "Cost",
     "Data",
     "DataError",
     "Gather",
@@ -115,6 +122,7 @@ __all__ = [
     "PluginError",
     "PoolClosedError",
     "Preemption",
+    "Price",
     "ProvisionError",
     "RemoteError",
     "Report",

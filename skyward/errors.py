@@ -102,3 +102,13 @@ class PoolClosedError(SkywardError):
 
 class NotOnNodeError(SkywardError):
     """`instance_info()` was called outside a skyward worker."""
+
+
+class BudgetExceeded(SkywardError):
+    """The pool spent its `max_cost`: the running call was stopped and the pool torn down.
+    `spent` is what it had cost by then (US dollars), `max_cost` the budget."""
+
+    def __init__(self, message: str, *, spent: float, max_cost: float) -> None:
+        super().__init__(message)
+        self.spent = spent
+        self.max_cost = max_cost

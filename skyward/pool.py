@@ -12,13 +12,14 @@ import contextlib
 import functools
 import json
 import os
+import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from skyward.client import activity, plan, recovery, shutdown
+from skyward.client import activity, plan, recovery, shutdown, spend
 from skyward.client.dispatch import Dispatch
 from skyward.client.handshake import handshake
 from skyward.client.session import NodeSession, ping_agents, watch_heartbeats
@@ -26,8 +27,9 @@ from skyward.client.stalls import watch_stalls
 from skyward.client.transfers import Transfers
 from skyward.console.console import Console
 from skyward.console.progress import Phase
+from skyward.cost import Cost, Price
 from skyward.data import RESUME_ENV, Data
-from skyward.errors import ConfigError, PoolClosedError
+from skyward.errors import BudgetExceeded, ConfigError, PoolClosedError
 from skyward.image import Image
 from skyward.info import InstanceInfo
 from skyward.plugins import hooks
@@ -39,6 +41,10 @@ from skyward.transport.eventloop import LoopThread, sigterm_unwinds
 
 if TYPE_CHECKING:
     from skyward.calls import PendingCall
+
+# Seconds the pool waits for its price before launch (a first GCP lookup reads the whole
+# Compute Engine catalog; it is cached after).
+PRICE_TIMEOUT = 60.0
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -77,6 +83,11 @@ class ComputePool:
             themselves). Collected when the pool ends, on every exit path, and on
             `collect_outputs`; without it, the nodes' outputs are removed with the pool.
         collect_timeout: seconds the collection of outputs at the end may take.
+        max_cost: a budget in US dollars. The pool's price is asked before launch (the cloud's
+            price APIs; `cost`); a budget that does not cover every node's first minute is
+            refused, 80% of it gets a warning, and once it is spent the running call is
+            stopped, the pool torn down and `sky.BudgetExceeded` raised. Spend counts from
+            each machine's launch, at least 60 s each, as the clouds bill.
         on_report: called with each `sky.Report` as it arrives (they are kept in `reports` as
             well), on the thread that reads the node's replies: it must return quickly and
             must not use the pool; an exception it raises is logged on the ``skyward`` logger.
@@ -103,6 +114,7 @@ class ComputePool:
         collect_timeout: float = 600.0,
         name: str = "pool",
         on_report: Callable[[Report], object] | None = None,
+        max_cost: float | None = None,
     ) -> None:
         self.provider = plan.checked(
             Local() if provider is None else provider, nodes, image, plugins
@@ -130,6 +142,9 @@ class ComputePool:
         self.console = Console(self.pool_id, self.spec.nodes, self.provider.name, stream_output)
         self._dispatch = Dispatch(broadcast_grace)
         self.console.activity = functools.partial(activity.node_activity, self._dispatch)
+        self._bill = spend.Bill(spend.Meter(Price.unknown("not asked yet"), max_cost))
+        self.console.spending = self._bill.so_far
+        self._over_budget: BudgetExceeded | None = None  # set when max_cost was spent
         self._transfers = Transfers(self.provider, self.console, self.spec.outputs, collect_timeout)
         self._dispatch.stage = self._transfers.stage
         # What the nodes gave `sky.report`, in arrival order (appended to by skyward's threads).
@@ -142,6 +157,8 @@ class ComputePool:
         self._loop: LoopThread | None = None
         self._lifetime = contextlib.ExitStack()  # SIGTERM handling, around_client hooks
         self._closed = False
+        self._closing = threading.Lock()  # one teardown; a second close waits for it
+        self._start_task: asyncio.Task[None] | None = None
         self._plugins_blob = b""
         self._watchers: list[asyncio.Task[None]] = []  # the loop holds its tasks weakly
 
@@ -177,6 +194,8 @@ class ComputePool:
                 self._loop.run(self._start())
         except BaseException as exc:
             self._close(graceful=False, failure=exc)
+            if self._over_budget is not None:
+                raise self._over_budget from exc
             raise
 
     def close(self, graceful: bool = True) -> None:
@@ -185,9 +204,13 @@ class ComputePool:
 
     def _close(self, graceful: bool, failure: BaseException | None) -> None:
         """`close`; `failure` is what ended the pool, if anything did (see `teardown`)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._tear_down(graceful, failure)
+
+    def _tear_down(self, graceful: bool, failure: BaseException | None) -> None:
         with self.console.calling():
             try:
                 if self._loop is not None:
@@ -201,6 +224,7 @@ class ComputePool:
                         shutdown_timeout=self.shutdown_timeout,
                         graceful=graceful,
                         failure=failure,
+                        cost=self._bill.closed,
                     )
             finally:
                 self._lifetime.close()
@@ -216,6 +240,8 @@ class ComputePool:
             self._transfers.collect()
 
     async def _start(self) -> None:
+        self._start_task = asyncio.current_task()
+        await self._price()
         self.cluster = self._transfers.cluster = await self.provider.launch(self.spec, self.console)
         # Remote agents stop when the client goes quiet (cut off by the network): keep them
         # hearing from it from their Hello on.
@@ -256,6 +282,7 @@ class ComputePool:
                 earlier.get(node.index, ()),
                 self._reported,
                 self.console.node_partial,
+                self._noticed,
             )
             for node, stream in zip(cluster.nodes, streams, strict=True)
         ]
@@ -269,6 +296,64 @@ class ComputePool:
             self.heartbeat_timeout,
             startup_timeout=self.startup_timeout,
         )
+
+    async def _price(self) -> None:
+        """Ask the pool's price, keep the budget (nothing is launched when it cannot be kept),
+        say both, and start billing the nodes: they are asked for next."""
+        meter = self._bill.meter
+        try:
+            meter.price = await asyncio.wait_for(self.provider.price(self.spec), PRICE_TIMEOUT)
+        except TimeoutError:
+            meter.price = Price.unknown(f"the price lookup took longer than {PRICE_TIMEOUT:g} s")
+        meter.check_start(self.spec.nodes)
+        self.console.status(self._bill.price_line(self.spec.nodes))
+        self._bill.launched(self.spec.nodes)
+        if meter.max_cost is not None:
+            self._watchers.append(
+                asyncio.create_task(
+                    spend.watch_budget(meter, self.console.status, self._budget_spent)
+                )
+            )
+
+    def _budget_spent(self, error: BudgetExceeded) -> None:
+        """On the loop, once `max_cost` is spent: the running call is stopped and the pool
+        torn down (a launch under way is cancelled, and removes what it made)."""
+        self._over_budget = error
+        self.console.status(str(error))
+        self._dispatch.broken = self._dispatch.broken or str(error)
+        for session in self._sessions:
+            session.abort("the pool's max_cost was spent")
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()  # `start` tears down what was made
+            return
+        threading.Thread(
+            target=self._close, args=(False, error), name=f"skyward-{self.pool_id}-budget"
+        ).start()
+
+    @property
+    def cost(self) -> Cost:
+        """What the pool costs: one node's price, the rate now, what it has spent so far
+        (from each machine's launch, at least 60 s each), and its `max_cost`."""
+        return self._bill.meter.cost()
+
+    def _noticed(self, node: int) -> None:
+        """A node got a preemption notice: with restarts left, its replacement starts now, so
+        it is on its way before the node is gone (from any thread)."""
+        if self._policy.restarts > 0 and self._loop is not None and not self._closed:
+            self._loop.submit(self._prestart(node))
+
+    async def _prestart(self, index: int) -> None:
+        cluster = self.cluster
+        if cluster is None:
+            return
+        try:
+            started = await self.provider.prestart(cluster, index)
+        except Exception as exc:  # the replacement is made when the node is lost instead
+            self.console.status(f"could not start node {index}'s replacement ahead: {exc}")
+            return
+        if started:
+            self._bill.started_ahead(index)
+            self.console.status(f"node {index} is being preempted: its replacement is starting")
 
     def replace(self, node: int) -> None:
         """Put a fresh node in place of node `node`, which died, and restart every agent.
@@ -295,13 +380,20 @@ class ComputePool:
     async def _recover(self, lost: Sequence[int]) -> None:
         """Replace the `lost` nodes and start every agent again (an SPMD program's ranks must
         all join a new coordinator together)."""
+        await self._replace_lost(lost)
+        await self._restart_agents()
+
+    async def _replace_lost(self, lost: Sequence[int]) -> None:
         cluster = self.cluster
         assert cluster is not None, "launched first"
         for index in lost:
             self.console.phase(index, Phase.REQUESTED)
+            self._bill.replaced(index)
             await self.provider.replace(cluster, index)
         if lost:  # the whole cluster: the others' environments are there, a check each
             await self.provider.prepare(cluster, self.image, self.console)
+
+    async def _restart_agents(self) -> None:
         await shutdown.stop_agents(self._sessions, self.shutdown_timeout)
         await self._start_agents()
         self._dispatch.broken = None
@@ -323,11 +415,12 @@ class ComputePool:
             # (over SSH it races the lost node's end), and it is the newest.
             self._loop.run(shutdown.stop_agents(self._sessions, self.shutdown_timeout))
             checkpoint = self._transfers.latest_checkpoint(self.collect_timeout)
-            if checkpoint is not None:
+            self._loop.run(self._replace_lost(lost))
+            if checkpoint is not None:  # onto every node, the replacements included
                 self._transfers.stage([checkpoint])
                 self._resume = {RESUME_ENV: json.dumps(checkpoint.placement)}
                 self.console.status(f"resuming from {checkpoint.source}")
-            self._loop.run(self._recover(lost))
+            self._loop.run(self._restart_agents())
 
     @property
     def nodes(self) -> list[Node]:
@@ -381,10 +474,15 @@ class ComputePool:
     def _calling(self, method: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`method(*args)`; in a notebook, with what the nodes print meanwhile in the cell."""
         notebook = self.console.notebook
-        if notebook is None:  # the common case pays one attribute read
-            return method(*args, **kwargs)
-        with notebook.calling(self._drain_output):
-            return method(*args, **kwargs)
+        try:
+            if notebook is None:  # the common case pays one attribute read
+                return method(*args, **kwargs)
+            with notebook.calling(self._drain_output):
+                return method(*args, **kwargs)
+        except Exception as exc:
+            if self._over_budget is not None:  # the budget stopped the call
+                raise self._over_budget from exc
+            raise
 
     # -- output ----------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ unchanged, inside `@sky.compute` and through `skyward run` (real processes on Lo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import runpy
 import signal
@@ -335,6 +336,34 @@ def test_a_bad_profile_is_named(tmp_path: Path) -> None:
     (tmp_path / "skyward.toml").write_text("[profile.default\n")
     with pytest.raises(sky.ConfigError, match=r"skyward\.toml cannot be read"):
         profiles.load_profile(None, tmp_path)
+
+
+def test_a_budget_from_a_profile_or_max_cost_reaches_the_pool(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "skyward.toml").write_text(
+        textwrap.dedent(
+            """
+            [profile.default]
+            provider = "ssh"
+            hosts = ["10.0.0.1"]
+            price_per_hour = 2.5
+            max_cost = 10
+            """
+        )
+    )
+    profile = profiles.load_profile(None, tmp_path)
+    assert profile.max_cost == 10.0
+    assert profiles.with_flags(profile, {"max_cost": 4.0}).max_cost == 4.0
+    provider = profile.build_provider()
+    price = asyncio.run(provider.price(sky.ClusterSpec(nodes=1, pool_id="p")))
+    assert (price.per_hour, price.minimum_seconds) == (2.5, 0.0)
+    assert price.source == "as given by sky.SSH(price_per_hour=)"
+    # --max-cost reaches ComputePool: a budget of nothing is refused there, in one line
+    script = write(tmp_path, "noop.py", "print('hi')\n")
+    assert main(["run", "--max-cost", "0", str(script)]) == 1
+    err = capsys.readouterr().err
+    assert "skyward run: max_cost must be a positive number of dollars, got 0.0" in err, err
 
 
 # -- skyward status ------------------------------------------------------------------------------

@@ -118,12 +118,13 @@ def test_plain_lines_when_not_a_terminal(tmp_path: Path) -> None:
     assert len(node_lines) == 6 and all(NODE_LINE.match(line) for line in node_lines)
     status = [re.sub(r"^\[skyward\] pool-\w+: ", "", line) for line in done.stderr.splitlines()]
     assert status[0] == "launching 2 node(s) on local"
-    assert status[1].startswith("all 2 nodes building environment")
-    assert status[2] == "all 2 nodes starting agent"
-    assert re.fullmatch(r"ready: 2 node\(s\) in [\d.]+ s", status[3]), status
-    assert status[4] == "stopping"
-    assert re.fullmatch(r"stopped 2 processes in [\d.]+ s", status[5]), status
-    assert len(status) == 6, status  # one line per change: no redraws, no per-call lines
+    assert status[1] == "costs nothing: the local provider runs on machines you already have"
+    assert status[2].startswith("all 2 nodes building environment")
+    assert status[3] == "all 2 nodes starting agent"
+    assert re.fullmatch(r"ready: 2 node\(s\) in [\d.]+ s", status[4]), status
+    assert status[5] == "stopping"
+    assert re.fullmatch(r"stopped 2 processes in [\d.]+ s", status[6]), status
+    assert len(status) == 7, status  # one line per change: no redraws, no per-call lines
 
 
 def test_stream_output_false_prints_status_lines_only(tmp_path: Path) -> None:

@@ -220,6 +220,7 @@ def _run(args: argparse.Namespace) -> int:
         "plugins": profiles.check_plugins(args.plugin, "--plugin"),
         "env": profiles.parse_env(args.env),
         "workdir": args.workdir,
+        "max_cost": args.max_cost,
         "options": {
             "hosts": args.hosts.split(",") if args.hosts else None,
             "user": args.user,
@@ -317,6 +318,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--env", action="append", default=[], metavar="K=V", help="node env var")
     run.add_argument("--workdir", help="a directory to copy to every node and run the script in")
+    run.add_argument(
+        "--max-cost",
+        type=float,
+        metavar="DOLLARS",
+        help="a budget: the pool stops and is torn down once it has spent this much",
+    )
     run.add_argument("--hosts", help="ssh: comma-separated hosts ('user@host:port' each)")
     run.add_argument("--user", help="ssh/aws: the login user")
     run.add_argument("--key", help="ssh: the private key file")

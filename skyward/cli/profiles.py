@@ -35,7 +35,7 @@ PROVIDERS = {
     "gcp": ("skyward.providers.gcp", "GCP"),
     "slurm": ("skyward.providers.slurm.provider", "Slurm"),
 }
-POOL_KEYS = ("provider", "nodes", "accelerator", "plugins", "env", "workdir")
+POOL_KEYS = ("provider", "nodes", "accelerator", "plugins", "env", "workdir", "max_cost")
 PLUGINS = ("jax",)
 
 
@@ -51,6 +51,7 @@ class Profile:
     plugins: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
+    max_cost: float | None = None  # the pool's budget in US dollars (`ComputePool(max_cost=)`)
     source: str = "flags"  # where it was read: a file's name, or "flags"
 
     def build_provider(self) -> Provider:
@@ -175,6 +176,11 @@ def parse_profile(name: str, table: Any, source: str) -> Profile:
     if not isinstance(env, dict):
         raise ConfigError(f'{where}: env must be a table, e.g. env = {{ KEY = "value" }}')
     workdir = table.get("workdir")
+    max_cost = table.get("max_cost")
+    if max_cost is not None and (
+        isinstance(max_cost, bool) or not isinstance(max_cost, int | float)
+    ):
+        raise ConfigError(f"{where}: max_cost must be a number of dollars, got {max_cost!r}")
     return Profile(
         name=name,
         provider=provider,
@@ -184,6 +190,7 @@ def parse_profile(name: str, table: Any, source: str) -> Profile:
         plugins=check_plugins(plugins, where),
         env={str(k): str(v) for k, v in env.items()},
         workdir=str(workdir) if workdir is not None else None,
+        max_cost=float(max_cost) if max_cost is not None else None,
         source=source,
     )
 
@@ -228,5 +235,6 @@ def with_flags(profile: Profile, flags: Mapping[str, Any]) -> Profile:
         plugins=tuple(dict.fromkeys([*profile.plugins, *flags.get("plugins", ())])),
         env={**profile.env, **flags.get("env", {})},
         workdir=flags.get("workdir") or profile.workdir,
+        max_cost=profile.max_cost if flags.get("max_cost") is None else flags["max_cost"],
         source=profile.source,
     )

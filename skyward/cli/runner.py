@@ -68,6 +68,7 @@ def run(profile: Profile, script: str, args: Sequence[str]) -> Outcome:
         plugins=plugins,
         env=profile.env,
         name="run",
+        max_cost=profile.max_cost,
     ) as pool:
         ranks: dict[Future[int], int] = {
             pool.submit(node_call(target, list(args), cwd), node=i): i

@@ -64,6 +64,7 @@ class NodeSession:
         earlier_lines: Iterable[str] = (),
         on_report: Callable[[Report], None] | None = None,
         on_partial: Callable[[int, str], None] | None = None,
+        on_notice: Callable[[int], None] | None = None,
     ) -> None:
         self.node = node
         self.stream = stream
@@ -85,6 +86,7 @@ class NodeSession:
         self._explain = explain
         self._on_output = on_output
         self._on_report = on_report
+        self._on_notice = on_notice  # called with the node's index on a preemption notice
         self._control: asyncio.Queue[messages.Message | None] = asyncio.Queue()
         self._stopping = False
         # Held while calls are registered (`register`) and the pending calls are taken away.
@@ -276,6 +278,8 @@ class NodeSession:
             self.output.line(
                 f"[skyward] node {self.node} got a preemption notice ({message.source}{when})"
             )
+            if self._on_notice is not None:
+                self._on_notice(self.node)
         elif type(message) is not messages.Heartbeat:
             self._loop.call_soon_threadsafe(self._control.put_nowait, message)
 

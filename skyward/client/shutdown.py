@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from skyward.client.session import NodeSession
 from skyward.client.transfers import Transfers
@@ -36,9 +36,11 @@ def tear_down(
     shutdown_timeout: float,
     graceful: bool,
     failure: BaseException | None,
+    cost: Callable[[], str] = str,
 ) -> None:
     """Stop every agent, collect the outputs, remove every node, then stop `loop` and say what
-    was removed; `failure` is what ended the pool, if anything did."""
+    was removed and what the pool cost (`cost()`, once its machines are gone); `failure` is
+    what ended the pool, if anything did."""
     began = time.monotonic()
     summary: str | None = None
     try:
@@ -57,6 +59,8 @@ def tear_down(
             failure.add_note(f"and removing the pool then failed too: {problem}")
         else:
             summary = _removed(provider, cluster, time.monotonic() - began)
+            if spent := cost():
+                summary = f"{summary}; {spent}"
         if collected is not None:
             if failure is None or isinstance(collected, KeyboardInterrupt):
                 raise collected

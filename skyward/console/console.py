@@ -73,6 +73,8 @@ class Console(Progress):
         self.provider = provider
         self.stream_output = stream_output
         self.activity: Activity | None = None
+        # What the pool has spent so far, in words, for the region's first line ("" = nothing).
+        self.spending: Callable[[], str] | None = None
         self.latest: Report | None = None  # node 0's last report, shown on its line
         self._quiet = quiet()
         self._lock = threading.Lock()
@@ -196,7 +198,8 @@ class Console(Progress):
         now = time.monotonic()
         with self._lock:
             rows = [self._seen(index, node, now) for index, node in enumerate(self._nodes)]
-        yield summary(self.name, self.provider, rows, now - self._began)
+        spent = self.spending() if self.spending is not None else ""
+        yield summary(self.name, self.provider, rows, now - self._began, spent)
         yield node_table(rows, MAX_ROWS)
 
     def _seen(self, index: int, node: _Node, now: float) -> Row:

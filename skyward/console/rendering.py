@@ -81,13 +81,15 @@ class Prefixes:
         return self._made[node]
 
 
-def summary(name: str, provider: str, rows: list[Row], elapsed: float) -> Text:
-    """A pool's first line in the region: ``skyward pool-x  aws  4 node(s): 3 ready, ...``."""
+def summary(name: str, provider: str, rows: list[Row], elapsed: float, spent: str = "") -> Text:
+    """A pool's first line in the region: ``skyward pool-x  aws  4 node(s): 3 ready, ...``,
+    its clock, and what it has spent (``$0.42 at $9.83/hour``) when it costs anything."""
     return Text.assemble(
         ("skyward ", "bold"),
         (name, "bold"),
         f"  {provider}  {len(rows)} node(s): {_tally(rows)}  ",
         (clock(elapsed), "dim"),
+        (f"  {spent}" if spent else "", "dim"),
     )
 
 

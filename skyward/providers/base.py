@@ -8,6 +8,8 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
                            node per host), or `ConfigError` when the asked size disagrees;
 - `implied_accelerator()`  what an explicit instance type carries, so plugins see it (AWS);
 - `validate(spec)`         checks the request before anything is created or paid for;
+- `price(spec)`            one node's `Price` per hour, from the cloud's own price APIs
+                           (default: free, for machines the user already has);
 - `launch(spec, progress)`  creates all N nodes or raises, leaving nothing behind; returns the
                            `Cluster`: the nodes and everything the provider keeps for this pool;
 - `survey(cluster, image, progress)`  what the launched nodes have (`Hardware`: their GPUs,
@@ -17,6 +19,8 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
 - `terminate(cluster)`     removes every node and everything made for them; idempotent;
 - `teardown_summary(cluster)`  what `terminate` did, for the last line ("removed 4 instances");
 - `replace(cluster, index)`  a fresh node in place of a lost one (default: not supported);
+- `prestart(cluster, index)`  start that replacement ahead, on a preemption notice (default:
+                           nothing to start ahead);
 - `explain(cluster, node)` why a node went away (a reclaimed spot instance), or None;
 - `stage_data(cluster, data, log)`  makes a `sky.Data` available on every node and says where
                            (default: the client's own path: the nodes share this machine);
@@ -44,6 +48,7 @@ from pathlib import Path
 
 from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.console.progress import Progress
+from skyward.cost import Price
 from skyward.data import Data, Placement
 from skyward.errors import ConfigError
 from skyward.image import Image
@@ -113,6 +118,11 @@ class Provider(ABC):
         """Raise `ConfigError` if the request cannot be served; creates nothing."""
         return None
 
+    async def price(self, spec: ClusterSpec) -> Price:
+        """One node's price per hour for `spec`, asked before launch; `Price.unknown` with the
+        reason when the price service cannot say (the pool still starts). Never raises."""
+        return Price.free(f"the {self.name} provider runs on machines you already have")
+
     @abstractmethod
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         """Create all `spec.nodes` nodes, or raise and leave nothing behind; report each
@@ -149,6 +159,12 @@ class Provider(ABC):
         the environment is then prepared by `prepare`."""
         raise ConfigError(f"the {self.name} provider cannot replace nodes")
 
+    async def prestart(self, cluster: Cluster, index: int) -> bool:
+        """Start making node `index`'s replacement now, ahead of its loss (a preemption notice
+        came): the next `replace(cluster, index)` takes it. False when there is nothing to
+        start ahead (the default: a process or an existing host is there at once)."""
+        return False
+
     async def explain(self, cluster: Cluster, node: Node) -> NodeLoss | None:
         """Why `node` went away (e.g. a spot preemption), or None when the provider cannot say."""
         return None
@@ -169,6 +185,16 @@ class Provider(ABC):
         """Bring the output directories of `nodes` to ``cluster.spec.outputs`` (node i's to
         ``<outputs>/node-<i>``, or uploaded under an s3:// prefix); only what changed."""
         return None
+
+
+def given_rate(price_per_hour: float | None, owner: str) -> Price:
+    """The price of a provider on machines the user already has: free, or the rate the user
+    gave (`price_per_hour` of `owner`, e.g. ``sky.SSH``), to count spend and keep a budget."""
+    if price_per_hour is None:
+        return Price.free(f"{owner} runs on machines you already have")
+    if price_per_hour < 0:
+        raise ConfigError(f"price_per_hour must be 0 or more dollars, got {price_per_hour}")
+    return Price.given(float(price_per_hour), f"{owner}(price_per_hour=)")
 
 
 def count(number: int, noun: str, plural: str | None = None) -> str:

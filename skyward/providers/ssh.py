@@ -19,9 +19,10 @@ from collections.abc import Mapping, Sequence
 
 from skyward.cluster import ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
+from skyward.cost import Price
 from skyward.errors import ConfigError
 from skyward.image import Image
-from skyward.providers.base import Cluster, Node, Provider, count
+from skyward.providers.base import Cluster, Node, Provider, count, given_rate
 from skyward.providers.remote import bootstrap, connect, hoststeps
 from skyward.providers.remote.data import RemoteData, remove_outputs
 from skyward.transport.sshhost import Endpoint, KnownHosts
@@ -48,6 +49,8 @@ class SSH(RemoteData, Provider):
         build_env: environment variables for the build steps on the hosts (uv, apt, setup):
             proxies, ``UV_INDEX`` / ``UV_INDEX_URL`` for a mirror, ``UV_PYTHON_INSTALL_MIRROR``,
             ``SSL_CERT_FILE`` for a TLS-inspecting proxy...
+        price_per_hour: what one host costs you per hour, in US dollars, if anything: the
+            pool then counts its spend (`ComputePool.cost`) and can keep a `max_cost`.
     """
 
     name = "ssh"
@@ -66,7 +69,9 @@ class SSH(RemoteData, Provider):
         config: Sequence[str] | None = None,
         uv_version: str | None = None,
         build_env: Mapping[str, str] | None = None,
+        price_per_hour: float | None = None,
     ) -> None:
+        self._price = given_rate(price_per_hour, "sky.SSH")
         if isinstance(hosts, str) or not hosts:
             raise ConfigError("hosts must be a non-empty list of 'host' / 'user@host:port' strings")
         self.endpoints = [Endpoint.parse(h, user, port) for h in hosts]
@@ -91,6 +96,9 @@ class SSH(RemoteData, Provider):
                 f"nodes={spec.nodes} but sky.SSH was given {len(self.endpoints)} host(s); one "
                 f"node runs per host: pass nodes={len(self.endpoints)} or add hosts"
             )
+
+    async def price(self, spec: ClusterSpec) -> Price:
+        return self._price
 
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         endpoints = self.endpoints[: spec.nodes]

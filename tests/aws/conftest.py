@@ -266,6 +266,8 @@ class Ec2Hosts:
     booted: dict[str, str] = field(default_factory=dict)  # instance id -> address
     boot_logs: dict[str, str] = field(default_factory=dict)  # instance id -> user data output
     errors: list[str] = field(default_factory=list)
+    # What happened to the machines, in order: ("boot" | "power off", instance id).
+    events: list[tuple[str, str]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)  # one power change at a time
     _thread: threading.Thread | None = None
@@ -297,6 +299,7 @@ class Ec2Hosts:
 
     def _power_off(self, iid: str) -> None:
         if iid in self.booted:
+            self.events.append(("power off", iid))
             self.host(self.booted.pop(iid)).kill_all()
 
     def _run(self) -> None:
@@ -333,6 +336,7 @@ class Ec2Hosts:
     def _boot(self, instance: dict[str, Any]) -> None:
         host = self.host(instance["PrivateIpAddress"])
         iid = instance["InstanceId"]
+        self.events.append(("boot", iid))
         data = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
         script = base64.b64decode(data["UserData"]["Value"]).decode()
         pair = self.ec2.describe_key_pairs(KeyNames=[instance["KeyName"]], IncludePublicKey=True)

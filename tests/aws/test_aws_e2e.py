@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 import skyward as sky
 from skyward.errors import ProvisionError
 from skyward.providers.aws import resources, userdata
+from skyward.providers.aws.provider import AWSCluster
 from tests.aws.conftest import Ec2Hosts, Stubs, aws_for, leftovers, new_session
 from tests.contract import PROBE, ProviderContract
 from tests.ssh.conftest import wait_until
@@ -234,7 +236,6 @@ def test_restarts_replace_the_lost_instance_and_resume_from_the_checkpoint(
     """restarts=1 on EC2 (moto, bare Debian hosts): node 1 dies, a new instance takes its
     place, node 0 keeps its instance, and both resume from node 0's checkpoint, which was
     copied off its host when it was reported."""
-    from skyward.providers.aws.provider import AWSCluster
     from tests.test_restarts import checkpoint_then_lose_node_1
 
     sim = ec2_hosts()
@@ -305,3 +306,72 @@ def test_a_spot_interruption_notice_reaches_the_node_and_its_checkpoint_the_clie
             )
     finally:
         imds.close()
+
+
+@sky.compute
+def save_on_notice_then_go() -> str:
+    """First run: a checkpoint saved and reported on the notice, then the machine goes. After
+    the restart: what the node resumed from."""
+    resume = sky.resume_from()
+    if resume is not None:
+        return (Path(resume) / "state").read_text()
+
+    def save_now(notice: sky.Preemption) -> None:
+        path = Path(sky.output_dir()) / "ckpt-on-notice"
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "state").write_text(f"saved after {notice.source}")
+        sky.report({"saved": 1.0}, checkpoint=str(path))
+
+    sky.on_preemption(save_now)
+    deadline = time.time() + 30
+    while sky.preempting() is None:
+        if time.time() > deadline:  # (no assert: pytest rewrites them, and nodes lack pytest)
+            raise TimeoutError("no notice came")
+        time.sleep(0.01)
+    time.sleep(0.5)  # the callback runs in its own thread
+    os._exit(0)  # the instance goes, as the notice said
+
+
+def test_with_restarts_a_spot_notice_starts_the_replacement_before_the_node_is_gone(
+    ec2_hosts: Callable[..., Ec2Hosts],
+    stubs: Stubs,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """restarts=1 and a spot interruption notice: the client launches the replacement as the
+    notice arrives (it boots before the noticed instance is terminated), and the call resumes
+    on it from the checkpoint the notice's callback reported."""
+    sim = ec2_hosts()
+    imds = _Imds(sim.net.bridge_address)
+
+    def on_report(report: sky.Report) -> None:
+        if report.checkpoint is not None:
+            imds.action = None  # the next instance gets no notice
+
+    try:
+        env = {"AWS_EC2_METADATA_SERVICE_ENDPOINT": imds.url, "SKYWARD_NOTICE_POLL": "0.2"}
+        with sky.ComputePool(
+            provider=aws_for(sim, stubs),
+            nodes=1,
+            env=env,
+            output_dir=tmp_path / "runs",
+            restarts=1,
+            on_report=on_report,
+        ) as pool:
+            cluster = pool.cluster
+            assert isinstance(cluster, AWSCluster)
+            first = cluster.node_instances[0]
+            threading.Timer(1.0, imds.interrupt, (120,)).start()
+            (resumed,) = save_on_notice_then_go() @ pool
+            second = cluster.node_instances[0]
+            logs = "\n".join(pool.logs(0))
+    finally:
+        imds.close()
+    assert resumed == "saved after AWS spot interruption: terminate"
+    assert second != first
+    booted = sim.events.index(("boot", second))
+    powered_off = sim.events.index(("power off", first))
+    assert booted < powered_off, sim.events
+    assert "got a preemption notice" in logs, logs
+    err = capfd.readouterr().err
+    assert "node 0 is being preempted: its replacement is starting" in err, err

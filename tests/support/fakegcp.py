@@ -5,6 +5,7 @@ them (https://cloud.google.com/compute/docs/reference/rest/v1):
 
 - instances: bulkInsert, get, list, aggregatedList, delete (zonal);
 - firewalls: insert, list, delete (global);
+- machineTypes: get (zonal), for the types a test registers with `add_machine_type`;
 - zoneOperations: get, wait, list; globalOperations: get, wait;
 - the Cloud TPU v2 API (``/v2/projects/P/locations/Z/``): nodes, operations, queued resources
   (`tests.support.faketpu`, whose slices' hosts take addresses from the same list).
@@ -93,6 +94,7 @@ class FakeGCP(TpuApi):
         self.errors: list[str] = []
         self.instances: dict[tuple[str, str], dict[str, Any]] = {}
         self.firewalls: dict[str, dict[str, Any]] = {}
+        self.machine_types: dict[str, dict[str, Any]] = {}  # name -> its vCPUs, memory, GPUs
         self.operations: dict[str, dict[str, Any]] = {}
         self._timers: dict[str, float] = {}  # instance key / op name -> when its next step is
         self._requests: dict[str, dict[str, Any]] = {}  # requestId -> its operation
@@ -141,6 +143,13 @@ class FakeGCP(TpuApi):
             ]
             found += [f"firewall {name}" for name in self.firewalls if name.startswith("skyward-")]
             return sorted(found + self.tpu_labelled())
+
+    def add_machine_type(
+        self, name: str, cpus: int, memory_mb: int, gpus: tuple[str, int] | None = None
+    ) -> None:
+        """A machine type `machineTypes.get` answers for in every zone: `gpus` is the
+        (accelerator type, count) it carries, as an accelerator-optimized type does."""
+        self.machine_types[name] = {"cpus": cpus, "memory_mb": memory_mb, "gpus": gpus}
 
     def preempt(self, name: str) -> dict[str, Any]:
         """GCE reclaims spot VM `name`: TERMINATED, with a compute.instances.preempted
@@ -235,6 +244,7 @@ class FakeGCP(TpuApi):
         ("POST", r"global/firewalls", "firewalls.insert"),
         ("GET", r"global/firewalls", "firewalls.list"),
         ("DELETE", r"global/firewalls/(?P<name>[^/]+)", "firewalls.delete"),
+        ("GET", r"zones/(?P<zone>[^/]+)/machineTypes/(?P<name>[^/]+)", "machineTypes.get"),
         ("GET", r"zones/(?P<zone>[^/]+)/operations/(?P<name>[^/]+)", "zoneOperations.get"),
         ("POST", r"zones/(?P<zone>[^/]+)/operations/(?P<name>[^/]+)/wait", "zoneOperations.wait"),
         ("GET", r"zones/(?P<zone>[^/]+)/operations", "zoneOperations.list"),
@@ -576,6 +586,37 @@ class FakeGCP(TpuApi):
                 "selfLink": f"{BASE}/projects/{self.project}/aggregated/instances",
             },
         )
+
+    # -- machine types
+
+    def _machineTypes_get(self, zone: str, name: str, **_: Any) -> Any:
+        shape = self.machine_types.get(name)
+        if shape is None:
+            raise ApiError(
+                404,
+                "notFound",
+                f"The resource 'projects/{self.project}/zones/{zone}/machineTypes/{name}' "
+                "was not found",
+            )
+        reply: dict[str, Any] = {
+            "kind": "compute#machineType",
+            "id": str(next(self._ids)),
+            "creationTimestamp": "1969-12-31T16:00:00.000-08:00",
+            "name": name,
+            "description": f"{shape['cpus']} vCPUs, {shape['memory_mb'] / 1024:g} GB RAM",
+            "guestCpus": shape["cpus"],
+            "memoryMb": shape["memory_mb"],
+            "maximumPersistentDisks": 128,
+            "maximumPersistentDisksSizeGb": "263168",
+            "zone": zone,
+            "selfLink": f"{BASE}/projects/{self.project}/zones/{zone}/machineTypes/{name}",
+            "isSharedCpu": False,
+            "architecture": "X86_64",
+        }
+        if shape["gpus"] is not None:
+            kind, count = shape["gpus"]
+            reply["accelerators"] = [{"guestAcceleratorType": kind, "guestAcceleratorCount": count}]
+        return self._check(compute_v1.MachineType, reply)
 
     # -- firewalls
 

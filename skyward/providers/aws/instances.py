@@ -196,14 +196,13 @@ def run(ec2: Any, params: Mapping[str, Any], count: int, pool_id: str) -> list[s
     return [str(i["InstanceId"]) for i in reply["Instances"]]
 
 
-def replace(ec2: Any, params: Mapping[str, Any], lost: str, pool_id: str) -> list[str]:
-    """Terminate `lost` (it may be hung rather than gone) and start one instance as the pool's
-    were; the new id."""
+def retire(ec2: Any, lost: str) -> None:
+    """Terminate `lost`, a lost instance (it may be hung rather than gone); a failure is only
+    logged: the teardown removes it in the end."""
     try:
         ec2.terminate_instances(InstanceIds=[lost])
     except ClientError as exc:
         logger.info("terminating lost instance %s: %s", lost, exc)
-    return run(ec2, params, 1, pool_id)
 
 
 def wait_running(

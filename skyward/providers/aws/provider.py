@@ -39,11 +39,18 @@ from botocore.parsers import ResponseParserError
 
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Phase, Progress
+from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
-from skyward.providers.aws import instance_types, instances, resources, teardown, userdata
+from skyward.providers.aws import instance_types, instances, prices, resources, teardown, userdata
 from skyward.providers.aws.instances import logger
 from skyward.providers.base import Cluster, Node, NodeLoss, count
-from skyward.providers.cloud.provider import CloudCluster, CloudProvider, check_cidr, remove_pools
+from skyward.providers.cloud.provider import (
+    CloudCluster,
+    CloudProvider,
+    Reached,
+    check_cidr,
+    remove_pools,
+)
 from skyward.providers.remote.bootstrap import (
     RemoteNode,
 )
@@ -204,6 +211,30 @@ class AWS(CloudProvider):
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, SSO or an instance role)"
             )
 
+    async def price(self, spec: ClusterSpec) -> Price:
+        """One instance's price per hour: the on-demand list price of the type the pool would
+        launch, or with ``spot=True`` the spot price in its subnet's zone (the region's cheapest
+        zone without ``subnet_id=``). `Price.unknown` with the reason when AWS cannot say."""
+
+        def look_up(kind: str) -> Price:
+            session = self.session()
+            region = self.region or session.region_name
+            if not region:
+                return Price.unknown("no AWS region: pass sky.AWS(region=...)")
+            if not self.placement.spot:
+                with self._lock:  # a session makes one client at a time
+                    pricing = prices.pricing_client(session)
+                return prices.on_demand(pricing, kind, region)
+            ec2 = self.client("ec2")
+            subnet = self.placement.subnet_id
+            return prices.spot(ec2, kind, prices.zone_of_subnet(ec2, subnet) if subnet else None)
+
+        try:
+            kind = instance_types.choose(spec.accelerator, self.instance_type).instance_type
+            return await asyncio.to_thread(look_up, kind)
+        except Exception as exc:  # a price is only information: the pool goes on without it
+            return Price.unknown(f"the AWS price lookup failed: {exc}")
+
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         choice = instance_types.choose(spec.accelerator, self.instance_type)
         cluster = AWSCluster(
@@ -219,20 +250,22 @@ class AWS(CloudProvider):
             lambda found: self._connect(cluster, found, range(len(found)), progress),
         )
 
-    async def replace(self, cluster: Cluster, index: int) -> Node:
-        """A new instance, launched as the pool's were, in place of a lost one."""
-        pool = _aws(cluster)
+    def make_one(self, pool: CloudCluster) -> list[Any]:
+        """One more instance, launched as the pool's were, running."""
+        aws = _aws(pool)
+        ec2 = self.client("ec2")
+        fresh = instances.run(ec2, aws.run_params, 1, aws.pool_id)
+        aws.instance_ids += fresh
+        aws.made.add(teardown.INSTANCE, *fresh)
+        return self._wait_running(ec2, aws, fresh)
 
-        def make(lost: str) -> list[dict[str, Any]]:
-            ec2 = self.client("ec2")
-            fresh = instances.replace(ec2, pool.run_params, lost, pool.pool_id)
-            pool.instance_ids += fresh
-            pool.made.add(teardown.INSTANCE, *fresh)
-            return self._wait_running(ec2, pool, fresh)
+    def retire(self, pool: CloudCluster, lost: str) -> None:
+        instances.retire(self.client("ec2"), lost)
 
-        return await self.replaced(
-            pool, index, make, lambda found: self._connect(pool, found, [index]), (ClientError,)
-        )
+    async def reach(
+        self, pool: CloudCluster, found: list[Any], indexes: Sequence[int]
+    ) -> list[Reached]:
+        return await self._connect(_aws(pool), found, indexes)
 
     def teardown_summary(self, cluster: Cluster) -> str:
         return f"removed {count(len(cluster.nodes), 'instance')}"
@@ -324,7 +357,7 @@ class AWS(CloudProvider):
         found: list[dict[str, Any]],
         indexes: Sequence[int],
         progress: Progress | None = None,
-    ) -> list[Node]:
+    ) -> list[Reached]:
         """Connect to the instances `found` (as nodes `indexes`), trusting only the pool's key."""
         key = "PrivateIpAddress" if self.placement.use_private_ips else "PublicIpAddress"
         addresses = []
@@ -343,14 +376,13 @@ class AWS(CloudProvider):
             f"instance {i['InstanceId']} ({a})" for i, a in zip(found, addresses, strict=True)
         ]
         hosts = await self.connect_hosts(pool, addresses, self.user, labels)
-        nodes: list[Node] = []
+        reached: list[Reached] = []
         for index, host, instance in zip(indexes, hosts, found, strict=True):
-            pool.node_instances[index] = str(instance["InstanceId"])
             node = RemoteNode(index, host, instance.get("PrivateIpAddress"))
             # The agent watches the spot interruption notice (sky.preempting()) itself.
             node.provider_env = {NOTICES_ENV: "aws"}
-            nodes.append(node)
-        return nodes
+            reached.append((node, str(instance["InstanceId"])))
+        return reached
 
     # -- teardown --------------------------------------------------------------------------
 

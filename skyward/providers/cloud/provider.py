@@ -25,6 +25,7 @@ from skyward.providers.base import Cluster, Node, Provider
 from skyward.providers.cloud.bootscript import HostKey
 from skyward.providers.cloud.threads import in_thread
 from skyward.providers.remote.bootstrap import (
+    RemoteNode,
     close_hosts,
     prepare_nodes,
     remote_nodes,
@@ -34,6 +35,9 @@ from skyward.providers.remote.connect import BootWait, ConnectOptions, connect_a
 from skyward.providers.remote.data import RemoteData
 from skyward.providers.remote.hoststeps import Bootstrap
 from skyward.transport.sshhost import Endpoint, SSHHost, load_known_hosts
+
+# A machine made and reached: its node (not yet placed in the pool) and the machine's name.
+Reached = tuple[Node, str]
 
 
 @dataclass
@@ -46,6 +50,9 @@ class CloudCluster(Cluster):
     provisioning: Future[list[Any]] | None = None  # the launch's thread
     node_instances: dict[int, str] = field(default_factory=dict)  # node index -> machine
     removed: bool = False
+    # Replacements started ahead (`CloudProvider.prestart`, on a preemption notice): node index
+    # -> the machine being made and reached, not yet in `nodes`.
+    spares: dict[int, asyncio.Future[Reached]] = field(default_factory=dict)
     # Where the teardown says what it retries and why: the pool's console, once launched (a
     # user who waits on a teardown sees why), the log before.
     tell: Callable[[str], None] = field(default=logging.getLogger("skyward").info)
@@ -99,15 +106,17 @@ class CloudProvider(RemoteData, Provider):
         self,
         cluster: CloudCluster,
         make: Callable[[], list[Any]],
-        connect: Callable[[list[Any]], Awaitable[list[Node]]],
+        reach: Callable[[list[Any]], Awaitable[list[Reached]]],
     ) -> Cluster:
         """`cluster` with its nodes: `make` (the cloud calls that make the machines) runs in a
-        thread, then `connect` reaches what it made. On any failure or cancellation, what was
+        thread, then `reach` connects to what it made. On any failure or cancellation, what was
         made is removed; the launch's own error stays the error, the teardown's is a note."""
         try:
             cluster.provisioning = in_thread(make, f"skyward-{self.name}-launch-{cluster.pool_id}")
             found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
-            cluster.nodes = await connect(found)
+            reached = await reach(found)
+            cluster.nodes = [node for node, _ in reached]
+            cluster.node_instances.update((node.index, name) for node, name in reached)
             return cluster
         except BaseException as exc:
             cluster.cancel.set()
@@ -119,30 +128,87 @@ class CloudProvider(RemoteData, Provider):
                 exc.add_note(str(cleanup))
             raise
 
-    async def replaced(
-        self,
-        pool: CloudCluster,
-        index: int,
-        make: Callable[[str], list[Any]],
-        connect: Callable[[list[Any]], Awaitable[list[Node]]],
-        failures: tuple[type[BaseException], ...],
-        describe: Callable[[BaseException], str] = str,
-    ) -> Node:
-        """Node `index` of `pool` on a fresh machine: `make` (the cloud calls, given the lost
-        machine) runs in a thread, then `connect` reaches the one machine it made. A failure
-        of `make` among `failures` is a `ProvisionError` (its words from `describe`)."""
+    # -- one machine in place of another ---------------------------------------------------
+    # A subclass says how to make one more machine as the pool's were (`make_one`, blocking),
+    # how to reach it (`reach`), how to let a lost one go (`retire`, blocking), and whether
+    # node `index` can be replaced at all (`check_replaceable`).
+
+    def check_replaceable(self, pool: CloudCluster, index: int) -> None:
+        """Raise `ConfigError` when node `index` cannot be replaced on its own."""
+        return None
+
+    def make_one(self, pool: CloudCluster) -> list[Any]:
+        """Make one machine as the pool's were and wait until it runs (in a thread)."""
+        raise ConfigError(f"the {self.name} provider cannot replace nodes")
+
+    def retire(self, pool: CloudCluster, lost: str) -> None:
+        """Remove the lost machine `lost` (it may be hung rather than gone; in a thread); a
+        failure is only logged: the teardown removes it in the end."""
+        return None
+
+    async def reach(
+        self, pool: CloudCluster, found: list[Any], indexes: Sequence[int]
+    ) -> list[Reached]:
+        """Connect to the machines `found` (for nodes `indexes`)."""
+        raise ConfigError(f"the {self.name} provider cannot replace nodes")
+
+    def describe_failure(self, exc: BaseException) -> str:
+        """A failed cloud call in words."""
+        return str(exc)
+
+    async def replace(self, cluster: Cluster, index: int) -> Node:
+        """Node `index` on a fresh machine: the one started ahead (`prestart`) if there is one,
+        else one made now, once the lost machine is let go."""
+        pool = self._own(cluster)
+        self.check_replaceable(pool, index)
         await remote_nodes(pool)[index].host.close()
         lost = pool.node_instances[index]
-        made = in_thread(lambda: make(lost), f"skyward-{self.name}-replace-{pool.pool_id}")
-        try:
-            found = await asyncio.shield(asyncio.wrap_future(made))
-        except failures as exc:
-            raise ProvisionError(
-                f"launching a replacement for node {index}: {describe(exc)}"
-            ) from None
-        (node,) = await connect(found)
+        spare = pool.spares.pop(index, None)
+        retiring = in_thread(
+            lambda: self.retire(pool, lost), f"skyward-{self.name}-retire-{pool.pool_id}"
+        )
+        reached: Reached | None = None
+        if spare is not None:
+            try:
+                reached = await spare
+            except ProvisionError as exc:  # made now instead, as if none had been started
+                pool.tell(f"node {index}'s replacement started ahead failed ({exc}); again")
+        # The lost machine goes before one is made now: it may hold the quota or the capacity
+        # its replacement needs.
+        await asyncio.shield(asyncio.wrap_future(retiring))
+        node, name = reached or await self._spare(pool, index)
+        pool.node_instances[index] = name
         pool.nodes[index] = node
         return node
+
+    async def prestart(self, cluster: Cluster, index: int) -> bool:
+        pool = self._own(cluster)
+        if index in pool.spares or pool.removed:
+            return False
+        try:
+            self.check_replaceable(pool, index)
+        except ConfigError:
+            return False
+        pool.spares[index] = asyncio.ensure_future(self._spare(pool, index))
+        return True
+
+    async def _spare(self, pool: CloudCluster, index: int) -> Reached:
+        made = in_thread(lambda: self.make_one(pool), f"skyward-{self.name}-spare-{pool.pool_id}")
+        try:
+            found = await asyncio.shield(asyncio.wrap_future(made))
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ProvisionError(
+                f"launching a replacement for node {index}: {self.describe_failure(exc)}"
+            ) from None
+        (reached,) = await self.reach(pool, found, [index])
+        return reached
+
+    def _own(self, cluster: Cluster) -> CloudCluster:
+        if not isinstance(cluster, CloudCluster):
+            raise TypeError(f"{cluster!r} is not a pool of the {self.name} provider")
+        return cluster
 
     async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
         return await survey_nodes(cluster, image, self.bootstrap, progress)
@@ -151,11 +217,11 @@ class CloudProvider(RemoteData, Provider):
         await prepare_nodes(cluster, image, self.bootstrap, progress)
 
     async def terminate(self, cluster: Cluster) -> None:
-        if not isinstance(cluster, CloudCluster):
-            raise TypeError(f"{cluster!r} is not a pool of the {self.name} provider")
+        cluster = self._own(cluster)
         if cluster.removed:
             return
         await close_hosts(cluster)
+        await _drop_spares(cluster)
         name = f"skyward-{self.name}-teardown-{cluster.pool_id}"
         done = in_thread(lambda: self._remove(cluster), name)
         # Shielded: if the pool's loop is cancelled, the thread still finishes the job.
@@ -193,6 +259,19 @@ class CloudProvider(RemoteData, Provider):
             f"boot_timeout={self.boot_timeout:g} s",
         )
         return await connect_all([Endpoint(a, 22, user) for a in addresses], options, wait, labels)
+
+
+async def _drop_spares(pool: CloudCluster) -> None:
+    """Replacements started ahead and never used: stop reaching them and close what connected
+    (their machines carry the pool's tags: the teardown removes them with the rest)."""
+    spares, pool.spares = list(pool.spares.values()), {}
+    for spare in spares:
+        spare.cancel()
+    for outcome in await asyncio.gather(*spares, return_exceptions=True):
+        if isinstance(outcome, tuple):
+            node = outcome[0]
+            if isinstance(node, RemoteNode):
+                await node.host.close()
 
 
 def remove_pools(pool_ids: Sequence[str], remove: Callable[[str], list[str]]) -> list[str]:

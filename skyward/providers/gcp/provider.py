@@ -32,14 +32,22 @@ from typing import Any
 
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Phase, Progress
+from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.base import Cluster, Node, NodeLoss, count
 from skyward.providers.cloud.bootscript import HostKey
-from skyward.providers.cloud.provider import CloudCluster, CloudProvider, check_cidr, remove_pools
+from skyward.providers.cloud.provider import (
+    CloudCluster,
+    CloudProvider,
+    Reached,
+    check_cidr,
+    remove_pools,
+)
 from skyward.providers.gcp import (
     api,
     instances,
     machine_types,
+    prices,
     provision,
     resources,
     teardown,
@@ -197,6 +205,29 @@ class GCP(CloudProvider):
             machine_types.choose(spec.accelerator, self.machine_type)
         self.access()
 
+    async def price(self, spec: ClusterSpec) -> Price:
+        """One node's price per hour from the Cloud Billing Catalog: a VM of the machine type the
+        pool would launch (its cores, memory and GPUs), or one host of its TPU slice; spot
+        rates with ``spot=True``. `Price.unknown` with the reason when the catalog cannot say."""
+
+        def look_up(tpu: tpu_types.TpuType | None, machine_type: str) -> Price:
+            access, spot = self.access(), self.placement.spot
+            endpoint = endpoint_of(self._endpoint, "CLOUDBILLING")
+            catalog = prices.catalog_client(access.credentials, endpoint)
+            if tpu is not None:
+                return prices.tpu_price(catalog, tpu, access.region, spot)
+            compute = prices.machine_types_client(access.credentials, endpoint_of(self._endpoint))
+            zone = access.zone
+            return prices.vm_price(compute, catalog, access.project, zone, machine_type, spot)
+
+        try:
+            if spec.accelerator is not None and spec.accelerator.is_tpu:
+                return await asyncio.to_thread(look_up, tpu_types.parse(spec.accelerator), "")
+            choice = machine_types.choose(spec.accelerator, self.machine_type)
+            return await asyncio.to_thread(look_up, None, choice.machine_type)
+        except Exception as exc:  # a price is only information: the pool goes on without it
+            return Price.unknown(f"the GCP price lookup failed: {exc}")
+
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         tpu = None
         if spec.accelerator is not None and spec.accelerator.is_tpu:
@@ -224,22 +255,27 @@ class GCP(CloudProvider):
             lambda found: self._connect(cluster, found, range(len(found)), progress),
         )
 
-    async def replace(self, cluster: Cluster, index: int) -> Node:
-        """A new VM, launched as the pool's were, in place of a lost one."""
-        pool = _gcp(cluster)
-        if pool.tpu is not None:
+    def check_replaceable(self, pool: CloudCluster, index: int) -> None:
+        if _gcp(pool).tpu is not None:
             raise ConfigError(
                 f"node {index} is a host of TPU slice {tpus.node_name(pool.pool_id)}: a slice's "
                 "hosts cannot be replaced one by one; start a new pool"
             )
-        return await self.replaced(
-            pool,
-            index,
-            lambda lost: provision.replacement(self._calls(), pool, lost),
-            lambda found: self._connect(pool, found, [index]),
-            api.ApiError,
-            api.describe,
-        )
+
+    def make_one(self, pool: CloudCluster) -> list[Any]:
+        """One more VM, made as the pool's were, running."""
+        return provision.one_more(self._calls(), _gcp(pool))
+
+    def retire(self, pool: CloudCluster, lost: str) -> None:
+        provision.retire(self._calls(), lost)
+
+    async def reach(
+        self, pool: CloudCluster, found: list[Any], indexes: Sequence[int]
+    ) -> list[Reached]:
+        return await self._connect(_gcp(pool), found, indexes)
+
+    def describe_failure(self, exc: BaseException) -> str:
+        return api.describe(exc) if isinstance(exc, api.ApiError) else str(exc)
 
     def teardown_summary(self, cluster: Cluster) -> str:
         tpu = _gcp(cluster).tpu
@@ -301,7 +337,7 @@ class GCP(CloudProvider):
         found: list[provision.Host],
         indexes: Sequence[int],
         progress: Progress | None = None,
-    ) -> list[Node]:
+    ) -> list[Reached]:
         """Connect to the VMs (or TPU hosts) `found` (as nodes `indexes`), trusting only the
         pool's host key."""
         addresses = [h.address for h in found]
@@ -310,14 +346,13 @@ class GCP(CloudProvider):
                 progress.phase(index, Phase.CONNECTING, f"{host.name} {host.address}")
         labels = [f"{'TPU' if pool.tpu else 'VM'} {h.name} ({h.address})" for h in found]
         connected = await self.connect_hosts(pool, addresses, self.placement.user, labels)
-        nodes: list[Node] = []
+        reached: list[Reached] = []
         for index, ssh, host in zip(indexes, connected, found, strict=True):
-            pool.node_instances[index] = host.name
             node = RemoteNode(index, ssh, host.private or None)
             # The agent watches the preemption notice (sky.preempting()) itself.
             node.provider_env = {NOTICES_ENV: "gcp"}
-            nodes.append(node)
-        return nodes
+            reached.append((node, host.name))
+        return reached
 
     # -- teardown --------------------------------------------------------------------------
 

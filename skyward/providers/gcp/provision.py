@@ -111,12 +111,17 @@ def tpu_slice(
     ]
 
 
-def replacement(calls: Calls, pool: GCPCluster, lost: str) -> list[Host]:
-    """One VM as the pool's were made (`pool.body`), in place of the VM `lost`."""
+def retire(calls: Calls, lost: str) -> None:
+    """Delete the lost VM `lost` (it may be hung rather than gone); a failure is only logged:
+    the teardown deletes it in the end."""
     try:
         teardown.delete_vm(calls.clients, calls.access.project, calls.access.zone, lost)
-    except api.ApiError as exc:  # the teardown deletes it in the end
+    except api.ApiError as exc:
         logger.info("deleting lost VM %s: %s", lost, api.describe(exc))
+
+
+def one_more(calls: Calls, pool: GCPCluster) -> list[Host]:
+    """One more VM, made as the pool's were (`pool.body`), once it runs."""
     known = set(pool.made.instances)
     instances.run(calls.clients, calls.access, pool.body, 1, calls.deadline)
     return _running(calls, pool, 1, known)

@@ -31,6 +31,7 @@ from typing import TypeVar
 
 from skyward.cluster import ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
+from skyward.cost import Price
 from skyward.data import S3_SCHEME, Data, Placement
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
@@ -42,6 +43,7 @@ from skyward.providers.base import (
     NodeLoss,
     Provider,
     count,
+    given_rate,
     local_outputs,
     output_path,
 )
@@ -111,6 +113,8 @@ class Slurm(Provider):
         python: the interpreter on the compute nodes (default ``python3``).
         key, known_hosts, connect_timeout, config: how to log into `login` (as `sky.SSH`).
         uv_version, build_env: as `sky.SSH`: the uv to install, and the build steps' env.
+        price_per_hour: what one node costs you per hour, in US dollars (a site's charge
+            rate), if anything: the pool then counts its spend and can keep a `max_cost`.
     """
 
     name = "slurm"
@@ -133,7 +137,9 @@ class Slurm(Provider):
         config: Sequence[str] | None = None,
         uv_version: str | None = None,
         build_env: Mapping[str, str] | None = None,
+        price_per_hour: float | None = None,
     ) -> None:
+        self._price = given_rate(price_per_hour, "sky.Slurm")
         if isinstance(options, str):
             raise ConfigError("options must be a list of strings, e.g. ['--constraint=ib']")
         self.partition = partition
@@ -167,6 +173,9 @@ class Slurm(Provider):
             return await work(login)
         finally:
             await login.close()
+
+    async def price(self, spec: ClusterSpec) -> Price:
+        return self._price
 
     def validate(self, spec: ClusterSpec) -> None:
         if spec.accelerator is not None and spec.accelerator.is_tpu:

@@ -1,0 +1,218 @@
+"""A small Cloud Billing Catalog API on 127.0.0.1, for the real ``billing_v1`` client (REST).
+
+It answers the two calls of the public catalog as the REST reference documents them
+(https://cloud.google.com/billing/docs/reference/rest/v1/services and ``services.skus``):
+
+- ``GET /v1/services`` -> ``{"services": [{"name", "serviceId", "displayName",
+  "businessEntityName"}], "nextPageToken"}``;
+- ``GET /v1/services/{id}/skus`` -> ``{"skus": [Sku...], "nextPageToken"}``, each SKU with its
+  ``category`` (resourceFamily, resourceGroup, usageType), ``serviceRegions`` and
+  ``pricingInfo[].pricingExpression`` (usageUnit, ``tieredRates[].startUsageAmount`` and
+  ``unitPrice`` {currencyCode, units, nanos}).
+
+Both page with ``pageToken``/``pageSize`` (at most `page_size` items a page: set it low to make
+the client follow the tokens) and ``currencyCode`` is checked (only USD is served). Every reply
+is parsed with the library's own type (``billing_v1.ListSkusResponse.from_json(...,
+ignore_unknown_fields=False)``) before it is written: a field the library does not know, or of
+the wrong type, is an entry in `errors`, which the tests assert empty, and so is any call the
+fake does not serve.
+
+What it proves: that the official client's requests reach these paths with the parameters
+skyward sets, that skyward follows the pages, and that it reads the documented SKU shape (the
+latest pricing, its zero-usage tier, units + nanos). What only the real API can show: the real
+SKU descriptions and groups the matching relies on (Google renames them), which services hold
+which SKUs, and the prices themselves, which drift.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+from decimal import Decimal
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from google.cloud import billing_v1
+
+COMPUTE_ENGINE = "6F81-5844-456A"
+
+
+class _Refused(Exception):
+    def __init__(self, code: int, status: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.status, self.message = code, status, message
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, "status": self.status}}
+
+
+class FakeBilling:
+    """The server, its services and their SKUs; `url` is what ``api_endpoint`` takes."""
+
+    def __init__(self, page_size: int = 5000) -> None:
+        self.page_size = page_size  # the API's own maximum
+        self.services: dict[str, str] = {COMPUTE_ENGINE: "Compute Engine"}  # id -> display name
+        self.skus: dict[str, list[dict[str, Any]]] = {COMPUTE_ENGINE: []}
+        self.requests: list[tuple[str, dict[str, str]]] = []  # (path, query) of each call
+        self.errors: list[str] = []
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+
+    def __enter__(self) -> FakeBilling:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)
+
+    def add_service(self, service_id: str, display_name: str) -> None:
+        self.services[service_id] = display_name
+        self.skus.setdefault(service_id, [])
+
+    def add_sku(
+        self,
+        description: str,
+        price: str,
+        *,
+        group: str,
+        regions: list[str],
+        usage: str = "OnDemand",
+        unit: str = "h",
+        family: str = "Compute",
+        service: str = COMPUTE_ENGINE,
+        tiers: list[tuple[float, str]] | None = None,
+    ) -> dict[str, Any]:
+        """Register a SKU priced `price` USD (a decimal string) per `unit`, or by `tiers`
+        ((start usage amount, price) pairs). Returns it, in the API's JSON shape."""
+        number = next(self._ids)
+        sku_id = f"{number:04X}-{number * 7 % 65536:04X}-{number * 13 % 65536:04X}"
+        rates = [
+            {"startUsageAmount": start, "unitPrice": _money(amount)}
+            for start, amount in (tiers or [(0, price)])
+        ]
+        sku = {
+            "name": f"services/{service}/skus/{sku_id}",
+            "skuId": sku_id,
+            "description": description,
+            "category": {
+                "serviceDisplayName": self.services[service],
+                "resourceFamily": family,
+                "resourceGroup": group,
+                "usageType": usage,
+            },
+            "serviceRegions": regions,
+            "pricingInfo": [
+                {
+                    "summary": "",
+                    "pricingExpression": {
+                        "usageUnit": unit,
+                        "displayQuantity": 1,
+                        "tieredRates": rates,
+                        "usageUnitDescription": {"h": "hour", "GiBy.h": "gibibyte hour"}.get(
+                            unit, unit
+                        ),
+                        "baseUnit": {"h": "s", "GiBy.h": "By.s"}.get(unit, unit),
+                        "baseUnitDescription": "second",
+                        "baseUnitConversionFactor": 3600,
+                    },
+                    "currencyConversionRate": 1,
+                    "effectiveTime": "2026-11-01T08:00:00.000Z",
+                }
+            ],
+            "serviceProviderName": "Google",
+        }
+        with self._lock:
+            self.skus[service].append(sku)
+        return sku
+
+    # -- the API
+
+    def dispatch(self, path: str, query: dict[str, str]) -> dict[str, Any]:
+        with self._lock:
+            self.requests.append((path, dict(query)))
+        if path == "/v1/services":
+            services = [
+                {
+                    "name": f"services/{service_id}",
+                    "serviceId": service_id,
+                    "displayName": name,
+                    "businessEntityName": "businessEntities/GCP",
+                }
+                for service_id, name in sorted(self.services.items())
+            ]
+            items, token = self._page(services, query)
+            return self._checked(
+                billing_v1.ListServicesResponse, {"services": items, "nextPageToken": token}
+            )
+        match = re.fullmatch(r"/v1/services/(?P<service>[^/]+)/skus", path)
+        if match is None:
+            self.errors.append(f"unknown call GET {path}")
+            raise _Refused(404, "NOT_FOUND", f"the fake does not serve {path}")
+        service = match["service"]
+        if service not in self.skus:
+            raise _Refused(404, "NOT_FOUND", f"Service {service} not found")
+        currency = query.get("currencyCode", "USD")
+        if currency != "USD":
+            self.errors.append(f"currencyCode {currency!r}")
+            raise _Refused(400, "INVALID_ARGUMENT", f"currency {currency} is not served here")
+        with self._lock:
+            skus = list(self.skus[service])
+        items, token = self._page(skus, query)
+        return self._checked(billing_v1.ListSkusResponse, {"skus": items, "nextPageToken": token})
+
+    def _page(self, items: list[dict[str, Any]], query: dict[str, str]) -> tuple[list[Any], str]:
+        size = min(int(query.get("pageSize") or self.page_size), self.page_size)
+        start = int(query.get("pageToken") or 0)
+        end = start + size
+        return items[start:end], (str(end) if end < len(items) else "")
+
+    def _checked(self, kind: Any, reply: dict[str, Any]) -> dict[str, Any]:
+        try:
+            kind.from_json(json.dumps(reply), ignore_unknown_fields=False)
+        except Exception as exc:  # the fake's own shapes drifted from the library's types
+            self.errors.append(f"the fake wrote a bad {kind.__name__}: {exc}")
+        return reply
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                parts = urlsplit(self.path)
+                query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+                try:
+                    status, reply = 200, fake.dispatch(parts.path, query)
+                except _Refused as exc:
+                    status, reply = exc.code, exc.body()
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json; charset=UTF-8")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        return Handler
+
+
+def _money(amount: str) -> dict[str, Any]:
+    """A decimal USD amount as google.type.Money: whole units (an int64, so a JSON string)
+    and nanos."""
+    value = Decimal(amount)
+    units = int(value)
+    return {"currencyCode": "USD", "units": str(units), "nanos": int((value - units) * 10**9)}

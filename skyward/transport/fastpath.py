@@ -291,6 +291,9 @@ class PipeGroup:
                         if not reader.read_once():
                             self._drop(reader)
                             self.broken = True
+                            # Its node's end is settled on the loop in a few ms, which ends
+                            # `done()` without a byte on the other pipes: look often till then.
+                            timeout_ms = 1
         finally:
             for reader in self.readers:
                 reader.leave()

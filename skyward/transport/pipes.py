@@ -148,6 +148,8 @@ class SubprocessStream:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
+        if self.control is not None:
+            self.control.wake()
 
     def signal(self, signum: int) -> None:
         # The child itself: the agent, or the srun that forwards it to the agent's step.
@@ -181,6 +183,9 @@ class _ControlReader:
         self._callers = 0  # callers reading or about to
         self._last_caller = 0.0  # when the last one left
         self._selecting = False  # the background thread waits in select
+        # Set to end the background thread's wait between its looks (`wake`): a pipe about to
+        # end (its agent killed) is read at once, not at the next look.
+        self._woken = threading.Event()
         self._kick_r, self._kick_w = os.pipe()
         os.set_blocking(self._kick_r, False)
         self._closed_kick = False
@@ -216,8 +221,9 @@ class _ControlReader:
                         self._selecting = True  # a caller that comes now kicks (`enter`)
                         break
                 # Nobody wakes this thread when callers leave (that would cost a wake-up per
-                # call): it looks again now and then.
-                time.sleep(self.BUSY_POLL if callers else self.LINGER - idle)
+                # call): it looks again now and then, or when woken (`wake`).
+                self._woken.wait(self.BUSY_POLL if callers else self.LINGER - idle)
+                self._woken.clear()
             with self.lock:
                 if self.ended:
                     return
@@ -229,6 +235,10 @@ class _ControlReader:
                         os.read(self._kick_r, 4096)
                 if self.fd in ready:
                     self.read_once()
+
+    def wake(self) -> None:
+        """Look at the pipe now (its agent was just killed: its end is to be read)."""
+        self._woken.set()
 
     def enter(self) -> None:
         """A caller is about to read: the background thread steps aside (it is kicked out of

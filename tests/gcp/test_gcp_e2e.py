@@ -284,3 +284,58 @@ def test_a_preemption_notice_reaches_the_node_and_its_checkpoint_the_client(
             assert "got a preemption notice (GCP preemption, 30 s left)" in logs, logs
     finally:
         metadata.close()
+
+
+@sky.compute
+def resume_or_checkpoint_and_wait() -> tuple[str | None, str]:
+    """First run: node 0 reports a checkpoint, then every node works on (until its VM is
+    preempted). After the restart: what the node resumed from, and its VM's hostname."""
+    import socket
+
+    resume = sky.resume_from()
+    if resume is not None:
+        return (Path(resume) / "state").read_text(), socket.gethostname()
+    if sky.instance_info().node == 0:
+        ckpt = Path(sky.output_dir()) / "ckpt"
+        ckpt.mkdir(parents=True, exist_ok=True)
+        (ckpt / "state").write_text("step 5")
+        sky.report({"step": 5.0}, checkpoint=str(ckpt))
+    time.sleep(120)  # stopped when node 1's VM is preempted
+    return None, socket.gethostname()
+
+
+def test_restarts_replace_a_preempted_vm_and_resume_from_the_checkpoint(
+    gce_hosts: Callable[..., GceHosts], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """restarts=1 on GCP (the fake's preemption, bare Debian VMs): node 1's spot VM is
+    reclaimed once node 0's checkpoint reached the client; a new VM takes its place, node 0
+    keeps its VM, and both resume from the checkpoint, copied off node 0's VM when reported."""
+    sim = gce_hosts()
+    fake = sim.fake
+    assert fake is not None
+    victims: list[str] = []
+
+    def on_report(report: sky.Report) -> None:
+        if report.checkpoint is not None and not victims:
+            victims.append(sorted(sim.booted)[1])
+            threading.Thread(target=fake.preempt, args=(victims[0],)).start()
+
+    with sky.ComputePool(
+        provider=gce_for(sim, spot=True),
+        nodes=2,
+        restarts=1,
+        output_dir=tmp_path / "runs",
+        on_report=on_report,
+        stream_output=False,
+    ) as pool:
+        cluster = pool.cluster
+        assert cluster is not None
+        before = dict(cluster.node_instances)  # type: ignore[attr-defined]
+        after = resume_or_checkpoint_and_wait() @ pool
+        now = dict(cluster.node_instances)  # type: ignore[attr-defined]
+    assert victims == [before[1]], (victims, before)
+    assert [state for state, _ in after] == ["step 5", "step 5"]
+    assert now[0] == before[0] and now[1] != before[1], (before, now)
+    err = capfd.readouterr().err
+    assert "restart 1 of 1 after WorkerError" in err and f"VM {before[1]} was preempted" in err, err
+    nothing_left(sim)

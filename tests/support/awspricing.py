@@ -27,9 +27,11 @@ import base64
 import itertools
 import json
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.support.localhttp import LocalServer, Reply, Request
 
 TARGET = "AWSPriceListService.GetProducts"
 _ON_DEMAND_OFFER = "JRTCKXETXF"  # the offer term code AWS gives on-demand terms
@@ -55,21 +57,15 @@ class PriceListServer:
     def __post_init__(self) -> None:
         self._skus = itertools.count(1)
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
+        self._server = LocalServer(self._reply, methods=("POST",))
+        self.url = self._server.url
 
     def __enter__(self) -> PriceListServer:
-        self._thread.start()
+        self._server.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
+        self._server.close()
 
     def add(
         self,
@@ -160,14 +156,15 @@ class PriceListServer:
 
     # -- the protocol
 
-    def answer(self, headers: Any, body: bytes) -> dict[str, Any]:
-        """One request: its headers and body -> the response body (or `_Refused`)."""
-        target = headers.get("X-Amz-Target", "")
+    def answer(self, headers: Mapping[str, str], body: bytes) -> dict[str, Any]:
+        """One request: its headers (names in lower case) and body -> the response body (or
+        `_Refused`)."""
+        target = headers.get("x-amz-target", "")
         if target != TARGET:
             raise self._error("UnknownOperationException", f"unexpected target {target!r}")
-        if headers.get("Content-Type", "") != "application/x-amz-json-1.1":
+        if headers.get("content-type", "") != "application/x-amz-json-1.1":
             raise self._error("SerializationException", "not application/x-amz-json-1.1")
-        auth = headers.get("Authorization", "")
+        auth = headers.get("authorization", "")
         if (
             not auth.startswith("AWS4-HMAC-SHA256 ")
             or "/us-east-1/pricing/aws4_request" not in auth
@@ -225,28 +222,14 @@ class PriceListServer:
             raise self._error("InvalidNextTokenException", "NextToken of another query")
         return int(offset)
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                try:
-                    status, reply = 200, server.answer(self.headers, body)
-                except _Refused as exc:
-                    status = exc.status
-                    reply = {"__type": exc.code, "Message": exc.message}
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/x-amz-json-1.1")
-                self.send_header("x-amzn-RequestId", "00000000-0000-0000-0000-000000000000")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        return Handler
+    def _reply(self, request: Request) -> Reply:
+        try:
+            status, reply = 200, self.answer(request.headers, request.body)
+        except _Refused as exc:
+            status = exc.status
+            reply = {"__type": exc.code, "Message": exc.message}
+        headers = {
+            "Content-Type": "application/x-amz-json-1.1",
+            "x-amzn-RequestId": "00000000-0000-0000-0000-000000000000",
+        }
+        return status, headers, json.dumps(reply).encode()

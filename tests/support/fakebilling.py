@@ -31,11 +31,11 @@ import json
 import re
 import threading
 from decimal import Decimal
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from google.cloud import billing_v1
+
+from tests.support.localhttp import LocalServer, Reply, Request
 
 COMPUTE_ENGINE = "6F81-5844-456A"
 
@@ -60,21 +60,15 @@ class FakeBilling:
         self.errors: list[str] = []
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
+        self._server = LocalServer(self.answer, methods=("GET",))
+        self.url = self._server.url
 
     def __enter__(self) -> FakeBilling:
-        self._thread.start()
+        self._server.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(10)
+        self._server.close()
 
     def add_service(self, service_id: str, display_name: str) -> None:
         self.services[service_id] = display_name
@@ -184,30 +178,15 @@ class FakeBilling:
             self.errors.append(f"the fake wrote a bad {kind.__name__}: {exc}")
         return reply
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                parts = urlsplit(self.path)
-                query = {k: v[0] for k, v in parse_qs(parts.query).items()}
-                try:
-                    status, reply = 200, fake.dispatch(parts.path, query)
-                except _Refused as exc:
-                    status, reply = exc.code, exc.body()
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json; charset=UTF-8")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        return Handler
+    def answer(self, request: Request) -> Reply:
+        """One request of the catalog's REST API (also for `FakeGCP`, which serves it beside
+        Compute Engine's)."""
+        try:
+            status, reply = 200, self.dispatch(request.path, request.query)
+        except _Refused as exc:
+            status, reply = exc.code, exc.body()
+        headers = {"Content-Type": "application/json; charset=UTF-8"}
+        return status, headers, json.dumps(reply).encode()
 
 
 def _money(amount: str) -> dict[str, Any]:

@@ -34,13 +34,13 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
-from urllib.parse import parse_qs, urlsplit
 
 from google.cloud import compute_v1
 
+from tests.support.fakebilling import FakeBilling
 from tests.support.faketpu import TpuApi
+from tests.support.localhttp import LocalServer, Reply, Request
 
 BASE = "https://www.googleapis.com/compute/v1"
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -101,28 +101,27 @@ class FakeGCP(TpuApi):
         self._ids = itertools.count(4_000_000_000_000_000_000)
         self._lock = threading.RLock()
         self._tpu_init()
+        # The Cloud Billing Catalog at the same endpoint, as `api_endpoint=` points both: no
+        # SKUs unless a test adds them (prices are then "unknown", as for an unlisted type).
+        self.billing = FakeBilling()
         self._stop = threading.Event()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._threads = [
-            threading.Thread(target=self._server.serve_forever, name="fakegcp", daemon=True),
-            threading.Thread(target=self._clock, name="fakegcp-clock", daemon=True),
-        ]
+        self._server = LocalServer(
+            self._reply, methods=("GET", "POST", "DELETE", "PATCH"), name="fakegcp"
+        )
+        self.url = self._server.url
+        self._clock_thread = threading.Thread(target=self._clock, name="fakegcp-clock", daemon=True)
 
     # -- lifecycle
 
     def start(self) -> FakeGCP:
-        for thread in self._threads:
-            thread.start()
+        self._server.start()
+        self._clock_thread.start()
         return self
 
     def close(self) -> None:
         self._stop.set()
-        self._server.shutdown()
-        self._server.server_close()
-        for thread in self._threads:
-            thread.join(10)
+        self._server.close()
+        self._clock_thread.join(10)
 
     def __enter__(self) -> FakeGCP:
         return self.start()
@@ -206,34 +205,16 @@ class FakeGCP(TpuApi):
 
     # -- HTTP
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _answer(self) -> None:
-                parts = urlsplit(self.path)
-                query = {k: v[0] for k, v in parse_qs(parts.query).items()}
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length).decode() if length else ""
-                try:
-                    status, reply = 200, fake.dispatch(self.command, parts.path, query, body)
-                except ApiError as exc:
-                    status, reply = exc.code, exc.body()
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json; charset=UTF-8")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_DELETE = do_PATCH = _answer
-
-        return Handler
+    def _reply(self, request: Request) -> Reply:
+        if request.path.startswith("/v1/services"):  # `api_endpoint=` reaches the catalog too
+            return self.billing.answer(request)
+        body = request.body.decode()
+        try:
+            status, reply = 200, self.dispatch(request.method, request.path, request.query, body)
+        except ApiError as exc:
+            status, reply = exc.code, exc.body()
+        headers = {"Content-Type": "application/json; charset=UTF-8"}
+        return status, headers, json.dumps(reply).encode()
 
     _ROUTES: ClassVar[list[tuple[str, str, str]]] = [
         ("POST", r"zones/(?P<zone>[^/]+)/instances/bulkInsert", "instances.bulkInsert"),

@@ -22,6 +22,15 @@ class ProvisionError(SkywardError):
     """The provider could not create the nodes; nothing it created is left behind."""
 
 
+class NoCapacity(ProvisionError):
+    """No location the pool may use could start it (capacity or quota, in every zone, region
+    and provider it was given); `attempts` lists each location and what it answered."""
+
+    def __init__(self, message: str, *, attempts: list[tuple[str, str]]) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+
+
 class BootstrapError(SkywardError):
     """A node's Python environment could not be built or its agent could not start."""
 

@@ -70,6 +70,12 @@ class Stubs:
     placement_groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     ssm_names: list[str] = field(default_factory=list)
     fail: dict[str, tuple[str, str]] = field(default_factory=dict)  # operation -> (code, msg)
+    # availability zone -> the (code, msg) RunInstances answers there: no capacity in a zone
+    fail_in_zone: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # (region, quota code) -> vCPUs: Service Quotas' EC2 quotas, which moto does not hold (any
+    # other answers NoSuchResourceException, as for a quota the account cannot read)
+    quotas: dict[tuple[str, str], float] = field(default_factory=dict)
+    launches: list[tuple[str, str]] = field(default_factory=list)  # RunInstances: (region, AZ)
 
     def install(self, session: boto3.session.Session) -> boto3.session.Session:
         events = session.events
@@ -77,6 +83,8 @@ class Stubs:
         events.register("before-call.ec2.DescribePlacementGroups", self._describe_pg)
         events.register("before-call.ec2.DeletePlacementGroup", self._delete_pg)
         events.register("before-call.ssm.GetParameter", self._get_parameter)
+        events.register("before-call.service-quotas.GetServiceQuota", self._get_quota)
+        events.register("before-call.ec2.RunInstances", self._run_instances)
         events.register("before-call.ec2", self._failures)
         return session
 
@@ -135,6 +143,26 @@ class Stubs:
             return None  # moto answers
         self.ssm_names.append(name)
         return self._ok({"Parameter": {"Name": name, "Type": "String", "Value": MOTO_AMI}})
+
+    def _get_quota(self, params: dict[str, Any], request_signer: Any, **_: Any) -> Any:
+        code = json.loads(params["body"])["QuotaCode"]
+        value = self.quotas.get((request_signer.region_name, code))
+        if value is None:
+            error = {"Code": "NoSuchResourceException", "Message": f"no quota {code} here"}
+            return self._ok({"Error": error}, status=400)
+        name = f"quota {code}"
+        return self._ok({"Quota": {"QuotaCode": code, "QuotaName": name, "Value": value}})
+
+    def _run_instances(self, params: dict[str, Any], request_signer: Any, **_: Any) -> Any:
+        body = params["body"]
+        zone = body.get("Placement.AvailabilityZone", "?")
+        self.launches.append((request_signer.region_name, zone))
+        market = body.get("InstanceMarketOptions.MarketType", "on-demand")
+        failure = self.fail_in_zone.get(f"{zone} {market}") or self.fail_in_zone.get(zone)
+        if failure is None:
+            return None  # moto launches
+        code, message = failure
+        return self._ok({"Error": {"Code": code, "Message": message}}, status=500)
 
     def _failures(self, model: Any, **_: Any) -> Any:
         failure = self.fail.get(model.name)

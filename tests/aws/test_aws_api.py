@@ -219,16 +219,117 @@ def test_launch_creates_exactly_this_and_a_failed_bootstrap_leaves_nothing(
     assert states == {"terminated"}
 
 
+NO_CAPACITY = (
+    "InsufficientInstanceCapacity",
+    "We currently do not have sufficient p4d.24xlarge capacity in the AZ you requested",
+)
+
+
+class Told(Progress):
+    """A `Progress` that keeps the status lines the provider tells the user."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, message: str) -> None:
+        self.lines.append(message)
+
+
+def subnets_in_zones(ec2: Any, zones: list[str]) -> list[str]:
+    """One subnet per zone of `zones`, in one VPC on the unreachable 10.213.9.0/24."""
+    vpc = ec2.create_vpc(CidrBlock="10.213.0.0/16")["Vpc"]["VpcId"]
+    size = 256 // len(zones)
+    return [
+        ec2.create_subnet(
+            VpcId=vpc,
+            CidrBlock=f"10.213.9.{i * size}/{32 - (size.bit_length() - 1)}",
+            AvailabilityZone=zone,
+        )["Subnet"]["SubnetId"]
+        for i, zone in enumerate(zones)
+    ]
+
+
 def test_capacity_error_leaves_nothing_and_says_why(ec2: Any, subnet: str, stubs: Stubs) -> None:
-    stubs.fail["RunInstances"] = (
-        "InsufficientInstanceCapacity",
-        "We currently do not have sufficient p4d.24xlarge capacity in the AZ you requested",
-    )
+    stubs.fail["RunInstances"] = NO_CAPACITY
     aws = provider(stubs, subnet)
-    with pytest.raises(ProvisionError) as caught:
+    with pytest.raises(sky.NoCapacity) as caught:
         asyncio.run(aws.launch(spec(4, "A100"), Progress()))
     message = str(caught.value)
-    assert "InsufficientInstanceCapacity" in message and "Nothing was left running" in message
+    assert "InsufficientInstanceCapacity" in message and "nothing was left running" in message
+    assert len(caught.value.attempts) == 1
+    assert leftovers(ec2) == []
+
+
+def test_every_zone_is_tried_in_order_and_one_error_lists_each(
+    ec2: Any, stubs: Stubs, guard_network: object
+) -> None:
+    zones = ["us-east-1a", "us-east-1b", "us-east-1c"]
+    stubs.fail_in_zone = dict.fromkeys(zones, NO_CAPACITY)
+    told = Told()
+    aws = provider(stubs, subnets_in_zones(ec2, zones))
+    with pytest.raises(sky.NoCapacity) as caught:
+        asyncio.run(aws.launch(spec(4, "A100"), told))
+    words = f"{NO_CAPACITY[0]}: {NO_CAPACITY[1]}"
+    assert caught.value.attempts == [(f"{z} (on-demand)", words) for z in zones]
+    assert stubs.launches == [("us-east-1", z) for z in zones]
+    assert [line.split(":")[0] for line in told.lines] == [f"{z} (on-demand)" for z in zones]
+    assert all(line.endswith("; trying the next location") for line in told.lines)
+    assert "a multi-node" not in str(caught.value)  # (said in the docs, not every error)
+    assert leftovers(ec2) == []  # the key pair and security group went with the attempts
+
+
+def test_a_region_whose_quota_cannot_fit_the_pool_is_skipped_without_a_launch(
+    stubs: Stubs, guard_network: object
+) -> None:
+    with mock_aws():
+        east = new_session(stubs).client("ec2", region_name="us-east-1")
+        (only,) = subnets_in_zones(east, ["us-east-1b"])
+        stubs.quotas[("us-west-2", "L-417A185B")] = 96.0  # P on-demand: one p4d, not four
+        stubs.quotas[("us-east-1", "L-417A185B")] = 1152.0
+        stubs.fail_in_zone = {"us-east-1b": NO_CAPACITY}
+        told = Told()
+        aws = provider(
+            stubs,
+            "",
+            region=["us-west-2", "us-east-1"],
+            subnet_id={"us-east-1": only},
+            ami=None,
+        )
+        with pytest.raises(sky.NoCapacity) as caught:
+            asyncio.run(aws.launch(spec(4, "A100"), told))
+        west = new_session(stubs).client("ec2", region_name="us-west-2")
+        assert leftovers(west) == [] and leftovers(east) == []
+    first, second = caught.value.attempts
+    assert first == (
+        "region us-west-2",
+        "its quota L-417A185B quota is 96 vCPUs; 4 x p4d.24xlarge (on-demand) need 384",
+    )
+    assert second[0] == "us-east-1b (on-demand)"
+    assert stubs.launches == [("us-east-1", "us-east-1b")]  # no launch call in us-west-2
+    assert told.lines[0].startswith("region us-west-2: its quota")
+
+
+def test_spot_prefer_tries_spot_everywhere_then_on_demand(
+    ec2: Any, stubs: Stubs, guard_network: object
+) -> None:
+    zones = ["us-east-1a", "us-east-1b"]
+    stubs.fail_in_zone = {f"{z} spot": NO_CAPACITY for z in zones}
+    told = Told()
+    aws = provider(stubs, subnets_in_zones(ec2, zones), spot="prefer")
+    # On-demand launches in the first zone; its instances are unreachable (10.213.9.0/24), so
+    # the launch then fails at the login, and removes them.
+    with pytest.raises(ProvisionError, match="did not accept the verified SSH login"):
+        asyncio.run(aws.launch(spec(2), told))
+    assert stubs.launches == [
+        ("us-east-1", "us-east-1a"),
+        ("us-east-1", "us-east-1b"),
+        ("us-east-1", "us-east-1a"),
+    ]
+    assert [line.split(":")[0] for line in told.lines[:3]] == [
+        "us-east-1a (spot)",
+        "us-east-1b (spot)",
+        "no spot capacity in any location",
+    ]
     assert leftovers(ec2) == []
 
 
@@ -410,12 +511,16 @@ def test_a_replacement_is_one_instance_launched_as_the_pools_were(
     def check_cancel() -> None:
         return None
 
+    choice = instance_types.choose(pool.accelerator, None)
+    (where,) = instances.subnets(ec2_client, [subnet], choice.instance_type)
     params = instances.set_up(
         ec2_client,
         aws.client("ssm"),
         aws.placement,
         pool,
-        instance_types.choose(pool.accelerator, None),
+        choice,
+        instances.type_details(ec2_client, choice),
+        where,
         key_path,
         userdata.HostKey.generate("t"),
         teardown.Made(),
@@ -426,7 +531,8 @@ def test_a_replacement_is_one_instance_launched_as_the_pools_were(
     lost = first[1]["InstanceId"]
     before = len(recorded)
 
-    fresh_ids = instances.replace(ec2_client, params, lost, pool.pool_id)
+    instances.retire(ec2_client, lost)
+    fresh_ids = instances.run(ec2_client, params, 1, pool.pool_id)
     (fresh,) = instances.wait_running(
         ec2_client, fresh_ids, timeout=5, poll=0.01, check_cancel=check_cancel
     )
@@ -458,12 +564,15 @@ def test_an_instance_profile_gives_the_nodes_their_own_credentials(
     arn = made["InstanceProfile"]["Arn"]
     aws = provider(stubs, subnet, iam_instance_profile=arn if by_arn else "skyward-data-reader")
     pool = spec(1, pool_id="t-iam")
+    choice = instance_types.choose(None, None)
     params = instances.set_up(
         aws.client("ec2"),
         aws.client("ssm"),
         aws.placement,
         pool,
-        instance_types.choose(None, None),
+        choice,
+        instances.type_details(aws.client("ec2"), choice),
+        instances.subnets(aws.client("ec2"), [subnet], choice.instance_type)[0],
         Path(tempfile.mkdtemp()) / "id_ed25519",
         userdata.HostKey.generate("t"),
         teardown.Made(),

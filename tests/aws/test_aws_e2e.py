@@ -375,3 +375,47 @@ def test_with_restarts_a_spot_notice_starts_the_replacement_before_the_node_is_g
     assert "got a preemption notice" in logs, logs
     err = capfd.readouterr().err
     assert "node 0 is being preempted: its replacement is starting" in err, err
+
+
+@sky.compute
+def node_index() -> int:
+    return sky.instance_info().node
+
+
+def test_a_pool_starts_in_the_first_zone_with_room_of_the_first_region_that_fits(
+    ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Failover: the first region's vCPU quota cannot fit the pool (skipped without a launch
+    call); in the second, the first two zones have no capacity and the pool starts, whole, in
+    the third (the hosts' subnet). The console names every location tried and why."""
+    sim = ec2_hosts()
+    found = sim.ec2.describe_subnets(SubnetIds=[sim.subnet_id])["Subnets"][0]
+    others = ("us-east-1a", "us-east-1b", "us-east-1c")
+    zones = [z for z in others if z != found["AvailabilityZone"]][:2]  # then the hosts' zone
+    full = [
+        sim.ec2.create_subnet(
+            VpcId=found["VpcId"], CidrBlock=f"10.213.{6 + i}.0/24", AvailabilityZone=zone
+        )["Subnet"]["SubnetId"]
+        for i, zone in enumerate(zones)
+    ]
+    stubs.fail_in_zone = dict.fromkeys(
+        zones, ("InsufficientInstanceCapacity", "We currently do not have sufficient capacity")
+    )
+    stubs.quotas[("us-west-2", "L-1216C47A")] = 1.0  # standard on-demand vCPUs: too few
+    provider = aws_for(
+        sim,
+        stubs,
+        region=["us-west-2", "us-east-1"],
+        subnet_id={"us-east-1": [*full, sim.subnet_id]},
+        ami=None,
+    )
+    with sky.ComputePool(provider=provider, nodes=2) as pool:
+        assert node_index() @ pool == [0, 1]
+    assert stubs.launches == [("us-east-1", z) for z in [*zones, found["AvailabilityZone"]]]
+    err = capfd.readouterr().err
+    tried = [
+        line.split(": ", 1)[1] for line in err.splitlines() if "trying the next location" in line
+    ]
+    assert tried[0].startswith("region us-west-2: its quota L-1216C47A quota is 1 vCPUs"), tried
+    assert [t.split(":")[0] for t in tried[1:]] == [f"{z} (on-demand)" for z in zones], tried
+    assert leftovers(new_session(stubs).client("ec2")) == []

@@ -21,7 +21,7 @@ import logging
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,15 +44,16 @@ CPU_AMI_PARAMETER = (
 CHECK_IP_URL = "https://checkip.amazonaws.com"
 _GONE_STATES = ("shutting-down", "terminated", "stopping", "stopped")
 _SPOT_CODES = ("Server.SpotInstanceTermination", "Server.SpotInstanceShutdown")
-_CAPACITY_CODES = (
+# EC2's answers that a zone cannot take the instances now: the next zone may.
+ZONE_CODES = (
     "InsufficientInstanceCapacity",
-    "InstanceLimitExceeded",
-    "VcpuLimitExceeded",
-    "MaxSpotInstanceCountExceeded",
-    "SpotMaxPriceTooLow",
     "InsufficientCapacity",
+    "SpotMaxPriceTooLow",
     "Unsupported",
 )
+# Its answers that a quota (per region) is too low: no zone of the region will do.
+REGION_CODES = ("InstanceLimitExceeded", "VcpuLimitExceeded", "MaxSpotInstanceCountExceeded")
+_CAPACITY_CODES = ZONE_CODES + REGION_CODES
 
 CheckCancel = Callable[[], None]
 logger = logging.getLogger("skyward.aws")
@@ -78,27 +79,19 @@ def set_up(
     placement: Placement,
     spec: ClusterSpec,
     choice: instance_types.Choice,
+    details: Mapping[str, Any],
+    subnet: Mapping[str, Any],
     key_path: Path,
     host_key: userdata.HostKey,
     made: teardown.Made,
     check_cancel: CheckCancel,
 ) -> dict[str, Any]:
-    """Create the pool's key pair, security group (and placement group); return the
-    `run_instances` parameters of its instances. Everything that can be wrong with the
-    request is found out before anything exists."""
-    try:
-        info = ec2.describe_instance_types(InstanceTypes=[choice.instance_type])
-    except ClientError as exc:
-        if "InvalidInstanceType" in str(exc):
-            raise ConfigError(
-                f"instance type {choice.instance_type!r} does not exist in this region: {exc}"
-            ) from None
-        raise
-    details = info["InstanceTypes"][0]
-    instance_types.check(choice, details)
+    """Create the pool's key pair, security group (in `subnet`'s VPC) and placement group;
+    return the `run_instances` parameters of its instances in `subnet` (`in_subnet` moves
+    them to another zone's). `details`: the type's `describe` (`type_details`). Everything
+    that can be wrong with the request is found out before anything exists."""
     arch = instance_types.architecture(details)
     ami = placement.ami or _resolve_ami(ssm, choice.is_gpu, arch)
-    subnet = _subnet(ec2, placement.subnet_id, choice.instance_type)
     cidr = placement.ssh_cidr or _client_cidr(ec2, subnet["VpcId"], placement.use_private_ips)
     check_cancel()
 
@@ -179,6 +172,32 @@ def set_up(
         ],
         **options,
     )
+
+
+def type_details(ec2: Any, choice: instance_types.Choice) -> dict[str, Any]:
+    """EC2's description of the chosen type in this region (vCPUs, GPUs, architecture), checked
+    against what the pool asked for."""
+    try:
+        info = ec2.describe_instance_types(InstanceTypes=[choice.instance_type])
+    except ClientError as exc:
+        if "InvalidInstanceType" in str(exc):
+            raise ConfigError(
+                f"instance type {choice.instance_type!r} does not exist in this region: {exc}"
+            ) from None
+        raise
+    details = dict(info["InstanceTypes"][0])
+    instance_types.check(choice, details)
+    return details
+
+
+def in_subnet(params: Mapping[str, Any], subnet: Mapping[str, Any]) -> dict[str, Any]:
+    """`params` for instances in `subnet` (and so its zone) instead."""
+    moved = dict(params)
+    moved["NetworkInterfaces"] = [
+        {**params["NetworkInterfaces"][0], "SubnetId": subnet["SubnetId"]}
+    ]
+    moved["Placement"] = {**params["Placement"], "AvailabilityZone": subnet["AvailabilityZone"]}
+    return moved
 
 
 def run(ec2: Any, params: Mapping[str, Any], count: int, pool_id: str) -> list[str]:
@@ -267,6 +286,13 @@ def describe_loss(instance: Mapping[str, Any]) -> NodeLoss | None:
     )
 
 
+def error_words(exc: ClientError) -> tuple[str, str]:
+    """A failed EC2 call's code, and the code with its message."""
+    error = exc.response.get("Error", {})
+    code = str(error.get("Code", "?"))
+    return code, f"{code}: {error.get('Message', str(exc))}"
+
+
 def launch_error(exc: ClientError, spec: ClusterSpec, choice: instance_types.Choice) -> str:
     """A failed EC2 call of a launch, in words, with what to try."""
     error = exc.response.get("Error", {})
@@ -309,10 +335,14 @@ def _resolve_ami(ssm: Any, gpu: bool, arch: str) -> str:
         ) from None
 
 
-def _subnet(ec2: Any, subnet_id: str | None, instance_type: str) -> dict[str, Any]:
-    if subnet_id:
-        subnets = ec2.describe_subnets(SubnetIds=[subnet_id])["Subnets"]
-        return dict(subnets[0])
+def subnets(ec2: Any, subnet_ids: Sequence[str], instance_type: str) -> list[dict[str, Any]]:
+    """Where the pool may start, in the order tried: the subnets `subnet_ids` when given, else
+    the region's default subnet of each zone that offers the type, by zone name."""
+    if subnet_ids:
+        found = {
+            s["SubnetId"]: s for s in ec2.describe_subnets(SubnetIds=list(subnet_ids))["Subnets"]
+        }
+        return [dict(found[i]) for i in subnet_ids]
     offerings = ec2.describe_instance_type_offerings(
         LocationType="availability-zone",
         Filters=[{"Name": "instance-type", "Values": [instance_type]}],
@@ -328,7 +358,7 @@ def _subnet(ec2: Any, subnet_id: str | None, instance_type: str) -> dict[str, An
             f"no default subnet in an availability zone that offers {instance_type}: "
             "pass sky.AWS(subnet_id=...)"
         )
-    return dict(candidates[0])
+    return [dict(s) for s in candidates]
 
 
 def _client_cidr(ec2: Any, vpc_id: str, use_private_ips: bool) -> str:

@@ -24,13 +24,14 @@ it before exiting.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import boto3
 from botocore.config import Config
@@ -41,9 +42,18 @@ from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
-from skyward.providers.aws import instance_types, instances, prices, resources, teardown, userdata
+from skyward.providers.aws import (
+    instance_types,
+    instances,
+    prices,
+    quotas,
+    resources,
+    teardown,
+    userdata,
+)
 from skyward.providers.aws.instances import logger
 from skyward.providers.base import Cluster, Node, NodeLoss, count
+from skyward.providers.cloud import failover
 from skyward.providers.cloud.provider import (
     CloudCluster,
     CloudProvider,
@@ -63,6 +73,7 @@ T = TypeVar("T")
 class AWSCluster(CloudCluster):
     """What one pool has made so far (the tags are the durable record)."""
 
+    region: str | None = None  # where the pool landed (failover may try several)
     run_params: dict[str, Any] = field(default_factory=dict)  # replace() asks for the same
     instance_ids: list[str] = field(default_factory=list)  # the pool's current instances
     made: teardown.Made = field(default_factory=teardown.Made)  # everything, for teardown
@@ -72,16 +83,22 @@ class AWS(CloudProvider):
     """Nodes as EC2 instances, one security group and key pair per pool, nothing left behind.
 
     Args:
-        region: AWS region; default: the standard resolution (AWS_REGION / AWS_DEFAULT_REGION,
-            the profile's region). Credentials come from the standard chain; AWS_ENDPOINT_URL
-            and AWS_ENDPOINT_URL_EC2 are honoured as boto3 does.
+        region: AWS region, or a list of regions tried in order when one has no room for the
+            pool (failover: within a region every zone that offers the type is tried, a
+            region whose vCPU quota cannot fit the pool is skipped without a launch); default:
+            the standard resolution (AWS_REGION / AWS_DEFAULT_REGION, the profile's region).
+            Credentials come from the standard chain; AWS_ENDPOINT_URL and
+            AWS_ENDPOINT_URL_EC2 are honoured as boto3 does.
         instance_type: EC2 instance type; default: from the pool's accelerator (checked against
             EC2's GPU info), or a small CPU type without one.
         ami: image id; default: the Deep Learning Base AMI (GPU types) or Ubuntu 24.04 (CPU),
             both from their public SSM parameters.
-        spot: ask for spot instances (cheaper, may be preempted).
-        subnet_id: subnet for all nodes (one subnet, one AZ); default: a default subnet in an
-            AZ that offers the instance type.
+        spot: ask for spot instances (cheaper, may be preempted); ``"prefer"``: spot in
+            every location first, then on-demand when none had spot capacity.
+        subnet_id: the subnet for all nodes (one subnet, one AZ), or a list of subnets of the
+            region tried in order (zone failover), or with several regions a mapping from
+            region to its subnet(s); default: the default subnet of each AZ that offers the
+            instance type, tried in order.
         use_private_ips: connect to the instances' private addresses (client inside the VPC or
             on a VPN); then no public address is asked for.
         ssh_cidr: who may reach port 22; default: this client's public address (/32), or the
@@ -107,11 +124,11 @@ class AWS(CloudProvider):
 
     def __init__(
         self,
-        region: str | None = None,
+        region: str | Sequence[str] | None = None,
         instance_type: str | None = None,
         ami: str | None = None,
-        spot: bool = False,
-        subnet_id: str | None = None,
+        spot: bool | Literal["prefer"] = False,
+        subnet_id: str | Sequence[str] | Mapping[str, str | Sequence[str]] | None = None,
         use_private_ips: bool = False,
         ssh_cidr: str | None = None,
         idle_timeout: float = 300.0,
@@ -141,12 +158,25 @@ class AWS(CloudProvider):
         )
         if ssh_cidr is not None:
             check_cidr(ssh_cidr)
-        self.region = region
+        if spot not in (True, False, "prefer"):
+            raise ConfigError(f"spot must be True, False or 'prefer', got {spot!r}")
+        regions = [region] if region is None or isinstance(region, str) else list(region)
+        if not regions:
+            raise ConfigError("region=[] names no region: give one or more, or leave it out")
+        if len(regions) > 1 and ami:
+            raise ConfigError(
+                "ami= names one region's image: with several regions, leave it out (skyward "
+                "finds the image in each)"
+            )
+        self.subnets = _subnets_by_region(regions, subnet_id)
+        self.regions: tuple[str | None, ...] = tuple(regions)
+        self.region = regions[0]
+        self.spot = spot
         self.instance_type = instance_type
         self.placement = instances.Placement(
             ami,
-            spot,
-            subnet_id,
+            bool(spot),
+            next(iter(self.subnets.get(regions[0], ())), None),
             use_private_ips,
             ssh_cidr,
             idle_timeout,
@@ -169,18 +199,21 @@ class AWS(CloudProvider):
                 )
             return self._session
 
-    def client(self, service: str) -> Any:
-        """A cached client (botocore clients are thread-safe; sessions are not)."""
+    def client(self, service: str, region: str | None = None) -> Any:
+        """A cached client for `region` (default: the first one given, or the standard
+        resolution); botocore clients are thread-safe, sessions are not."""
         session = self.session()
+        region = region or self.region or session.region_name
         with self._lock:
-            if service not in self._clients:
+            key = f"{service} {region}"
+            if key not in self._clients:
                 # Adaptive: standard retries (throttling, 5xx, dropped connections) plus a
                 # client-side rate limit when EC2 throttles, which a teardown of many pools hits.
                 config = Config(retries={"mode": "adaptive", "max_attempts": 5})
-                client = session.client(service, region_name=self.region, config=config)
+                client = session.client(service, region_name=region, config=config)
                 client.meta.events.register("before-parameter-build", _note_operation)
-                self._clients[service] = client
-            return self._clients[service]
+                self._clients[key] = client
+            return self._clients[key]
 
     # -- the provider protocol -------------------------------------------------------------
 
@@ -253,14 +286,14 @@ class AWS(CloudProvider):
     def make_one(self, pool: CloudCluster) -> list[Any]:
         """One more instance, launched as the pool's were, running."""
         aws = _aws(pool)
-        ec2 = self.client("ec2")
+        ec2 = self.client("ec2", aws.region)
         fresh = instances.run(ec2, aws.run_params, 1, aws.pool_id)
         aws.instance_ids += fresh
         aws.made.add(teardown.INSTANCE, *fresh)
         return self._wait_running(ec2, aws, fresh)
 
     def retire(self, pool: CloudCluster, lost: str) -> None:
-        instances.retire(self.client("ec2"), lost)
+        instances.retire(self.client("ec2", _aws(pool).region), lost)
 
     async def reach(
         self, pool: CloudCluster, found: list[Any], indexes: Sequence[int]
@@ -275,7 +308,8 @@ class AWS(CloudProvider):
         instance_id = _aws(cluster).node_instances.get(node.index)
         if instance_id is None:
             return None
-        return await asyncio.to_thread(instances.loss_of, self.client("ec2"), instance_id)
+        ec2 = self.client("ec2", _aws(cluster).region)
+        return await asyncio.to_thread(instances.loss_of, ec2, instance_id)
 
     # -- orphan sweep ----------------------------------------------------------------------
 
@@ -308,24 +342,84 @@ class AWS(CloudProvider):
     def _provision(
         self, pool: AWSCluster, choice: instance_types.Choice, progress: Progress
     ) -> list[dict[str, Any]]:
-        ec2 = self.client("ec2")
+        """The pool's instances in the first location with room: for each market asked (spot
+        then on-demand with ``spot="prefer"``), each region in order, each zone that offers the
+        type; all nodes in one zone."""
+        attempts = failover.Attempts(f"{pool.spec.nodes} x {choice.instance_type}", progress)
+        markets = [True, False] if self.spot == "prefer" else [bool(self.spot)]
+        for spot in markets:
+            if not spot and self.spot == "prefer":
+                progress("no spot capacity in any location: trying on-demand instances")
+            for region in self.regions:
+                found = self._in_region(pool, choice, region, spot, attempts, progress)
+                if found is not None:
+                    return found
+        raise attempts.exhausted(
+            "Try more regions (region=[...]), spot='prefer' or spot=False, fewer nodes, another "
+            "instance type, or ask AWS for a quota increase"
+        )
+
+    def _in_region(
+        self,
+        pool: AWSCluster,
+        choice: instance_types.Choice,
+        region: str | None,
+        spot: bool,
+        attempts: failover.Attempts,
+        progress: Progress,
+    ) -> list[dict[str, Any]] | None:
+        """The pool's instances in `region` (one zone after another), or None when no zone
+        had room; what was made there for the pool is removed before the next region."""
+        ec2 = self.client("ec2", region)
+        where = str(region or ec2.meta.region_name)
+        pool.region = where
+        market = "spot" if spot else "on-demand"
         try:
+            details = instances.type_details(ec2, choice)
+            need = int(details["VCpuInfo"]["DefaultVCpus"]) * pool.spec.nodes
+            sq = self.client("service-quotas", region)
+            quota = quotas.vcpu_quota(sq, choice.instance_type, spot)
+            if quota is not None and quota.vcpus < need:
+                attempts.block_region(
+                    where,
+                    f"its {quota.name} quota is {quota.vcpus:g} vCPUs; {pool.spec.nodes} x "
+                    f"{choice.instance_type} ({market}) need {need}",
+                )
+                return None
+            candidates = instances.subnets(ec2, self.subnets.get(region, ()), choice.instance_type)
             pool.run_params = instances.set_up(
                 ec2,
-                self.client("ssm") if self.placement.ami is None else None,
-                self.placement,
+                self.client("ssm", region) if self.placement.ami is None else None,
+                dataclasses.replace(self.placement, spot=spot),
                 pool.spec,
                 choice,
+                details,
+                candidates[0],
                 pool.key_path,
                 pool.host_key,
                 pool.made,
                 pool.check_cancel,
             )
-            pool.instance_ids = instances.run(ec2, pool.run_params, pool.spec.nodes, pool.pool_id)
-            pool.made.add(teardown.INSTANCE, *pool.instance_ids)
-            for index, instance_id in enumerate(pool.instance_ids):
-                progress.phase(index, Phase.BOOTING, f"{instance_id} {choice.instance_type}")
-            return self._wait_running(ec2, pool, pool.instance_ids)
+            for subnet in candidates:
+                pool.check_cancel()
+                params = instances.in_subnet(pool.run_params, subnet)
+                try:
+                    ids = instances.run(ec2, params, pool.spec.nodes, pool.pool_id)
+                except ClientError as exc:
+                    code, words = instances.error_words(exc)
+                    if code in instances.ZONE_CODES:
+                        attempts.failed(f"{subnet['AvailabilityZone']} ({market})", words)
+                        continue
+                    if code in instances.REGION_CODES:
+                        attempts.block_region(where, f"{words} ({market})")
+                        break
+                    raise
+                pool.run_params = params
+                pool.instance_ids = ids
+                pool.made.add(teardown.INSTANCE, *ids)
+                for index, instance_id in enumerate(ids):
+                    progress.phase(index, Phase.BOOTING, f"{instance_id} {choice.instance_type}")
+                return self._wait_running(ec2, pool, ids)
         except ClientError as exc:
             raise ProvisionError(instances.launch_error(exc, pool.spec, choice)) from None
         except NoCredentialsError:
@@ -339,6 +433,10 @@ class AWS(CloudProvider):
                 f"launching pool {pool.pool_id}: the AWS call {last_operation()} failed after "
                 f"botocore's retries: {exc}"
             ) from None
+        # Nothing started here: what the pool made in this region goes before the next one.
+        self._remove_pool(ec2, pool.pool_id, pool.made, pool.tell)
+        pool.made = teardown.Made()
+        return None
 
     def _wait_running(self, ec2: Any, pool: AWSCluster, ids: list[str]) -> list[dict[str, Any]]:
         return instances.wait_running(
@@ -387,7 +485,8 @@ class AWS(CloudProvider):
     # -- teardown --------------------------------------------------------------------------
 
     def remove_resources(self, pool: CloudCluster) -> None:
-        self._remove_pool(self.client("ec2"), pool.pool_id, _aws(pool).made, pool.tell)
+        aws = _aws(pool)
+        self._remove_pool(self.client("ec2", aws.region), pool.pool_id, aws.made, pool.tell)
 
     def _remove_pool(
         self,
@@ -399,6 +498,30 @@ class AWS(CloudProvider):
         return teardown.remove_pool(
             ec2, pool_id, made, timeout=self.teardown_timeout, poll=self.poll_interval, log=log
         )
+
+
+def _subnets_by_region(
+    regions: Sequence[str | None],
+    subnet_id: str | Sequence[str] | Mapping[str, str | Sequence[str]] | None,
+) -> dict[str | None, tuple[str, ...]]:
+    """`subnet_id=` as the subnets to try in each region (none: the default ones)."""
+
+    def listed(value: str | Sequence[str]) -> tuple[str, ...]:
+        return (value,) if isinstance(value, str) else tuple(value)
+
+    if subnet_id is None:
+        return {}
+    if isinstance(subnet_id, Mapping):
+        unknown = sorted(set(subnet_id) - {r for r in regions if r})
+        if unknown:
+            raise ConfigError(f"subnet_id= names regions not in region=: {', '.join(unknown)}")
+        return {region: listed(value) for region, value in subnet_id.items()}
+    if len(regions) > 1:
+        raise ConfigError(
+            "subnets belong to one region: with several regions, give subnet_id= as a mapping "
+            "{region: subnet(s)}, or leave it out (each region's default subnets)"
+        )
+    return {regions[0]: listed(subnet_id)}
 
 
 def _aws(cluster: Cluster) -> AWSCluster:

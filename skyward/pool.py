@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from skyward.client import activity, plan, recovery, shutdown, spend
 from skyward.client.dispatch import Dispatch
@@ -25,11 +25,12 @@ from skyward.client.handshake import handshake
 from skyward.client.session import NodeSession, ping_agents, watch_heartbeats
 from skyward.client.stalls import watch_stalls
 from skyward.client.transfers import Transfers
+from skyward.cluster import ClusterSpec
 from skyward.console.console import Console
 from skyward.console.progress import Phase
 from skyward.cost import Cost, Price
 from skyward.data import RESUME_ENV, Data
-from skyward.errors import BudgetExceeded, ConfigError, PoolClosedError
+from skyward.errors import BudgetExceeded, ConfigError, NoCapacity, PoolClosedError
 from skyward.image import Image
 from skyward.info import InstanceInfo
 from skyward.plugins import hooks
@@ -54,7 +55,9 @@ class ComputePool:
     """A pool of nodes that run `@sky.compute` functions; use it as a context manager.
 
     Args:
-        provider: where nodes come from; default `sky.Local()` (processes on this machine).
+        provider: where nodes come from; default `sky.Local()` (processes on this machine). A
+            list (``[sky.AWS(...), sky.GCP(...)]``) fails over: when one has no room for the
+            pool in any of its locations (`sky.NoCapacity`), the next is tried.
         nodes: how many nodes; default: what the provider says (every host for `sky.SSH`),
             else 1.
         accelerator: what each node must have (``"A100"``, ``"A100:8"``); None for CPU.
@@ -88,6 +91,8 @@ class ComputePool:
             refused, 80% of it gets a warning, and once it is spent the running call is
             stopped, the pool torn down and `sky.BudgetExceeded` raised. Spend counts from
             each machine's launch, at least 60 s each, as the clouds bill.
+        prefer: with several providers, the order they are tried in: ``"order"`` (as given) or
+            ``"price"`` (cheapest pool first, by each provider's `price`; unknown prices last).
         on_report: called with each `sky.Report` as it arrives (they are kept in `reports` as
             well), on the thread that reads the node's replies: it must return quickly and
             must not use the pool; an exception it raises is logged on the ``skyward`` logger.
@@ -95,7 +100,7 @@ class ComputePool:
 
     def __init__(
         self,
-        provider: Provider | None = None,
+        provider: Provider | Sequence[Provider] | None = None,
         nodes: int | None = None,
         accelerator: str | None = None,
         image: Image | None = None,
@@ -115,14 +120,22 @@ class ComputePool:
         name: str = "pool",
         on_report: Callable[[Report], object] | None = None,
         max_cost: float | None = None,
+        prefer: Literal["order", "price"] = "order",
     ) -> None:
-        self.provider = plan.checked(
-            Local() if provider is None else provider, nodes, image, plugins
-        )
+        asked = [provider] if provider is None or isinstance(provider, Provider) else provider
+        listed = [plan.checked(Local() if p is None else p, nodes, image, plugins) for p in asked]
+        if not listed:
+            raise ConfigError("provider=[] names no provider: give one, or a list to fail over")
+        if prefer not in ("order", "price"):
+            raise ConfigError(f"prefer must be 'order' or 'price', got {prefer!r}")
+        self._prefer = prefer
+        self.provider = listed[0]
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
         self.env: dict[str, str] = dict(env or {})
         self.pool_id = f"{name}-{uuid.uuid4().hex[:8]}"
-        self.spec = plan.cluster_spec(self.provider, self.pool_id, nodes, accelerator, output_dir)
+        # Where the pool may start, each with its spec; `provider`/`spec` are the one in use.
+        self._candidates = plan.candidates(listed, self.pool_id, nodes, accelerator, output_dir)
+        self.spec = self._candidates[0][1]
         self._asked = image or Image()  # before the plugins' transforms
         self.image: Image = self._asked
         self.startup_timeout = startup_timeout
@@ -145,6 +158,7 @@ class ComputePool:
         self._bill = spend.Bill(spend.Meter(Price.unknown("not asked yet"), max_cost))
         self.console.spending = self._bill.so_far
         self._over_budget: BudgetExceeded | None = None  # set when max_cost was spent
+        self._watching_budget = False
         self._transfers = Transfers(self.provider, self.console, self.spec.outputs, collect_timeout)
         self._dispatch.stage = self._transfers.stage
         # What the nodes gave `sky.report`, in arrival order (appended to by skyward's threads).
@@ -241,8 +255,7 @@ class ComputePool:
 
     async def _start(self) -> None:
         self._start_task = asyncio.current_task()
-        await self._price()
-        self.cluster = self._transfers.cluster = await self.provider.launch(self.spec, self.console)
+        self.cluster = self._transfers.cluster = await self._launch()
         # Remote agents stop when the client goes quiet (cut off by the network): keep them
         # hearing from it from their Hello on.
         self._watchers.append(
@@ -297,18 +310,51 @@ class ComputePool:
             startup_timeout=self.startup_timeout,
         )
 
+    async def _launch(self) -> Cluster:
+        """The nodes, from the first provider with room (one, or each of a list in turn)."""
+        order = self._candidates
+        if self._prefer == "price" and len(order) > 1:
+            order = await _cheapest_first(order)
+        failed: list[tuple[str, NoCapacity]] = []
+        for provider, spec in order:
+            self._use(provider, spec)
+            await self._price()
+            try:
+                return await provider.launch(self.spec, self.console)
+            except NoCapacity as exc:
+                self._bill.nothing_launched()
+                if len(order) == 1:
+                    raise
+                failed.append((provider.name, exc))
+                self.console.status(f"{provider.name} had no room for the pool; trying the next")
+        raise NoCapacity(
+            "no provider could start the pool; nothing was left running:\n"
+            + "\n".join(f"  {name}: {line}" for name, exc in failed for line in _lines(exc)),
+            attempts=[
+                (f"{name} {where}", said) for name, exc in failed for where, said in exc.attempts
+            ],
+        )
+
+    def _use(self, provider: Provider, spec: ClusterSpec) -> None:
+        """Start the pool on `provider` (one of several when it fails over)."""
+        if provider is self.provider:
+            return
+        self.provider = provider
+        self.image, self.spec = plan.plan(self.plugins, self._asked, spec)
+        self.console.provider = provider.name
+        self._transfers.use(provider)
+        self.console.status(f"launching {self.spec.nodes} node(s) on {provider.name}")
+
     async def _price(self) -> None:
         """Ask the pool's price, keep the budget (nothing is launched when it cannot be kept),
         say both, and start billing the nodes: they are asked for next."""
         meter = self._bill.meter
-        try:
-            meter.price = await asyncio.wait_for(self.provider.price(self.spec), PRICE_TIMEOUT)
-        except TimeoutError:
-            meter.price = Price.unknown(f"the price lookup took longer than {PRICE_TIMEOUT:g} s")
+        meter.price = await _price_of(self.provider, self.spec)
         meter.check_start(self.spec.nodes)
         self.console.status(self._bill.price_line(self.spec.nodes))
         self._bill.launched(self.spec.nodes)
-        if meter.max_cost is not None:
+        if meter.max_cost is not None and not self._watching_budget:
+            self._watching_budget = True
             self._watchers.append(
                 asyncio.create_task(
                     spend.watch_budget(meter, self.console.status, self._budget_spent)
@@ -517,3 +563,30 @@ class ComputePool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._sessions else "new"
         return f"<ComputePool {self.pool_id} {self.spec.provider} nodes={self.spec.nodes} {state}>"
+
+
+async def _price_of(provider: Provider, spec: ClusterSpec) -> Price:
+    try:
+        return await asyncio.wait_for(provider.price(spec), PRICE_TIMEOUT)
+    except TimeoutError:
+        return Price.unknown(f"the price lookup took longer than {PRICE_TIMEOUT:g} s")
+
+
+async def _cheapest_first(
+    candidates: list[tuple[Provider, ClusterSpec]],
+) -> list[tuple[Provider, ClusterSpec]]:
+    """`candidates` by the price of their pool, cheapest first; unknown prices last, in the
+    order given."""
+    prices = await asyncio.gather(*(_price_of(p, spec) for p, spec in candidates))
+
+    def key(item: tuple[int, Price]) -> tuple[bool, float, int]:
+        index, price = item
+        nodes = candidates[index][1].nodes
+        return (price.per_hour is None, (price.per_hour or 0.0) * nodes, index)
+
+    return [candidates[i] for i, _ in sorted(enumerate(prices), key=key)]
+
+
+def _lines(error: BaseException) -> list[str]:
+    """A provider's `NoCapacity` without its first line: a line per location."""
+    return [line.strip() for line in str(error).splitlines()[1:] if line.startswith("  ")]

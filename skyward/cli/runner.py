@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from datetime import datetime
@@ -181,12 +181,19 @@ def print_local_pools() -> int:
 
 def print_aws_pools(profile: Profile) -> int:
     """`skyward status` for one AWS profile: the pools this user@host made there, alive."""
-    from skyward.providers.aws import resources
+    from skyward.providers.aws import prices, resources
 
     provider = profile.build_provider()
     ec2 = provider.client("ec2")  # type: ignore[attr-defined]
     region = ec2.meta.region_name
-    return _print_cloud_pools(f"aws    {region}", resources.find(ec2), resources.created_by())
+    pricing = prices.pricing_client(provider.session())  # type: ignore[attr-defined]
+
+    def cost(pool: _CloudPool) -> list[str]:
+        line = prices.running_cost(pricing, ec2, getattr(pool, "instances", []))
+        return [f"cost: {line}"] if line else []
+
+    found = resources.find(ec2)
+    return _print_cloud_pools(f"aws    {region}", found, resources.created_by(), cost)
 
 
 def print_gcp_pools(profile: Profile) -> int:
@@ -225,9 +232,15 @@ class _CloudPool(Protocol):
     def describe(self) -> list[str]: ...
 
 
-def _print_cloud_pools(where: str, found: Mapping[str, _CloudPool], me: str) -> int:
-    """Print the pools of `found` that `me` (this user@host) made, each under its resources,
-    with `where` (the cloud and its region or project) first; how many there were."""
+def _print_cloud_pools(
+    where: str,
+    found: Mapping[str, _CloudPool],
+    me: str,
+    more: Callable[[_CloudPool], list[str]] = lambda pool: [],
+) -> int:
+    """Print the pools of `found` that `me` (this user@host) made, each under its resources
+    and what `more` says of it (its cost), with `where` (the cloud and its region or project)
+    first; how many there were."""
     count = 0
     for pool in sorted(found.values(), key=lambda p: p.pool_id):
         if pool.created_by != me:
@@ -235,7 +248,7 @@ def _print_cloud_pools(where: str, found: Mapping[str, _CloudPool], me: str) -> 
         count += 1
         when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
         print(f"{where}  {pool.pool_id}  created {when}")
-        for line in pool.describe():
+        for line in [*pool.describe(), *more(pool)]:
             print(f"           {line}")
     return count
 

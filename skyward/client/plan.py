@@ -42,6 +42,27 @@ def checked(
     return provider
 
 
+def candidates(
+    providers: Sequence[Provider],
+    pool_id: str,
+    nodes: int | None,
+    accelerator: str | None,
+    output_dir: str | os.PathLike[str] | None,
+) -> list[tuple[Provider, ClusterSpec]]:
+    """The providers a pool may start on, in the order given, each with its validated spec:
+    one, or several for failover (``provider=[sky.AWS(...), sky.GCP(...)]``), which must
+    agree on the pool's size."""
+    found = [(p, cluster_spec(p, pool_id, nodes, accelerator, output_dir)) for p in providers]
+    sizes = {spec.nodes for _, spec in found}
+    if len(sizes) > 1:
+        each = ", ".join(f"{p.name}: {spec.nodes}" for p, spec in found)
+        raise ConfigError(
+            f"the providers of one pool must agree on its size ({each}); pass nodes= that "
+            "every one of them can give"
+        )
+    return found
+
+
 def cluster_spec(
     provider: Provider,
     pool_id: str,

@@ -47,6 +47,10 @@ class Meter:
         """`machine` is launched (billed from `at`, now by default)."""
         self._machines[machine] = _Machine(time.time() if at is None else at)
 
+    def forget(self, machine: Hashable) -> None:
+        """`machine` was never made after all."""
+        self._machines.pop(machine, None)
+
     def ended(self, machine: Hashable, at: float | None = None) -> None:
         """`machine` is let go (a lost node's, once its replacement took its place)."""
         found = self._machines.get(machine)
@@ -178,6 +182,12 @@ class Bill:
     def launched(self, nodes: int) -> None:
         """Every node's machine is asked for now."""
         self._machines = {node: self._new() for node in range(nodes)}
+
+    def nothing_launched(self) -> None:
+        """The launch just asked for made nothing (no location had room): it costs nothing."""
+        for serial in self._machines.values():
+            self.meter.forget(serial)
+        self._machines = {}
 
     def started_ahead(self, node: int) -> None:
         """`node`'s replacement is asked for now, ahead of its loss."""

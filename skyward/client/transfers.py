@@ -36,6 +36,11 @@ class Transfers:
         self._collect_timeout = collect_timeout
         self._checkpoints = Checkpoints(provider, console.status, self._submit)
 
+    def use(self, provider: Provider) -> None:
+        """Move files through `provider` (the one a pool with several landed on)."""
+        self._provider = provider
+        self._checkpoints = Checkpoints(provider, self._console.status, self._submit)
+
     def _running(self) -> tuple[LoopThread, Cluster]:
         if self.loop is None or self.cluster is None:
             raise PoolClosedError("the pool is not running")

@@ -602,3 +602,35 @@ def test_an_unreachable_endpoint_mid_launch_names_the_call_and_leaves_nothing(
     message = str(caught.value)
     assert "RunInstances" in message and "Could not connect to the endpoint URL" in message
     assert leftovers(ec2) == []
+
+
+def test_a_replacement_goes_to_the_next_zone_when_the_pools_has_no_room(
+    ec2: Any, stubs: Stubs, guard_network: object
+) -> None:
+    from skyward.providers.aws.provider import AWSCluster
+
+    first, second = subnets_in_zones(ec2, ["us-east-1a", "us-east-1b"])
+    aws = provider(stubs, [first, second])
+    told = Told()
+    pool = AWSCluster(
+        spec(2),
+        [],
+        key_dir=Path(tempfile.mkdtemp()),
+        host_key=userdata.HostKey.generate("t"),
+        tell=told,
+    )
+    try:
+        launched = aws._provision(pool, instance_types.choose(None, None), told)
+        assert {i["Placement"]["AvailabilityZone"] for i in launched} == {"us-east-1a"}
+        stubs.fail_in_zone = {"us-east-1a": NO_CAPACITY}
+        (fresh,) = aws.make_one(pool)
+        assert fresh["Placement"]["AvailabilityZone"] == "us-east-1b"
+        assert fresh["SubnetId"] == second
+        assert told.lines[-2].startswith("us-east-1a: InsufficientInstanceCapacity")
+        assert told.lines[-1] == "the replacement runs in us-east-1b, not us-east-1a"
+        stubs.fail_in_zone["us-east-1b"] = NO_CAPACITY
+        with pytest.raises(sky.NoCapacity, match="cannot be replaced in its region now"):
+            aws.make_one(pool)
+    finally:
+        aws.remove_resources(pool)
+    assert leftovers(ec2) == []

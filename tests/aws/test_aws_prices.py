@@ -350,3 +350,20 @@ def test_an_entry_kept_by_one_provider_serves_the_next(
     assert len(price_list.requests) == 1
     assert pricecache.folder() == cache
     assert len(list(cache.glob("aws-*.json"))) == 1
+
+
+def test_skyward_status_prices_a_pools_running_instances(price_list: PriceListServer) -> None:
+    price_list.add("g5.xlarge", "us-east-1", "1.0060000000")
+    ec2 = boto3.session.Session(region_name=REGION).client("ec2")
+    half_an_hour_ago = datetime.now(UTC) - timedelta(minutes=30)
+    running = {"InstanceType": "g5.xlarge", "State": {"Name": "running"}}
+    instances = [
+        {**running, "LaunchTime": half_an_hour_ago},
+        {**running, "LaunchTime": datetime.now(UTC)},  # billed its first minute
+        {**running, "State": {"Name": "shutting-down"}, "LaunchTime": half_an_hour_ago},
+    ]
+    line = prices.running_cost(pricing(), ec2, instances)
+    # 2 x $1.006/hour; (30 min + 1 min) x $1.006/hour = $0.52
+    assert line == "$2.01/hour, about $0.52 so far", line
+    odd = [{"InstanceType": "p9.huge", "State": {"Name": "running"}}]
+    assert prices.running_cost(pricing(), ec2, odd).startswith("price unknown (AWS Price List")

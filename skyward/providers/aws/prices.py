@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from skyward.cost import CURRENCY, Price
+from skyward.cost import CURRENCY, Price, dollars, dollars_per_hour
 from skyward.providers.cloud import pricecache
 
 PRICING_REGION = "us-east-1"
@@ -95,6 +95,32 @@ def spot(ec2: Any, instance_type: str, zone: str | None = None) -> Price:
     except (BotoCoreError, ResponseParserError, _NoPrice) as exc:
         return Price.unknown(f"{SPOT_API}: {exc}")
     return Price(rate, f"{SPOT_API}, {where}, {entry.minute}")
+
+
+def running_cost(pricing: Any, ec2: Any, instances: Iterable[Mapping[str, Any]]) -> str:
+    """What a pool's running `instances` cost (`skyward status`): ``$6.54/hour, about $1.20 so
+    far`` (each from its launch, at least a minute), or why it is unknown."""
+    region = str(ec2.meta.region_name)
+    now = datetime.now(UTC)
+    rate = spent = 0.0
+    for instance in instances:
+        if instance.get("State", {}).get("Name") not in ("pending", "running"):
+            continue
+        kind = str(instance["InstanceType"])
+        if instance.get("InstanceLifecycle") == "spot":
+            zone = instance.get("Placement", {}).get("AvailabilityZone")
+            price = spot(ec2, kind, str(zone) if zone else None)
+        else:
+            price = on_demand(pricing, kind, region)
+        if price.per_hour is None:
+            return f"price unknown ({price.source})"
+        launched = instance.get("LaunchTime")
+        seconds = (now - launched).total_seconds() if isinstance(launched, datetime) else 0.0
+        rate += price.per_hour
+        spent += price.per_hour * max(price.minimum_seconds, seconds) / 3600
+    if not rate:
+        return ""
+    return f"{dollars_per_hour(rate)}, about {dollars(spent)} so far"
 
 
 def zone_of_subnet(ec2: Any, subnet_id: str) -> str:

@@ -74,6 +74,7 @@ class AWSCluster(CloudCluster):
     """What one pool has made so far (the tags are the durable record)."""
 
     region: str | None = None  # where the pool landed (failover may try several)
+    subnets: list[dict[str, Any]] = field(default_factory=list)  # its region's, in order
     run_params: dict[str, Any] = field(default_factory=dict)  # replace() asks for the same
     instance_ids: list[str] = field(default_factory=list)  # the pool's current instances
     made: teardown.Made = field(default_factory=teardown.Made)  # everything, for teardown
@@ -284,13 +285,33 @@ class AWS(CloudProvider):
         )
 
     def make_one(self, pool: CloudCluster) -> list[Any]:
-        """One more instance, launched as the pool's were, running."""
+        """One more instance, launched as the pool's were, running: in the pool's zone, else
+        in the next of its region's that has room (failover, as at launch)."""
         aws = _aws(pool)
         ec2 = self.client("ec2", aws.region)
-        fresh = instances.run(ec2, aws.run_params, 1, aws.pool_id)
-        aws.instance_ids += fresh
-        aws.made.add(teardown.INSTANCE, *fresh)
-        return self._wait_running(ec2, aws, fresh)
+        zone = aws.run_params["Placement"]["AvailabilityZone"]
+        here = [s for s in aws.subnets if s["AvailabilityZone"] == zone]
+        others = [s for s in aws.subnets if s["AvailabilityZone"] != zone]
+        attempts = failover.Attempts(f"a replacement {aws.run_params['InstanceType']}", pool.tell)
+        for subnet in here + others or [{}]:
+            params = instances.in_subnet(aws.run_params, subnet) if subnet else aws.run_params
+            try:
+                fresh = instances.run(ec2, params, 1, aws.pool_id)
+            except ClientError as exc:
+                code, words = instances.error_words(exc)
+                if code in instances.ZONE_CODES:
+                    attempts.failed(str(subnet.get("AvailabilityZone", zone)), words)
+                    continue
+                if code in instances.REGION_CODES:
+                    attempts.block_region(str(aws.region), words)
+                    break
+                raise
+            if subnet and subnet["AvailabilityZone"] != zone:
+                pool.tell(f"the replacement runs in {subnet['AvailabilityZone']}, not {zone}")
+            aws.instance_ids += fresh
+            aws.made.add(teardown.INSTANCE, *fresh)
+            return self._wait_running(ec2, aws, fresh)
+        raise attempts.exhausted("The lost node cannot be replaced in its region now")
 
     def retire(self, pool: CloudCluster, lost: str) -> None:
         instances.retire(self.client("ec2", _aws(pool).region), lost)
@@ -387,6 +408,7 @@ class AWS(CloudProvider):
                 )
                 return None
             candidates = instances.subnets(ec2, self.subnets.get(region, ()), choice.instance_type)
+            pool.subnets = candidates
             pool.run_params = instances.set_up(
                 ec2,
                 self.client("ssm", region) if self.placement.ami is None else None,

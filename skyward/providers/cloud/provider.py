@@ -196,7 +196,7 @@ class CloudProvider(RemoteData, Provider):
         made = in_thread(lambda: self.make_one(pool), f"skyward-{self.name}-spare-{pool.pool_id}")
         try:
             found = await asyncio.shield(asyncio.wrap_future(made))
-        except ConfigError:
+        except (ConfigError, ProvisionError):  # already in words (NoCapacity: each zone's)
             raise
         except Exception as exc:
             raise ProvisionError(

@@ -53,7 +53,14 @@ def dollars(amount: float) -> str:
 
 
 def dollars_per_hour(rate: float) -> str:
-    return f"{dollars(rate)}/hour"
+    """``$0.096/hour``, ``$1.006/hour``, ``$32.77/hour``: a rate as the price lists write it
+    (up to four decimals below $10, whole cents above)."""
+    if rate >= 10 or rate == 0:
+        return f"{dollars(rate)}/hour"
+    digits = f"{rate:.4f}".rstrip("0")
+    if len(digits.split(".")[1]) < 2:
+        digits = f"{rate:.2f}"
+    return f"${digits}/hour"
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ class Meter:
         if self.max_cost is None or not self.price.per_hour:
             return ""
         hours = self.max_cost / (self.price.per_hour * nodes)
-        return f"max_cost {dollars(self.max_cost)} lasts about {_hours(hours)} at this rate"
+        return f"max_cost {dollars(self.max_cost)} lasts {_hours(hours)} at this rate"
 
     def over(self, now: float | None = None) -> BudgetExceeded | None:
         """The error to end the pool with once the budget is spent; None before."""
@@ -125,7 +125,7 @@ class Meter:
         self.warned = True
         left = ""
         if cost.per_hour:
-            left = f", in about {_hours((self.max_cost - cost.spent) / cost.per_hour)}"
+            left = f", in {_hours((self.max_cost - cost.spent) / cost.per_hour)}"
         return (
             f"{cost.spent / self.max_cost:.0%} of max_cost {dollars(self.max_cost)} spent "
             f"({dollars(cost.spent)}); the pool stops at {dollars(self.max_cost)}{left}"
@@ -155,13 +155,14 @@ def _next_check(meter: Meter) -> float:
 
 
 def _hours(hours: float) -> str:
+    """``less than a minute``, ``about 5 min``, ``about 2 h 5 min``."""
     minutes = round(hours * 60)
     if minutes < 1:
         return "less than a minute"
     if minutes < 60:
-        return f"{minutes} min"
+        return f"about {minutes} min"
     whole, rest = divmod(minutes, 60)
-    return f"{whole} h {rest} min" if rest else f"{whole} h"
+    return f"about {whole} h {rest} min" if rest else f"about {whole} h"
 
 
 class Bill:

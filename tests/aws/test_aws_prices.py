@@ -364,6 +364,6 @@ def test_skyward_status_prices_a_pools_running_instances(price_list: PriceListSe
     ]
     line = prices.running_cost(pricing(), ec2, instances)
     # 2 x $1.006/hour; (30 min + 1 min) x $1.006/hour = $0.52
-    assert line == "$2.01/hour, about $0.52 so far", line
+    assert line == "$2.012/hour, about $0.52 so far", line
     odd = [{"InstanceType": "p9.huge", "State": {"Name": "running"}}]
     assert prices.running_cost(pricing(), ec2, odd).startswith("price unknown (AWS Price List")

@@ -1,0 +1,115 @@
+"""What an EC2 pool costs, end to end: moto's EC2 wired to bare Debian hosts, the price from the
+Price List Query API stand-in (`tests.support.awspricing`) through boto3. The price line before
+launch, the total at teardown, "price unknown" with the price service down, and `max_cost`:
+refused before any launch call, and spent mid-call (the call stopped, the pool torn down,
+nothing left in moto)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+import types
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import skyward as sky
+from skyward.client import spend
+from skyward.providers.cloud import pricecache
+from tests.aws.conftest import Ec2Hosts, Stubs, aws_for, leftovers, new_session
+from tests.support.awspricing import PriceListServer
+from tests.support.sshd import free_port
+
+pytestmark = [pytest.mark.ssh, pytest.mark.slow]
+
+TYPE = "m6i.large"  # what a pool with no accelerator runs on
+
+
+@pytest.fixture(autouse=True)
+def no_cached_prices() -> None:
+    """Each test asks the price service afresh (prices are cached on disk for days)."""
+    shutil.rmtree(pricecache.folder(), ignore_errors=True)
+
+
+@pytest.fixture
+def price_list(monkeypatch: pytest.MonkeyPatch) -> Iterator[PriceListServer]:
+    with PriceListServer() as server:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_PRICING", server.url)
+        yield server
+        assert server.errors == []
+
+
+@sky.compute
+def work(seconds: float) -> int:
+    time.sleep(seconds)
+    return sky.instance_info().node
+
+
+def test_the_price_comes_first_and_the_total_last(
+    ec2_hosts: Callable[..., Ec2Hosts],
+    stubs: Stubs,
+    price_list: PriceListServer,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    price_list.add(TYPE, "us-east-1", "0.0960000000")
+    with sky.ComputePool(provider=aws_for(ec2_hosts(), stubs), nodes=2) as pool:
+        assert work(0) @ pool == [0, 1]
+        cost = pool.cost
+    assert cost.price.per_hour == pytest.approx(0.096) and cost.per_hour == pytest.approx(0.192)
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("[skyward]")]
+    assert lines[1].endswith(
+        "2 x $0.096/hour = $0.192/hour (AWS Price List API, us-east-1, "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())})"
+    ), lines
+    # two instances, each billed its first minute at least: $0.0032
+    assert "removed 2 instances in" in lines[-1] and lines[-1].endswith("; cost $0.0032"), lines
+
+
+def test_with_the_price_service_down_the_price_is_unknown_and_the_pool_starts(
+    ec2_hosts: Callable[..., Ec2Hosts],
+    stubs: Stubs,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL_PRICING", f"http://127.0.0.1:{free_port()}")
+    with sky.ComputePool(provider=aws_for(ec2_hosts(), stubs), nodes=1) as pool:
+        assert work(0) >> pool == 0
+        assert pool.cost.spent is None
+    err = capfd.readouterr().err
+    assert "price unknown (AWS Price List API: Could not connect to the endpoint URL" in err, err
+    assert "cost unknown (price unknown)" in err
+
+
+def test_a_budget_is_refused_before_any_launch_or_spent_mid_call_leaving_nothing(
+    ec2_hosts: Callable[..., Ec2Hosts],
+    stubs: Stubs,
+    price_list: PriceListServer,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    price_list.add(TYPE, "us-east-1", "36.0000000000")  # a cent a second per instance
+    sim = ec2_hosts()
+    # 2 x $36/hour bill $1.20 for the first minute, whatever happens: $1.00 cannot start.
+    with pytest.raises(sky.ConfigError, match=r"max_cost=\$1.00 does not cover one minute"):
+        with sky.ComputePool(provider=aws_for(sim, stubs), nodes=2, max_cost=1.0):
+            pass
+    assert stubs.launches == []
+
+    # $1.60 lasts 80 s; the meter's clock runs 10 times faster than the wall's (only the
+    # meter's: the pool, EC2 and the hosts run in real time), so the test waits about 8 s.
+    began = time.time()
+    warped = types.SimpleNamespace(time=lambda: began + (time.time() - began) * 10)
+    monkeypatch.setattr(spend, "time", warped)
+    with pytest.raises(sky.BudgetExceeded) as caught:
+        with sky.ComputePool(provider=aws_for(sim, stubs), nodes=2, max_cost=1.6) as pool:
+            work(600) @ pool
+    assert 1.6 <= caught.value.spent < 1.9, (caught.value.spent, str(caught.value))
+    assert len(stubs.launches) == 1
+    err = capfd.readouterr().err
+    assert "max_cost $1.60 lasts about 1 min at this rate" in err, err
+    warned = re.search(r"(\d+)% of max_cost \$1.60 spent", err)
+    assert warned is not None and 80 <= int(warned[1]) < 100, err
+    assert err.index(warned[0]) < err.index("the running call was stopped")
+    assert pool.cost.per_hour == 0
+    assert leftovers(new_session(stubs).client("ec2"), pool.pool_id) == []

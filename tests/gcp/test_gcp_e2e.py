@@ -115,10 +115,10 @@ def test_capacity_error_at_insert_leaves_nothing(gce_hosts: Callable[..., GceHos
     sim = gce_hosts()
     assert sim.fake is not None
     sim.fake.capacity = False
-    with pytest.raises(ProvisionError, match="ZONE_RESOURCE_POOL_EXHAUSTED") as caught:
+    with pytest.raises(sky.NoCapacity, match="ZONE_RESOURCE_POOL_EXHAUSTED") as caught:
         with sky.ComputePool(provider=gce_for(sim), nodes=2, stream_output=False):
             pytest.fail("must not start")
-    assert "Try another zone" in str(caught.value)
+    assert "Try more zones" in str(caught.value)
     assert sim.fake.calls["firewalls.insert"] == 2  # made, then removed
     nothing_left(sim)
 

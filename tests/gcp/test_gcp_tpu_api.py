@@ -81,9 +81,10 @@ def test_spot_v4_is_the_nodes_own_scheduling(api_fake: FakeGCP) -> None:
 
 def test_a_capacity_error_at_create_leaves_nothing(api_fake: FakeGCP) -> None:
     api_fake.capacity = False
-    with pytest.raises(ProvisionError, match="RESOURCE_EXHAUSTED") as caught:
+    with pytest.raises(sky.NoCapacity, match="RESOURCE_EXHAUSTED") as caught:
         _start(api_fake, "v5litepod-16")
-    assert "Try another zone" in str(caught.value)
+    assert "Try more zones" in str(caught.value)
+    assert [where for where, _ in caught.value.attempts] == [f"{ZONE} (on-demand)"]
     assert api_fake.calls["firewalls.insert"] == 2  # made, then removed
     assert api_fake.labelled() == []
 

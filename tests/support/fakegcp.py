@@ -6,6 +6,7 @@ them (https://cloud.google.com/compute/docs/reference/rest/v1):
 - instances: bulkInsert, get, list, aggregatedList, delete (zonal);
 - firewalls: insert, list, delete (global);
 - machineTypes: get (zonal), for the types a test registers with `add_machine_type`;
+- regions: get, with the region's ``quotas`` (`quotas`, over generous defaults);
 - zoneOperations: get, wait, list; globalOperations: get, wait;
 - the Cloud TPU v2 API (``/v2/projects/P/locations/Z/``): nodes, operations, queued resources
   (`tests.support.faketpu`, whose slices' hosts take addresses from the same list).
@@ -17,11 +18,24 @@ the server writes: an unknown field, or a field of the wrong type, is a 400 and 
 error too. It also checks what GCE itself would refuse: a VM without the pool label, names GCE
 would reject, a duplicate firewall rule.
 
-VMs: each one takes a free address from `addresses` (none free: the bulkInsert operation fails
-with ZONE_RESOURCE_POOL_EXHAUSTED, all-or-nothing as `minCount` says), becomes RUNNING after
-`boot_delay` and calls `on_running(instance)`; a deleted one is STOPPING for `delete_delay`,
-then gone (`on_gone(instance)`). Faults: `capacity` (every bulkInsert fails as above), `fail`
-(call name -> how many times to answer 500; -1 forever), `preempt(name)`.
+VMs: each one takes a free address from `addresses`, in whichever zone it is made (none free:
+the bulkInsert operation fails with ZONE_RESOURCE_POOL_EXHAUSTED, all-or-nothing as `minCount`
+says), becomes RUNNING after `boot_delay` and calls `on_running(instance)`; a deleted one is
+STOPPING for `delete_delay`, then gone (`on_gone(instance)`).
+
+Faults:
+
+- `capacity`: False, every bulkInsert fails as above;
+- `no_capacity`: zone (or ``"ZONE SPOT"``, spot VMs only) -> the error code its bulkInsert
+  operations end with, with GCE's documented message: the zone's ZONE_RESOURCE_POOL_EXHAUSTED
+  (or ..._WITH_DETAILS), or the region's QUOTA_EXCEEDED; a TPU slice asked there fails as for
+  no capacity. Such a refusal leaves `refusal_leaves` of its VMs behind (as if GCE's own
+  rollback of a half-done bulkInsert had not run yet);
+- `fail`: call name -> how many times to answer 500 (-1: forever); `forbid`: calls answered
+  403, as without the permission; `preempt(name)`.
+
+`inserts` records each bulkInsert's (zone, provisioning model) and `slices` each zone a TPU
+slice was asked in, in order; `quotas` sets what ``regions.get`` answers.
 """
 
 from __future__ import annotations
@@ -44,6 +58,15 @@ from tests.support.localhttp import LocalServer, Reply, Request
 
 BASE = "https://www.googleapis.com/compute/v1"
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+_REGION = re.compile(r"^[a-z]+-[a-z]+\d+$")
+
+# A region's quotas when a test sets none: (limit, usage) by metric, room for any test pool.
+DEFAULT_QUOTAS = {
+    "CPUS": (2400.0, 0.0),
+    "INSTANCES": (6000.0, 0.0),
+    "PREEMPTIBLE_CPUS": (0.0, 0.0),
+    "IN_USE_ADDRESSES": (690.0, 0.0),
+}
 
 Hook = Callable[[dict[str, Any]], None]
 
@@ -89,7 +112,14 @@ class FakeGCP(TpuApi):
         self.on_running = on_running
         self.on_gone = on_gone
         self.capacity = True  # False: every bulkInsert fails for capacity
+        self.no_capacity: dict[str, str] = {}  # zone (or "ZONE SPOT") -> the error code there
+        self.refusal_leaves = 0  # VMs a refused bulkInsert leaves behind
+        # region -> metric -> (limit, usage), over DEFAULT_QUOTAS
+        self.quotas: dict[str, dict[str, tuple[float, float]]] = {}
+        self.inserts: list[tuple[str, str]] = []  # bulkInsert: (zone, provisioning model)
+        self.slices: list[str] = []  # the zone of each TPU slice asked for
         self.fail: dict[str, int] = {}
+        self.forbid: set[str] = set()
         self.calls: collections.Counter[str] = collections.Counter()
         self.errors: list[str] = []
         self.instances: dict[tuple[str, str], dict[str, Any]] = {}
@@ -226,6 +256,7 @@ class FakeGCP(TpuApi):
         ("GET", r"global/firewalls", "firewalls.list"),
         ("DELETE", r"global/firewalls/(?P<name>[^/]+)", "firewalls.delete"),
         ("GET", r"zones/(?P<zone>[^/]+)/machineTypes/(?P<name>[^/]+)", "machineTypes.get"),
+        ("GET", r"regions/(?P<name>[^/]+)", "regions.get"),
         ("GET", r"zones/(?P<zone>[^/]+)/operations/(?P<name>[^/]+)", "zoneOperations.get"),
         ("POST", r"zones/(?P<zone>[^/]+)/operations/(?P<name>[^/]+)/wait", "zoneOperations.wait"),
         ("GET", r"zones/(?P<zone>[^/]+)/operations", "zoneOperations.list"),
@@ -261,6 +292,10 @@ class FakeGCP(TpuApi):
             if left:
                 self.fail[call] = left - 1 if left > 0 else left
                 raise ApiError(500, "backendError", "Internal error. Please try again.")
+            if call in self.forbid:
+                raise ApiError(
+                    403, "forbidden", f"Required permission for {call} on '{self.project}'"
+                )
         if call.startswith("tpu."):
             return self.tpu_call(call, args, query, body)
         reply = getattr(self, "_" + call.replace(".", "_"))(query=query, body=body, **args)
@@ -420,6 +455,14 @@ class FakeGCP(TpuApi):
             used |= self.tpu_addresses_in_use()
             free = [a for a in self.addresses if a not in used]
             target = {"selfLink": f"{BASE}/projects/{self.project}/zones/{zone}/instances"}
+            model = str(props.get("scheduling", {}).get("provisioningModel", "STANDARD"))
+            self.inserts.append((zone, model))
+            refused = self.no_capacity.get(f"{zone} {model}") or self.no_capacity.get(zone)
+            if refused:
+                for n, address in zip(range(1, 1 + self.refusal_leaves), free, strict=False):
+                    self._new_instance(zone, f"{stem}{n:0{digits}d}", props, address)
+                error = self._refusal(refused, zone)
+                return self._operation("bulkInsert", target, zone, error=error)
             if not self.capacity or len(free) < count:
                 return self._operation(
                     "bulkInsert",
@@ -440,6 +483,32 @@ class FakeGCP(TpuApi):
             return self._operation("bulkInsert", target, zone)
 
         return self._idempotent(query, make)
+
+    def _refusal(self, code: str, zone: str) -> tuple[str, str]:
+        """GCE's error for a request `zone` has no room for: `code` with its documented
+        message."""
+        where = f"projects/{self.project}/zones/{zone}"
+        region = zone.rsplit("-", 1)[0]
+        messages = {
+            "ZONE_RESOURCE_POOL_EXHAUSTED": f"The zone '{where}' does not have enough resources "
+            "available to fulfill the request. Try a different zone, or try again later.",
+            "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS": f"The zone '{where}' does not have "
+            "enough resources available to fulfill the request. '(resource type:compute)'.",
+            "QUOTA_EXCEEDED": f"Quota 'CPUS' exceeded.  Limit: 24.0 in region {region}.",
+        }
+        return code, messages.get(code, f"{code} in {where}")
+
+    def _new_node(self, loc: str, node_id: str, node: dict[str, Any], hosts: int) -> str | None:
+        """A slice asked for in zone `loc`: refused there for capacity as `no_capacity` says
+        (``"ZONE SPOT"``: spot slices only, on the node or through a queued resource)."""
+        self.slices.append(loc)
+        spot = bool(node.get("schedulingConfig", {}).get("spot") or node.get("queuedResource"))
+        if self.no_capacity.get(loc) or (spot and self.no_capacity.get(f"{loc} SPOT")):
+            return (
+                f'There is no more capacity in the zone "{loc}"; you can try in another zone '
+                "where Cloud TPU Nodes are offered (see https://cloud.google.com/tpu/docs/regions)"
+            )
+        return super()._new_node(loc, node_id, node, hosts)
 
     def _new_instance(self, zone: str, name: str, props: dict[str, Any], address: str) -> None:
         link = f"{BASE}/projects/{self.project}/zones/{zone}/instances/{name}"
@@ -598,6 +667,34 @@ class FakeGCP(TpuApi):
             kind, count = shape["gpus"]
             reply["accelerators"] = [{"guestAcceleratorType": kind, "guestAcceleratorCount": count}]
         return self._check(compute_v1.MachineType, reply)
+
+    # -- regions
+
+    def _regions_get(self, name: str, **_: Any) -> Any:
+        if not _REGION.match(name):
+            raise ApiError(
+                404,
+                "notFound",
+                f"The resource 'projects/{self.project}/regions/{name}' was not found",
+            )
+        with self._lock:
+            quotas = {**DEFAULT_QUOTAS, **self.quotas.get(name, {})}
+        reply = {
+            "kind": "compute#region",
+            "id": str(next(self._ids)),
+            "creationTimestamp": "1969-12-31T16:00:00.000-08:00",
+            "name": name,
+            "description": name,
+            "status": "UP",
+            "zones": [f"{BASE}/projects/{self.project}/zones/{name}-{z}" for z in "abcf"],
+            "quotas": [
+                {"metric": metric, "limit": limit, "usage": usage}
+                for metric, (limit, usage) in sorted(quotas.items())
+            ],
+            "selfLink": f"{BASE}/projects/{self.project}/regions/{name}",
+            "supportsPzs": False,
+        }
+        return self._check(compute_v1.Region, reply)
 
     # -- firewalls
 

@@ -3,6 +3,10 @@
 Every call passes its own retry and timeout: the library's defaults retry reads for ten minutes,
 which would hide a broken endpoint from a teardown that has its own deadline. Mutations carry a
 ``request_id``, so retrying one can never make a second resource.
+
+A request GCE refuses for want of room is a `NoRoom`: a zone without capacity now (`ZONE`: the
+next zone may have some) or a regional quota too low (`REGION`: no zone of that region will do);
+failover (`provision`) reads which.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from google.api_core import exceptions as gexc
 from google.api_core.retry import Retry, if_exception_type
 from google.cloud import compute_v1
 
+from skyward.errors import ProvisionError
+
 CALL_TIMEOUT = 30.0  # seconds for one HTTP call
 
 _TRANSIENT = if_exception_type(
@@ -30,6 +36,47 @@ _TRANSIENT = if_exception_type(
 
 ApiError = (gexc.GoogleAPIError, OSError)
 """What a failed call raises: the API's answer, or the transport's."""
+
+ZONE = "zone"
+REGION = "region"
+# GCE's codes for a zone that cannot take the VMs now (its operation's ``error.errors[].code``).
+ZONE_CODES = (
+    "ZONE_RESOURCE_POOL_EXHAUSTED",
+    "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+    "RESOURCE_POOL_EXHAUSTED",
+    "RESOURCE_EXHAUSTED",
+)
+# The same said in words only: GCE's stockout messages do not always come with those codes.
+_ZONE_WORDS = ("stockout", "does not have enough resources available")
+
+
+class NoRoom(ProvisionError):
+    """A request refused for want of room. `scope`: `ZONE` (that zone has no capacity now) or
+    `REGION` (a quota, which GCE counts per region); `answer`: the cloud's code and words."""
+
+    def __init__(self, message: str, *, scope: str, answer: str) -> None:
+        super().__init__(message)
+        self.scope = scope
+        self.answer = answer
+
+
+def no_room(code: str, message: str) -> str | None:
+    """Whether a refusal (`code`, `message`) says a zone (`ZONE`) or a region's quota
+    (`REGION`) has no room; None when it says something else."""
+    if "QUOTA" in code.upper():  # QUOTA_EXCEEDED in an operation, quotaExceeded from a call
+        return REGION
+    words = message.lower()
+    if code in ZONE_CODES or any(w in words for w in _ZONE_WORDS):
+        return ZONE
+    return None
+
+
+def refusal(exc: BaseException) -> tuple[str, str]:
+    """A failed call's code (GCE's first error reason, e.g. ``quotaExceeded``) and words."""
+    if isinstance(exc, gexc.GoogleAPICallError):
+        reasons = [str(e.get("reason", "")) for e in exc.errors if isinstance(e, dict)]
+        return next((r for r in reasons if r), ""), str(exc.message)
+    return "", str(exc)
 
 
 def retry(deadline: float = 30.0) -> Retry:

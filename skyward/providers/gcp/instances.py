@@ -1,14 +1,14 @@
-"""A pool's Compute Engine VMs as plain functions: set up, run, wait, replace, explain.
+"""A pool's Compute Engine VMs as plain functions: set up, run, wait, explain.
 
 Each function is one step of a launch, blocking (the provider runs them in a thread), and each
 records what it makes in the pool's `teardown.Made` before or as GCE makes it:
 
-- `set_up` creates the pool's two firewall rules (SSH from the client's CIDR to the pool's
-  network tag; everything between VMs with that tag) and returns the bulkInsert request body;
+- `set_up` creates the pool's two firewall rules (`create_firewalls`: SSH from the client's CIDR
+  to the pool's network tag; everything between VMs with that tag) and returns the bulkInsert
+  request body (`bulk_body`, made again for each zone a launch tries);
 - `run` starts N VMs with ONE ``instances.bulkInsert`` (``minCount = count``: GCE starts all N
-  or none) and waits for its operation;
+  or none) and waits for its operation; a refusal for want of room is `api.NoRoom`;
 - `wait_running` waits until all of them run (one zonal list a poll), failing if one stops;
-- `replace` deletes a lost VM and starts one more with the pool's request;
 - `loss_of` / `describe_loss` say why a VM went away (a preemption is a zone operation of type
   ``compute.instances.preempted`` on the instance).
 """
@@ -37,13 +37,6 @@ CHECK_IP_URL = "https://checkip.amazonaws.com"
 PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
 _UP = ("PROVISIONING", "STAGING", "RUNNING")
 _GONE = ("STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED", "TERMINATED")
-_CAPACITY_CODES = (
-    "ZONE_RESOURCE_POOL_EXHAUSTED",
-    "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
-    "QUOTA_EXCEEDED",
-    "RESOURCE_EXHAUSTED",
-    "RESOURCE_POOL_EXHAUSTED",
-)
 PREEMPTED = "compute.instances.preempted"
 
 CheckCancel = Callable[[], None]
@@ -63,6 +56,17 @@ def set_up(
 ) -> compute_v1.BulkInsertInstanceResource:
     """Create the pool's firewall rules; return the bulkInsert body of its VMs (count unset)."""
     create_firewalls(clients, access, placement, spec.pool_id, made, deadline, check_cancel)
+    return bulk_body(access, placement, spec, choice, metadata)
+
+
+def bulk_body(
+    access: Access,
+    placement: Placement,
+    spec: ClusterSpec,
+    choice: Choice,
+    metadata: dict[str, str],
+) -> compute_v1.BulkInsertInstanceResource:
+    """The bulkInsert body of the pool's VMs in `access.zone`'s region (count unset)."""
     tag = resources.network_tag(spec.pool_id)
     network = network_url(access, placement.network)
     labels = resources.pool_labels(spec.pool_id)
@@ -116,6 +120,15 @@ def set_up(
     return compute_v1.BulkInsertInstanceResource(
         name_pattern=resources.name_pattern(spec.pool_id), instance_properties=properties
     )
+
+
+def named(
+    body: compute_v1.BulkInsertInstanceResource, name_pattern: str
+) -> compute_v1.BulkInsertInstanceResource:
+    """A copy of `body` whose VMs are named by `name_pattern`."""
+    renamed = compute_v1.BulkInsertInstanceResource(body)
+    renamed.name_pattern = name_pattern
+    return renamed
 
 
 def create_firewalls(
@@ -184,25 +197,39 @@ def run(
     count: int,
     deadline: float,
 ) -> None:
-    """Start `count` VMs with `body` in one call, all or none; raise `ProvisionError` when GCE
-    could not (its operation's error, e.g. ZONE_RESOURCE_POOL_EXHAUSTED)."""
+    """Start `count` VMs with `body` in `access.zone` in one call, all or none. GCE refusing
+    for want of room (its operation's error, e.g. ZONE_RESOURCE_POOL_EXHAUSTED or
+    QUOTA_EXCEEDED, or the call's own) is `api.NoRoom`; any other failure a `ProvisionError`."""
     request = compute_v1.BulkInsertInstanceResource(body)
     request.count = count
     request.min_count = count  # all-or-nothing: fewer than count and GCE deletes what it made
     logger.info("starting %d x %s in %s", count, body.instance_properties.machine_type, access.zone)
-    operation = clients.instances.bulk_insert_unary(
-        request=compute_v1.BulkInsertInstanceRequest(
-            project=access.project,
-            zone=access.zone,
-            bulk_insert_instance_resource_resource=request,
-            request_id=api.request_id(),
-        ),
-        retry=api.retry(),
-        timeout=api.CALL_TIMEOUT,
-    )
-    failed = api.operation_error(api.wait(clients, access.project, operation, deadline))
-    if failed is not None:
-        raise ProvisionError(_launch_words(failed, count, body, access))
+    try:
+        operation = clients.instances.bulk_insert_unary(
+            request=compute_v1.BulkInsertInstanceRequest(
+                project=access.project,
+                zone=access.zone,
+                bulk_insert_instance_resource_resource=request,
+                request_id=api.request_id(),
+            ),
+            retry=api.retry(),
+            timeout=api.CALL_TIMEOUT,
+        )
+    except gexc.GoogleAPICallError as exc:  # refused at once (a 403 quotaExceeded)
+        code, message = api.refusal(exc)
+        if api.no_room(code, message) is None:
+            raise
+        operation_failed: tuple[str, str] | None = (code, message)
+    else:
+        done = api.wait(clients, access.project, operation, deadline)
+        operation_failed = api.operation_error(done)
+    if operation_failed is not None:
+        words = _launch_words(operation_failed, count, body, access)
+        scope = api.no_room(*operation_failed)
+        if scope is not None:
+            code, message = operation_failed
+            raise api.NoRoom(words, scope=scope, answer=f"{code}: {message}")
+        raise ProvisionError(words)
 
 
 def wait_running(
@@ -316,7 +343,7 @@ def _launch_words(
 ) -> str:
     code, message = failed
     what = f"{count} x {body.instance_properties.machine_type} in {access.zone}"
-    if code in _CAPACITY_CODES:
+    if api.no_room(code, message) is not None:
         return (
             f"GCE could not start {what} ({code}: {message}). Nothing was left running. Try "
             "another zone, fewer nodes, spot=False, or ask for more quota"

@@ -4,16 +4,19 @@ launch, for the whole pool at once (the API calls do not grow with N); the GCE s
 `provision`'s (over the plain functions of `instances` and `tpus`), run in a thread, the SSH steps
 those of `skyward.providers.remote.connect` and `skyward.providers.remote.bootstrap`:
 
-1. resolve project, zone and credentials and pick the machine type (offline, in `validate`);
+1. resolve project, zones and credentials and pick the machine type (offline, in `validate`);
 2. create the pool's firewall rules and a fresh login key; the VMs' metadata carries the key
    (``ssh-keys``) and a startup script that installs a host key made on the client and starts
    the idle watchdog;
-3. one ``instances.bulkInsert`` for all N (``minCount = N``); wait until all N run;
+3. in the first zone given with room (failover: the zones in order, a region whose quotas
+   cannot fit the pool skipped, spot then on-demand with ``spot="prefer"``), one
+   ``instances.bulkInsert`` for all N (``minCount = N``); wait until all N run;
 4. connect to every VM, trusting only that host key, retrying while they boot; `survey` (the
    VMs' GPUs and drivers), `prepare` and the agents are the remote bootstrap's, as for
    `sky.SSH`.
 
-What one pool made lives in its `GCPCluster` (and in the labels and names, the durable record).
+What one pool made lives in its `GCPCluster` (and in the labels and names, the durable record),
+with the zone it landed in, where its replacements, explanations and TPU teardown go.
 Teardown (end of the pool, or any failure or cancellation during launch) is
 `teardown.remove_pool`, which ``skyward down`` uses too; it runs in a non-daemon thread.
 
@@ -28,7 +31,7 @@ import asyncio
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Phase, Progress
@@ -56,7 +59,15 @@ from skyward.providers.gcp import (
 )
 from skyward.providers.gcp.instances import logger
 from skyward.providers.gcp.provision import GCPCluster
-from skyward.providers.gcp.settings import Access, Clients, Placement, endpoint_of, resolve
+from skyward.providers.gcp.settings import (
+    Access,
+    Clients,
+    Placement,
+    endpoint_of,
+    region_of,
+    resolve,
+    zone_list,
+)
 from skyward.providers.remote.bootstrap import RemoteNode
 from skyward.worker.notices import NOTICES_ENV
 
@@ -65,12 +76,18 @@ class GCP(CloudProvider):
     """Nodes as Compute Engine VMs (GPU or CPU), firewall rules per pool, nothing left behind.
 
     Args:
-        project, zone: default: the standard sources (``CLOUDSDK_CORE_PROJECT``,
-            ``GOOGLE_CLOUD_PROJECT``, the credentials' project, gcloud's config;
-            ``CLOUDSDK_COMPUTE_ZONE``, gcloud's ``compute/zone``).
-        spot: Spot VMs (cheaper, may be preempted).
+        project: default: the standard sources (``CLOUDSDK_CORE_PROJECT``,
+            ``GOOGLE_CLOUD_PROJECT``, the credentials' project, gcloud's config).
+        zone: a zone, or a list of zones tried in order when one has no room for the pool
+            (failover; zones of several regions make it regional failover too). Every node
+            of a pool lands in one zone. A zone without capacity is passed; a quota error,
+            or a region whose quotas (read first) cannot fit the pool, skips that region's
+            zones. Default: ``CLOUDSDK_COMPUTE_ZONE``, gcloud's ``compute/zone``.
+        spot: Spot VMs (cheaper, may be preempted); ``"prefer"``: spot VMs in every zone
+            first, then on-demand ones when no zone had spot capacity.
         network, subnetwork: where the VMs go (default: the ``default`` network); a name or a
-            resource path. A subnetwork must be in `network` and in the zone's region.
+            resource path. A subnetwork named by name is that name in each zone's region; a
+            path is one region's, so all zones must be in it.
         use_private_ips: connect to the VMs' internal addresses (client in the VPC or on a
             VPN); then no external address is asked for.
         ssh_cidr: who may reach port 22; default: this client's public address (/32), or the
@@ -97,8 +114,8 @@ class GCP(CloudProvider):
     def __init__(
         self,
         project: str | None = None,
-        zone: str | None = None,
-        spot: bool = False,
+        zone: str | Sequence[str] | None = None,
+        spot: bool | Literal["prefer"] = False,
         network: str | None = None,
         subnetwork: str | None = None,
         use_private_ips: bool = False,
@@ -133,13 +150,20 @@ class GCP(CloudProvider):
         )
         if ssh_cidr is not None:
             ssh_cidr = check_cidr(ssh_cidr)
+        if spot not in (True, False, "prefer"):
+            raise ConfigError(f"spot must be True, False or 'prefer', got {spot!r}")
+        zones = zone_list(zone)
+        if zone is not None and not zones:
+            raise ConfigError("zone=[] names no zone: give one or more, or leave it out")
+        _check_subnetwork(subnetwork, zones)
         self.project = project
-        self.zone = zone
+        self.zones = zones  # () : the standard resolution
+        self.spot = spot
         self.machine_type = machine_type
         self.runtime_version = runtime_version
         self.placement = Placement(
             image,
-            spot,
+            bool(spot),  # spot="prefer" asks spot VMs first (and prices them as spot)
             network,
             subnetwork,
             use_private_ips,
@@ -157,10 +181,11 @@ class GCP(CloudProvider):
     # -- project, zone, clients ----------------------------------------------------------
 
     def access(self) -> Access:
-        """Project, zone and credentials (resolved once; `ConfigError` when one is missing)."""
+        """Project, zones and credentials (resolved once; `ConfigError` when one is missing).
+        Its `zone` is the first zone given."""
         with self._lock:
             if self._access is None:
-                self._access = resolve(self.project, self.zone, self._credentials)
+                self._access = resolve(self.project, self.zones or None, self._credentials)
             return self._access
 
     def clients(self) -> Clients:
@@ -245,12 +270,13 @@ class GCP(CloudProvider):
             tell=progress,
         )
         progress.phase(None, Phase.BOOTING, what)
+        markets = (True, False) if self.spot == "prefer" else (bool(self.spot),)
         return await self.launched(
             cluster,
             lambda: (
-                provision.vms(self._calls(), cluster, choice)
+                provision.vms(self._calls(), cluster, choice, markets)
                 if tpu is None
-                else provision.tpu_slice(self._calls(), cluster, tpu, self.runtime_version)
+                else provision.tpu_slice(self._calls(), cluster, tpu, self.runtime_version, markets)
             ),
             lambda found: self._connect(cluster, found, range(len(found)), progress),
         )
@@ -263,11 +289,13 @@ class GCP(CloudProvider):
             )
 
     def make_one(self, pool: CloudCluster) -> list[Any]:
-        """One more VM, made as the pool's were, running."""
+        """One more VM, made as the pool's were, running: in the pool's zone, else in another
+        zone given of its region."""
         return provision.one_more(self._calls(), _gcp(pool))
 
     def retire(self, pool: CloudCluster, lost: str) -> None:
-        provision.retire(self._calls(), lost)
+        gcp = _gcp(pool)
+        provision.retire(self._calls(), lost, gcp.made.instances.get(lost) or gcp.zone)
 
     async def reach(
         self, pool: CloudCluster, found: list[Any], indexes: Sequence[int]
@@ -290,6 +318,7 @@ class GCP(CloudProvider):
         if name is None:
             return None
         access = self.access()
+        access = access.at(pool.zone or access.zone)  # where the pool landed
         if pool.tpu is not None:
             return await asyncio.to_thread(
                 tpus.loss_of, self.clients(), access, pool.pool_id, node.index
@@ -359,7 +388,8 @@ class GCP(CloudProvider):
     def remove_resources(self, pool: CloudCluster) -> None:
         gcp = _gcp(pool)
         # A VM pool's own teardown looks for no TPU: its calls stay those of the Compute API.
-        zone = self.access().zone if gcp.tpu is not None else None
+        # A slice's is in the pool's zone (the one it landed in, or its last attempt's).
+        zone = (gcp.zone or self.access().zone) if gcp.tpu is not None else None
         self._remove_pool(gcp.pool_id, gcp.made, tpu_zone=zone, log=pool.tell)
 
     def _remove_pool(
@@ -380,6 +410,20 @@ class GCP(CloudProvider):
             poll=self.poll_interval,
             log=log,
             tpu_zone=tpu_zone,
+        )
+
+
+def _check_subnetwork(subnetwork: str | None, zones: Sequence[str]) -> None:
+    """A subnetwork given as a path is one region's: every zone given must be in it."""
+    if not subnetwork or "/regions/" not in subnetwork:
+        return
+    region = subnetwork.split("/regions/", 1)[1].split("/", 1)[0]
+    elsewhere = [z for z in zones if region_of(z) != region]
+    if elsewhere:
+        raise ConfigError(
+            f"subnetwork {subnetwork!r} is in region {region}, but zone(s) {', '.join(elsewhere)} "
+            "are not: give the subnetwork by name (each region's subnetwork of that name), or "
+            "zones of that region only"
         )
 
 

@@ -1,23 +1,56 @@
 """The cloud half of a GCP launch: the API calls that make a pool's VMs or its TPU slice, run in
 a thread, each ending with the hosts to connect to (`Host`). What they make is recorded in the
-pool's `GCPCluster` as they go, so a teardown during or after a failed launch finds it."""
+pool's `GCPCluster` as they go, so a teardown during or after a failed launch finds it.
+
+Failover: the pool's firewall rules are made once (they are global), then the zones given are
+tried in order, each with one bulkInsert (or one TPU slice) for the whole pool, so that every
+node lands in one zone; with ``spot="prefer"`` every zone is tried with spot VMs first, then
+with on-demand ones. A zone without capacity is passed; a quota error blocks its region (GCE's
+VM quotas are regional), whose other zones are not tried, and a region whose quotas, read
+first (`quotas`), cannot fit the pool is skipped without an insert. What a failed attempt made
+in its zone is removed before the next; each attempt is a console line (`failover.Attempts`)
+and, when no zone is left, `sky.NoCapacity` lists them all.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from skyward.errors import ProvisionError
+from skyward.providers.base import count
+from skyward.providers.cloud import failover
 from skyward.providers.cloud.bootscript import write_login_key
 from skyward.providers.cloud.provider import CloudCluster
-from skyward.providers.gcp import api, instances, machine_types, startup, teardown, tpu_types, tpus
+from skyward.providers.gcp import (
+    api,
+    instances,
+    machine_types,
+    prices,
+    quotas,
+    resources,
+    startup,
+    teardown,
+    tpu_types,
+    tpus,
+)
 from skyward.providers.gcp.instances import logger
-from skyward.providers.gcp.settings import Access, Clients, Placement
+from skyward.providers.gcp.settings import Access, Clients, Placement, region_of
 
 T = TypeVar("T")
+
+_VM_HINT = (
+    "Try more zones (zone=[...], in other regions too), spot='prefer' or spot=False, fewer "
+    "nodes, another machine type, or ask for more quota"
+)
+_TPU_HINT = (
+    "Try more zones (zone=[...]), spot='prefer' or spot=False, a smaller slice, or ask for "
+    "TPU quota"
+)
 
 
 @dataclass
@@ -27,6 +60,9 @@ class GCPCluster(CloudCluster):
     body: Any = None  # the bulkInsert request: a replacement asks for the same
     made: teardown.Made = field(default_factory=teardown.Made)
     tpu: tpu_types.TpuType | None = None  # the pool is this TPU slice
+    # Where the pool is: the zone of its current attempt while it launches, the zone it landed
+    # in after. Everything after the launch (replacements, explain, teardown) goes there.
+    zone: str = ""
 
 
 @dataclass(frozen=True)
@@ -46,39 +82,89 @@ class Calls:
     access: Access
     placement: Placement
     poll: float
-    deadline: float  # monotonic: the provider's boot_timeout from the launch's start
+    timeout: float  # the provider's boot_timeout: each attempt has all of it
+    deadline: float  # monotonic: `timeout` from the start of the launch or of the attempt
 
     @classmethod
     def start(
         cls, clients: Clients, access: Access, placement: Placement, poll: float, timeout: float
     ) -> Calls:
-        return cls(clients, access, placement, poll, time.monotonic() + timeout)
+        return cls(clients, access, placement, poll, timeout, time.monotonic() + timeout)
+
+    def attempt(self, zone: str, spot: bool | None = None) -> Calls:
+        """These calls for one attempt: in `zone`, with spot VMs or not (`spot`; None: as
+        placed), with the whole boot_timeout from now."""
+        placement = self.placement
+        if spot is not None:
+            placement = dataclasses.replace(placement, spot=spot)
+        return dataclasses.replace(
+            self,
+            access=self.access.at(zone),
+            placement=placement,
+            deadline=time.monotonic() + self.timeout,
+        )
 
 
-def vms(calls: Calls, pool: GCPCluster, choice: machine_types.Choice) -> list[Host]:
-    """Firewall rules, then one bulkInsert for all of the pool's VMs, until every one runs."""
+def vms(
+    calls: Calls, pool: GCPCluster, choice: machine_types.Choice, markets: Sequence[bool]
+) -> list[Host]:
+    """Firewall rules, then the pool's VMs in the first zone with room, one bulkInsert for all
+    of them, until every one runs. `markets`: spot or not, in the order tried."""
     with _launching(pool):
-        pool.body = instances.set_up(
+        instances.create_firewalls(
             calls.clients,
             calls.access,
             calls.placement,
-            pool.spec,
-            choice,
-            _metadata(calls, pool),
+            pool.pool_id,
             pool.made,
             calls.deadline,
             pool.check_cancel,
         )
-        pool.check_cancel()
-        instances.run(calls.clients, calls.access, pool.body, pool.spec.nodes, calls.deadline)
-        return _running(calls, pool, pool.spec.nodes, set())
+        metadata = _metadata(calls, pool)
+        attempts = failover.Attempts(f"{pool.spec.nodes} x {choice.machine_type}", pool.tell)
+        read: dict[str, dict[str, quotas.Quota] | None] = {}  # region -> its quotas, once
+        for spot in markets:
+            if not spot and len(markets) > 1:
+                pool.tell("no spot capacity in any zone: trying on-demand VMs")
+            market = _market(spot)
+            checked: set[str] = set()
+            blocked: set[str] = set()
+            for zone in calls.access.zones:
+                region = region_of(zone)
+                if region in blocked:
+                    continue
+                attempt = calls.attempt(zone, spot)
+                if region not in checked:
+                    checked.add(region)
+                    short = _too_small(attempt, pool, choice, read)
+                    if short is not None:
+                        attempts.block_region(region, short)
+                        blocked.add(region)
+                        continue
+                pool.check_cancel()
+                try:
+                    return _vms_in(attempt, pool, choice, metadata)
+                except api.NoRoom as exc:
+                    if exc.scope == api.REGION:
+                        attempts.block_region(region, f"{exc.answer} ({market})")
+                        blocked.add(region)
+                    else:
+                        attempts.failed(f"{zone} ({market})", exc.answer)
+                    _clear(attempt, pool)
+        raise attempts.exhausted(_VM_HINT)
 
 
 def tpu_slice(
-    calls: Calls, pool: GCPCluster, tpu: tpu_types.TpuType, runtime_version: str | None
+    calls: Calls,
+    pool: GCPCluster,
+    tpu: tpu_types.TpuType,
+    runtime_version: str | None,
+    markets: Sequence[bool],
 ) -> list[Host]:
-    """Firewall rules, then the slice (a node, or a queued resource for spot on v5e+), until
-    every host has an address and the slice is READY; its hosts in worker order."""
+    """Firewall rules, then the slice (a node, or a queued resource for spot on v5e+) in the
+    first zone with room, until every host has an address and the slice is READY; its hosts
+    in worker order. TPU quotas are not read first (the TPU API counts them per zone, and
+    answers a slice over quota as it answers one without capacity: the next zone is tried)."""
     with _launching(pool):
         metadata = _metadata(calls, pool)
         instances.create_firewalls(
@@ -90,19 +176,99 @@ def tpu_slice(
             calls.deadline,
             pool.check_cancel,
         )
-        body = tpus.node_body(
-            calls.access, calls.placement, pool.pool_id, tpu, metadata, runtime_version
+        attempts = failover.Attempts(
+            f"TPU {tpu.accelerator_type} ({count(tpu.hosts, 'host')})", pool.tell
         )
-        operation = tpus.create(
-            calls.clients,
-            calls.access,
-            pool.pool_id,
-            body,
-            tpu,
-            calls.placement.spot,
-            pool.made.add,
-        )
-        node = _wait(calls, pool, tpus.wait_ready, tpu, operation)
+        for spot in markets:
+            if not spot and len(markets) > 1:
+                pool.tell("no spot capacity in any zone: trying an on-demand slice")
+            for zone in calls.access.zones:
+                attempt = calls.attempt(zone, spot)
+                pool.check_cancel()
+                try:
+                    return _slice_in(attempt, pool, tpu, runtime_version, metadata)
+                except api.NoRoom as exc:
+                    attempts.failed(f"{zone} ({_market(spot)})", exc.answer)
+                    _clear(attempt, pool)
+        raise attempts.exhausted(_TPU_HINT)
+
+
+def retire(calls: Calls, lost: str, zone: str) -> None:
+    """Delete the lost VM `lost` in `zone` (it may be hung rather than gone); a failure is
+    only logged: the teardown deletes it in the end."""
+    try:
+        teardown.delete_vm(calls.clients, calls.access.project, zone, lost)
+    except api.ApiError as exc:
+        logger.info("deleting lost VM %s: %s", lost, api.describe(exc))
+
+
+def one_more(calls: Calls, pool: GCPCluster) -> list[Host]:
+    """One more VM, made as the pool's were (`pool.body`), once it runs: in the pool's zone,
+    else in the next zone given of the same region (a zone of another region would put it on
+    another subnet, away from the pool), passing zones without room as a launch does."""
+    region = region_of(pool.zone)
+    zones = [pool.zone] + [
+        z for z in calls.access.zones if z != pool.zone and region_of(z) == region
+    ]
+    spot = str(pool.body.instance_properties.scheduling.provisioning_model) == "SPOT"
+    market = _market(spot)
+    machine = pool.body.instance_properties.machine_type
+    attempts = failover.Attempts(f"a replacement VM ({machine})", pool.tell)
+    known = set(pool.made.instances)
+    for zone in zones:
+        attempt = calls.attempt(zone)
+        body = pool.body
+        if zone != pool.zone:
+            body = instances.named(body, resources.name_pattern(pool.pool_id, zone))
+        try:
+            instances.run(attempt.clients, attempt.access, body, 1, attempt.deadline)
+        except api.NoRoom as exc:
+            # One VM is all or nothing by itself: a refused one left nothing to remove.
+            if exc.scope == api.REGION:
+                attempts.block_region(region, f"{exc.answer} ({market})")
+                break
+            attempts.failed(f"{zone} ({market})", exc.answer)
+            continue
+        return _running(attempt, pool, 1, known)
+    raise attempts.exhausted(
+        f"Replacements stay in region {region}, the pool's network: give more of its zones "
+        "(zone=[...]) to have more tried"
+    )
+
+
+def _vms_in(
+    calls: Calls, pool: GCPCluster, choice: machine_types.Choice, metadata: dict[str, str]
+) -> list[Host]:
+    """All of the pool's VMs in `calls.access.zone`, running; `api.NoRoom` when GCE has no
+    room for them there."""
+    pool.zone = calls.access.zone
+    pool.body = instances.bulk_body(calls.access, calls.placement, pool.spec, choice, metadata)
+    instances.run(calls.clients, calls.access, pool.body, pool.spec.nodes, calls.deadline)
+    return _running(calls, pool, pool.spec.nodes, set())
+
+
+def _slice_in(
+    calls: Calls,
+    pool: GCPCluster,
+    tpu: tpu_types.TpuType,
+    runtime_version: str | None,
+    metadata: dict[str, str],
+) -> list[Host]:
+    """The pool's slice in `calls.access.zone`, READY; `api.NoRoom` when it has no room."""
+    pool.zone = calls.access.zone
+    body = tpus.node_body(
+        calls.access, calls.placement, pool.pool_id, tpu, metadata, runtime_version
+    )
+    operation = tpus.create(
+        calls.clients,
+        calls.access,
+        pool.pool_id,
+        body,
+        tpu,
+        calls.placement.spot,
+        pool.made.add,
+    )
+    node = _wait(calls, pool, tpus.wait_ready, tpu, operation)
     name = tpus.node_name(pool.pool_id)
     private = calls.placement.use_private_ips
     return [
@@ -111,20 +277,59 @@ def tpu_slice(
     ]
 
 
-def retire(calls: Calls, lost: str) -> None:
-    """Delete the lost VM `lost` (it may be hung rather than gone); a failure is only logged:
-    the teardown deletes it in the end."""
-    try:
-        teardown.delete_vm(calls.clients, calls.access.project, calls.access.zone, lost)
-    except api.ApiError as exc:
-        logger.info("deleting lost VM %s: %s", lost, api.describe(exc))
+def _too_small(
+    calls: Calls,
+    pool: GCPCluster,
+    choice: machine_types.Choice,
+    read: dict[str, dict[str, quotas.Quota] | None],
+) -> str | None:
+    """Why the region of `calls.access.zone` cannot fit the pool by its quotas (read once per
+    launch, into `read`), or None."""
+    region = calls.access.region
+    if region not in read:
+        read[region] = quotas.read(calls.clients, calls.access.project, region)
+    found = read[region]
+    if found is None:
+        logger.info("the quotas of %s could not be read: trying its zones", region)
+        return None
+
+    def vcpus() -> int | None:
+        try:
+            shape = prices.machine_shape(
+                calls.clients.machine_types,
+                calls.access.project,
+                calls.access.zone,
+                choice.machine_type,
+            )
+        except api.ApiError:
+            return None
+        return shape.cpus
+
+    return quotas.shortfall(found, choice, pool.spec.nodes, calls.placement.spot, vcpus)
 
 
-def one_more(calls: Calls, pool: GCPCluster) -> list[Host]:
-    """One more VM, made as the pool's were (`pool.body`), once it runs."""
-    known = set(pool.made.instances)
-    instances.run(calls.clients, calls.access, pool.body, 1, calls.deadline)
-    return _running(calls, pool, 1, known)
+def _clear(calls: Calls, pool: GCPCluster) -> None:
+    """Remove what a failed attempt made in its zone (VMs a half-done bulkInsert left, the
+    slice or queued resource), keeping the pool's firewall rules for the next zone."""
+    made = teardown.Made(tpus=set(pool.made.tpus), queued=set(pool.made.queued))
+    teardown.remove_pool(
+        calls.clients,
+        calls.access.project,
+        pool.pool_id,
+        made,
+        timeout=max(1.0, calls.deadline - time.monotonic()),
+        poll=calls.poll,
+        log=logger.info,
+        tpu_zone=calls.access.zone if pool.tpu is not None else None,
+        firewalls=False,
+    )
+    pool.made.instances.clear()
+    pool.made.tpus.clear()
+    pool.made.queued.clear()
+
+
+def _market(spot: bool) -> str:
+    return "spot" if spot else "on-demand"
 
 
 @contextlib.contextmanager

@@ -55,9 +55,13 @@ def base_name(pool_id: str) -> str:
     return f"skyward-{slug(pool_id)}"
 
 
-def name_pattern(pool_id: str) -> str:
-    """bulkInsert's name pattern: GCE numbers the instances, after any of the pool's own."""
-    return f"{base_name(pool_id)}-###"
+def name_pattern(pool_id: str, zone: str | None = None) -> str:
+    """bulkInsert's name pattern: GCE numbers the instances, after any of the pool's own in
+    that zone. A VM of the pool made in another `zone` than its others (a replacement where the
+    pool's zone had no room) carries the zone's letter: names are unique per zone only, and
+    the pool's VMs are told apart by name."""
+    letter = f"-{zone.rsplit('-', 1)[-1]}" if zone else ""
+    return f"{base_name(pool_id)}{letter}-###"
 
 
 def network_tag(pool_id: str) -> str:

@@ -1,10 +1,11 @@
-"""Where a `sky.GCP` pool goes and as whom: project, zone, credentials, API endpoint, clients.
+"""Where a `sky.GCP` pool goes and as whom: project, zones, credentials, API endpoint, clients.
 
 Resolution follows gcloud and the client libraries, first match wins:
 
 - project: ``project=``; ``CLOUDSDK_CORE_PROJECT``; ``GOOGLE_CLOUD_PROJECT``; the project of
   Application Default Credentials (``google.auth.default()``, which also reads gcloud's config);
-- zone: ``zone=``; ``CLOUDSDK_COMPUTE_ZONE``; ``[compute] zone`` of gcloud's active configuration;
+- zones: ``zone=`` (one zone, or several tried in order: failover); ``CLOUDSDK_COMPUTE_ZONE``;
+  ``[compute] zone`` of gcloud's active configuration;
 - credentials: Application Default Credentials;
 - endpoint: ``api_endpoint=``; ``CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE`` (gcloud's override);
   else the library's default (compute.googleapis.com). The TPU API: ``api_endpoint=`` too (one
@@ -17,9 +18,11 @@ The client libraries are imported here, lazily: ``import skyward`` never needs t
 from __future__ import annotations
 
 import configparser
+import dataclasses
 import os
 import threading
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -55,21 +58,40 @@ def endpoint_of(explicit: str | None, api: str = "COMPUTE") -> str | None:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-@dataclass
+def region_of(zone: str) -> str:
+    """``us-central1`` of ``us-central1-a``."""
+    return zone.rsplit("-", 1)[0]
+
+
+@dataclass(frozen=True)
 class Access:
-    """The resolved project, zone and credentials of one `sky.GCP`."""
+    """The resolved project, zones and credentials of one `sky.GCP`.
+
+    `zone` is where the API calls made with this `Access` go: the first zone given, or, once
+    a pool is placed, the pool's own (`at`); `zones` is every zone given, in the order tried."""
 
     project: str
     zone: str
     credentials: Any
+    zones: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.zones:
+            object.__setattr__(self, "zones", (self.zone,))
 
     @property
     def region(self) -> str:
-        return self.zone.rsplit("-", 1)[0]
+        return region_of(self.zone)
+
+    def at(self, zone: str) -> Access:
+        """The same access, its calls going to `zone`."""
+        return dataclasses.replace(self, zone=zone)
 
 
-def resolve(project: str | None, zone: str | None, credentials: Any | None) -> Access:
-    """Project, zone and credentials from the standard sources; `ConfigError` naming the
+def resolve(
+    project: str | None, zone: str | Sequence[str] | None, credentials: Any | None
+) -> Access:
+    """Project, zones and credentials from the standard sources; `ConfigError` naming the
     missing one and how to give it."""
     adc_project: str | None = None
     if credentials is None:
@@ -95,13 +117,26 @@ def resolve(project: str | None, zone: str | None, credentials: Any | None) -> A
             "no Google Cloud project: pass sky.GCP(project=...), set CLOUDSDK_CORE_PROJECT or "
             "GOOGLE_CLOUD_PROJECT, or `gcloud config set project PROJECT`"
         )
-    zone = zone or os.environ.get("CLOUDSDK_COMPUTE_ZONE") or gcloud_property("compute", "zone")
-    if not zone:
+    zones = zone_list(zone) or zone_list(
+        os.environ.get("CLOUDSDK_COMPUTE_ZONE") or gcloud_property("compute", "zone")
+    )
+    if not zones:
         raise ConfigError(
-            "no Compute Engine zone: pass sky.GCP(zone='us-central1-a'), set "
-            "CLOUDSDK_COMPUTE_ZONE, or `gcloud config set compute/zone ZONE`"
+            "no Compute Engine zone: pass sky.GCP(zone='us-central1-a') (or several zones, "
+            "tried in order), set CLOUDSDK_COMPUTE_ZONE, or `gcloud config set compute/zone ZONE`"
         )
-    return Access(str(project), str(zone), credentials)
+    return Access(str(project), zones[0], credentials, zones)
+
+
+def zone_list(zone: str | Sequence[str] | None) -> tuple[str, ...]:
+    """`zone=` as the zones to try, in order, each once; () when none is given."""
+    if zone is None:
+        return ()
+    given = [zone] if isinstance(zone, str) else list(zone)
+    for name in given:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"zone {name!r} is not a Compute Engine zone such as 'us-central1-a'")
+    return tuple(dict.fromkeys(given))
 
 
 class _Client:
@@ -149,6 +184,8 @@ class Clients:
     instances = _Client("InstancesClient")
     firewalls = _Client("FirewallsClient")
     zone_operations = _Client("ZoneOperationsClient")
+    regions = _Client("RegionsClient")  # a region's quotas, read before launching there
+    machine_types = _Client("MachineTypesClient")
     global_operations = _Client("GlobalOperationsClient")
     tpu = _Client("TpuClient")  # the TPU v2 API (google-cloud-tpu), REST as for Compute
 
@@ -158,7 +195,7 @@ class Placement:
     """Where and how a pool's VMs run: the `sky.GCP` settings the API calls need."""
 
     image: str | None = None
-    spot: bool = False
+    spot: bool = False  # this attempt's market (spot="prefer" tries both, one after the other)
     network: str | None = None
     subnetwork: str | None = None
     use_private_ips: bool = False

@@ -77,10 +77,13 @@ def remove_pool(
     poll: float = 3.0,
     log: Log = lambda line: None,
     tpu_zone: str | None = None,
+    firewalls: bool = True,
 ) -> list[str]:
     """Remove everything of `pool_id` (and everything in `made`); what was found, by kind.
     With `tpu_zone`, the pool's TPU nodes and queued resources there too (when the pool made
-    none, a TPU API that is off or forbidden means there are none).
+    none, a TPU API that is off or forbidden means there are none). ``firewalls=False`` keeps
+    the pool's firewall rules: a launch's failed attempt in one zone removes its machines
+    only, and the next zone's use the same (global) rules.
 
     Returns once a successful listing shows nothing of the pool; raises `ProvisionError` naming
     what remains, and ``skyward down <pool_id>``, when `timeout` seconds were not enough.
@@ -96,7 +99,7 @@ def remove_pool(
     tpu = _TpuScope(tpu_zone, strict=bool(made.tpus or made.queued)) if tpu_zone else None
 
     def one_round(problems: list[str]) -> Step:
-        clear = _round(clients, project, pool_id, state, problems, log)
+        clear = _round(clients, project, pool_id, state, problems, log, firewalls)
         clear = _tpu_round(clients, project, pool_id, tpu, state, problems, log) and clear
         return Step.DONE if clear else Step.WAIT
 
@@ -107,9 +110,16 @@ def remove_pool(
 
 
 def _round(
-    clients: Any, project: str, pool_id: str, state: _State, problems: list[str], log: Log
+    clients: Any,
+    project: str,
+    pool_id: str,
+    state: _State,
+    problems: list[str],
+    log: Log,
+    firewalls: bool,
 ) -> bool:
-    """List, then delete what may still exist; True when both listings succeeded empty."""
+    """List, then delete what may still exist; True when both listings succeeded empty
+    (without `firewalls`, the VMs' alone: the rules are neither listed nor deleted)."""
     listed_ok = True
     try:
         found = resources.list_instances(clients, project, pool_id)
@@ -117,12 +127,15 @@ def _round(
     except api.ApiError as exc:
         problems.append(f"listing the pool's VMs failed: {api.describe(exc)}")
         listed_ok = False
-    try:
-        rules = resources.list_firewalls(clients, project, pool_id)
-        state.firewalls = {str(rule.name) for rule in rules}
-    except api.ApiError as exc:
-        problems.append(f"listing firewall rules failed: {api.describe(exc)}")
-        listed_ok = False
+    if not firewalls:
+        state.firewalls = set()
+    else:
+        try:
+            rules = resources.list_firewalls(clients, project, pool_id)
+            state.firewalls = {str(rule.name) for rule in rules}
+        except api.ApiError as exc:
+            problems.append(f"listing firewall rules failed: {api.describe(exc)}")
+            listed_ok = False
     state.seen |= {f"{INSTANCE} {name}" for name in state.instances}
     state.seen |= {f"{FIREWALL} {name}" for name in state.firewalls}
     if listed_ok and not state.instances and not state.firewalls:

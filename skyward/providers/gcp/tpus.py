@@ -167,7 +167,7 @@ def wait_ready(
                 request={"name": operation}, retry=api.retry(), timeout=api.CALL_TIMEOUT
             )
             if op.done and op.error.code:
-                raise ProvisionError(_failed(what, op.error.code, op.error.message))
+                raise _failed(what, op.error.code, op.error.message)
             if op.done:
                 operation = None
         else:
@@ -181,7 +181,7 @@ def wait_ready(
                 state = queued.state.state.name
                 if state in ("FAILED", "SUSPENDED"):
                     error = queued.state.failed_data.error
-                    raise ProvisionError(_failed(what, error.code or 8, error.message or state))
+                    raise _failed(what, error.code or 8, error.message or state)
         node: tpu_v2.Node | None
         try:
             node = clients.tpu.get_node(name=name, retry=api.retry(), timeout=api.CALL_TIMEOUT)
@@ -266,13 +266,19 @@ def loss_of(clients: Clients, access: Access, pool_id: str, worker: int) -> Node
     return None
 
 
-def _failed(what: str, code: int, message: str) -> str:
+def _failed(what: str, code: int, message: str) -> ProvisionError:
+    """The slice's creation failed: for want of room in its zone (capacity, or a TPU quota,
+    which the TPU API counts per zone) an `api.NoRoom` the next zone may answer otherwise."""
     if code in _CAPACITY_CODES:
-        return (
+        return api.NoRoom(
             f"GCP could not create {what} (RESOURCE_EXHAUSTED: {message}). Nothing was left "
-            "running. Try another zone, spot=True (queued), a smaller slice, or ask for quota"
+            "running. Try another zone, spot=True (queued), a smaller slice, or ask for quota",
+            scope=api.ZONE,
+            answer=f"RESOURCE_EXHAUSTED: {message}",
         )
-    return f"GCP could not create {what} (code {code}: {message}); nothing was left running"
+    return ProvisionError(
+        f"GCP could not create {what} (code {code}: {message}); nothing was left running"
+    )
 
 
 Found = tuple[dict[str, str], Callable[[resources.PoolResources], None]]

@@ -354,3 +354,54 @@ def test_a_replacement_goes_to_the_next_zone_of_the_region_when_the_pools_is_ful
     err = capfd.readouterr().err
     assert f"{A} (spot): {exhausted(A)}; trying the next location" in err, err
     nothing_left(sim)
+
+
+@pytest.mark.ssh
+@pytest.mark.slow
+def test_a_pool_fails_over_from_aws_without_capacity_to_gcp(
+    gce_hosts: Callable[..., GceHosts],
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """provider=[sky.AWS(...), sky.GCP(...)]: EC2 (moto, in process) has no capacity in its
+    one zone, so the pool starts on GCP (the fake and its bare hosts) and runs there; what AWS
+    made for the attempt (key pair, security group) is gone."""
+    import boto3
+    from botocore.exceptions import ClientError
+    from moto import mock_aws
+
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    sim = gce_hosts()
+    from tests.aws.conftest import Stubs  # moto has no placement groups: the AWS tests' stubs
+
+    with mock_aws():
+        session = Stubs().install(boto3.session.Session(region_name="us-east-1"))
+        ec2 = session.client("ec2")
+        vpc = ec2.create_vpc(CidrBlock="10.213.0.0/16")["Vpc"]["VpcId"]
+        # Unreachable (10.213.9.0/24 has no host): no instance is made there anyway.
+        subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.213.9.0/24")["Subnet"]["SubnetId"]
+
+        def full(**_: Any) -> None:
+            error = {"Code": "InsufficientInstanceCapacity", "Message": "no m6i.large here"}
+            raise ClientError({"Error": error}, "RunInstances")
+
+        session.events.register("before-call.ec2.RunInstances", full)
+        aws = sky.AWS(subnet_id=subnet, use_private_ips=True, ami="ami-1e749f67", session=session)
+        with sky.ComputePool(provider=[aws, gce_for(sim)], nodes=2) as pool:
+            assert node_index() @ pool == [0, 1]
+            assert pool.provider.name == "gcp"
+        groups = ec2.describe_security_groups()["SecurityGroups"]
+        assert [g["GroupName"] for g in groups if g["GroupName"].startswith("skyward-")] == []
+        assert ec2.describe_key_pairs()["KeyPairs"] == []
+    err = capfd.readouterr().err
+    assert "InsufficientInstanceCapacity: no m6i.large here; trying the next location" in err
+    assert "aws had no room for the pool; trying the next" in err, err
+    assert "launching 2 node(s) on gcp" in err
+    nothing_left(sim)

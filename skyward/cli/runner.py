@@ -204,7 +204,13 @@ def print_gcp_pools(profile: Profile) -> int:
     project = provider.access().project  # type: ignore[attr-defined]
     me = resources.pool_labels("-")[resources.CREATED_BY_LABEL]
     found = resources.find(provider.clients(), project)  # type: ignore[attr-defined]
-    return _print_cloud_pools(f"gcp    {project}", found, me)
+
+    def cost(pool: _CloudPool) -> list[str]:
+        assert isinstance(pool, resources.PoolResources)
+        line = provider.running_cost(pool)  # type: ignore[attr-defined]
+        return [f"cost: {line}"] if line else []
+
+    return _print_cloud_pools(f"gcp    {project}", found, me, cost)
 
 
 def print_slurm_pools(profile: Profile) -> int:

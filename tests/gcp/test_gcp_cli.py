@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from skyward.cli import main as cli
 from skyward.cli import profiles, runner
 from skyward.cli.profiles import Profile
 from skyward.cluster import ClusterSpec
+from skyward.providers.cloud import pricecache
 from skyward.providers.gcp import teardown
 from skyward.providers.gcp.settings import Placement
 from tests.gcp.conftest import PROJECT, ZONE
@@ -42,6 +44,20 @@ def test_status_lists_this_users_gcp_pools(
         out = capsys.readouterr().out
         assert f"gcp    {PROJECT}  pool-status1  created " in out
         assert out.count("instance ") == 2 and "firewall rule skyward-pool-status1-ssh" in out
+        # No SKU in the catalog: the price is unknown, and said so.
+        assert "cost: price unknown (" in out, out
+        # e2-standard-2: 2 vCPUs x $0.021811 + 8 GiB x $0.002923 = $0.067006/hour a VM
+        api_fake.add_machine_type("e2-standard-2", 2, 8 * 1024)
+        core, ram = "E2 Instance Core running in Americas", "E2 Instance Ram running in Americas"
+        api_fake.billing.add_sku(core, "0.021811", group="CPU", regions=["us-central1"])
+        api_fake.billing.add_sku(
+            ram, "0.002923", group="RAM", regions=["us-central1"], unit="GiBy.h"
+        )
+        shutil.rmtree(pricecache.folder(), ignore_errors=True)  # the unknown was not kept
+        assert runner.print_gcp_pools(profile) == 1
+        out = capsys.readouterr().out
+        # two VMs just started, each billed its first minute: $0.0022
+        assert "cost: $0.134/hour, about $0.0022 so far" in out, out
     finally:
         teardown.remove_pool(clients, PROJECT, spec.pool_id, made, timeout=20, poll=0.05)
     assert runner.print_gcp_pools(profile) == 0

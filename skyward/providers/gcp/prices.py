@@ -28,9 +28,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from typing import Any
 
-from skyward.cost import CURRENCY, Price
+from skyward.cost import CURRENCY, Price, dollars, dollars_per_hour
 from skyward.providers.cloud import pricecache
 from skyward.providers.gcp.tpu_types import TpuType
 
@@ -376,3 +377,31 @@ def _chips_per_host(tpu: TpuType) -> int:
     a chip); a multi-host slice has `per_host` of those on each host."""
     units = tpu.size if tpu.hosts == 1 else tpu.generation.per_host
     return units if tpu.generation.api in ("v5litepod", "v6e") else units // 2
+
+
+def running_cost(
+    machine_types: Any, catalog: Any, project: str, instances: Iterable[tuple[str, Any]]
+) -> str:
+    """What a pool's running VMs cost (`skyward status`): ``$7.35/hour, about $1.20 so far``
+    (each from its last start, at least a minute), or why it is unknown. `instances`: (zone,
+    `compute_v1.Instance`) pairs, as `resources.find` lists them."""
+    now = datetime.now(UTC)
+    rate = spent = 0.0
+    for zone, instance in instances:
+        if str(instance.status) not in ("PROVISIONING", "STAGING", "RUNNING"):
+            continue
+        machine_type = str(instance.machine_type).rsplit("/", 1)[-1]
+        spot = str(instance.scheduling.provisioning_model) == "SPOT"
+        price = vm_price(machine_types, catalog, project, zone, machine_type, spot)
+        if price.per_hour is None:
+            return f"price unknown ({price.source})"
+        started = str(instance.last_start_timestamp or instance.creation_timestamp or "")
+        try:
+            seconds = (now - datetime.fromisoformat(started)).total_seconds()
+        except ValueError:
+            seconds = 0.0
+        rate += price.per_hour
+        spent += price.per_hour * max(price.minimum_seconds, seconds) / 3600
+    if not rate:
+        return ""
+    return f"{dollars_per_hour(rate)}, about {dollars(spent)} so far"

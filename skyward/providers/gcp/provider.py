@@ -253,6 +253,15 @@ class GCP(CloudProvider):
         except Exception as exc:  # a price is only information: the pool goes on without it
             return Price.unknown(f"the GCP price lookup failed: {exc}")
 
+    def running_cost(self, pool: resources.PoolResources) -> str:
+        """What `pool`'s running VMs cost so far (`skyward status`), in words ("" for none)."""
+        access = self.access()
+        catalog = prices.catalog_client(
+            access.credentials, endpoint_of(self._endpoint, "CLOUDBILLING")
+        )
+        compute = prices.machine_types_client(access.credentials, endpoint_of(self._endpoint))
+        return prices.running_cost(compute, catalog, access.project, pool.instances)
+
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         tpu = None
         if spec.accelerator is not None and spec.accelerator.is_tpu:

@@ -93,7 +93,11 @@ def test_an_index_scoped_to_a_package_serves_it_ahead_of_the_unscoped_one(
         assert not any(".whl" in path and "alpha" not in path for path in scoped.requests)
 
 
-def test_a_package_no_index_serves_fails_the_build_naming_it(index: PackageIndex) -> None:
+def test_a_package_no_index_serves_fails_the_build_naming_it(
+    index: PackageIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What no index serves stays unserved: uv's retries of the lookup would only take seconds.
+    monkeypatch.setenv("UV_HTTP_RETRIES", "0")
     image = sky.Image(
         pip=["skyward-alpha", "skyward-beta-nowhere"],
         indexes=[sky.Index(index.simple_url)],

@@ -316,9 +316,17 @@ class ComputePool:
         if self._prefer == "price" and len(order) > 1:
             order = await _cheapest_first(order)
         failed: list[tuple[str, NoCapacity]] = []
+        refused: ConfigError | None = None
         for provider, spec in order:
             self._use(provider, spec)
-            await self._price()
+            try:
+                await self._price()
+            except ConfigError as exc:  # the budget cannot be kept there: the next may do
+                if len(order) == 1:
+                    raise
+                refused = refused or exc
+                self.console.status(f"{provider.name}: {exc}; trying the next provider")
+                continue
             try:
                 return await provider.launch(self.spec, self.console)
             except NoCapacity as exc:
@@ -327,6 +335,8 @@ class ComputePool:
                     raise
                 failed.append((provider.name, exc))
                 self.console.status(f"{provider.name} had no room for the pool; trying the next")
+        if not failed and refused is not None:
+            raise refused  # not one provider could keep the budget
         raise NoCapacity(
             "no provider could start the pool; nothing was left running:\n"
             + "\n".join(f"  {name}: {line}" for name, exc in failed for line in _lines(exc)),

@@ -98,3 +98,15 @@ def test_a_bad_prefer_or_no_provider_is_refused() -> None:
         sky.ComputePool(provider=[Cloud("a", 1.0)], prefer="cheap")  # type: ignore[arg-type]
     with pytest.raises(sky.ConfigError, match="provider=\\[\\] names no provider"):
         sky.ComputePool(provider=[])
+
+
+def test_with_a_budget_a_provider_whose_price_cannot_keep_it_is_passed() -> None:
+    unknown, dear, fits = Cloud("unknown", None), Cloud("dear", 600.0), Cloud("fits", 6.0)
+    with sky.ComputePool(
+        provider=[unknown, dear, fits], nodes=1, max_cost=5.0, stream_output=False
+    ) as pool:
+        assert pool.provider is fits
+    assert (unknown.launches, dear.launches, fits.launches) == (0, 0, 1)
+    with pytest.raises(sky.ConfigError, match="cannot be kept: this pool's price is unknown"):
+        with sky.ComputePool(provider=[unknown, dear], nodes=1, max_cost=5.0):
+            pass

@@ -296,6 +296,9 @@ class Ec2Hosts:
     errors: list[str] = field(default_factory=list)
     # What happened to the machines, in order: ("boot" | "power off", instance id).
     events: list[tuple[str, str]] = field(default_factory=list)
+    # Instances the provider terminated: never booted after (a poll that listed one as running
+    # just before may come after its pool's key pair is gone).
+    terminated: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)  # one power change at a time
     _thread: threading.Thread | None = None
@@ -323,6 +326,7 @@ class Ec2Hosts:
     def _terminated(self, parsed: dict[str, Any], **_: Any) -> None:
         with self._lock:
             for change in parsed.get("TerminatingInstances", []):
+                self.terminated.add(change["InstanceId"])
                 self._power_off(change["InstanceId"])
 
     def _power_off(self, iid: str) -> None:
@@ -354,6 +358,8 @@ class Ec2Hosts:
                 self._power_off(instance["InstanceId"])
         for instance in instances:
             iid, address = instance["InstanceId"], instance.get("PrivateIpAddress")
+            if iid in self.terminated:
+                continue
             if instance["State"]["Name"] == "running" and iid not in self.booted and address:
                 if self.boot_at_most is not None and len(self.booted) >= self.boot_at_most:
                     self.host(address).stop()

@@ -74,6 +74,17 @@ def worker_children() -> list[int]:
     return found
 
 
+@pytest.fixture(autouse=True)
+def fresh_prices() -> Iterable[None]:
+    """Every test asks the price services afresh: a price a test's stand-in served is kept on
+    disk for days and would otherwise be the next test's (a catalog with no SKU, too)."""
+    from skyward.providers.cloud import pricecache
+
+    shutil.rmtree(pricecache.folder(), ignore_errors=True)
+    yield
+    shutil.rmtree(pricecache.folder(), ignore_errors=True)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def no_leftover_agents() -> Iterable[None]:
     """Every test module must leave no agent of this process running."""

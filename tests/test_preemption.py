@@ -16,7 +16,11 @@ import skyward as sky
 
 @sky.compute
 def work_until_preempted(then_die: bool) -> tuple[str, float]:
-    """Register a callback that saves and reports a checkpoint, then wait for the notice."""
+    """Register a callback that saves and reports a checkpoint, then wait for the notice: its
+    source and when it came. After a restart: what the checkpoint says, and 0."""
+    resume = sky.resume_from()
+    if resume is not None:
+        return (Path(resume) / "state").read_text(), 0.0
 
     def save_now(notice: sky.Preemption) -> None:
         path = Path(sky.output_dir()) / "ckpt-on-notice"

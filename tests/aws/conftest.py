@@ -35,6 +35,7 @@ from botocore.awsrequest import AWSResponse
 import skyward as sky
 from skyward.providers.aws import resources
 from tests.support import bareroots, sshd
+from tests.support.awspricing import PriceListServer
 
 REGION = "us-east-1"
 MOTO_AMI = "ami-1e749f67"  # one of moto's built-in public images (an Ubuntu)
@@ -44,7 +45,12 @@ E2E_SUBNET = "10.213.8.0/24"  # the namespace hosts of `ec2_hosts`
 
 @pytest.fixture(autouse=True)
 def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fake credentials, a fixed region, and no way to reach a real AWS endpoint or IMDS."""
+    fake_aws_env(monkeypatch)
+
+
+def fake_aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake credentials, a fixed region, and no way to reach a real AWS endpoint or IMDS (also
+    for tests elsewhere that use moto)."""
     for name in list(os.environ):
         if name.startswith("AWS_"):
             monkeypatch.delenv(name)
@@ -170,6 +176,15 @@ class Stubs:
             return None
         code, message = failure
         return self._ok({"Error": {"Code": code, "Message": message}}, status=500)
+
+
+@pytest.fixture
+def price_list(monkeypatch: pytest.MonkeyPatch) -> Iterator[PriceListServer]:
+    """The Price List Query API stand-in, where boto3's pricing client goes."""
+    with PriceListServer() as server:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_PRICING", server.url)
+        yield server
+        assert server.errors == []
 
 
 @pytest.fixture

@@ -7,16 +7,14 @@ nothing left in moto)."""
 from __future__ import annotations
 
 import re
-import shutil
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 import skyward as sky
 from skyward.client import spend
-from skyward.providers.cloud import pricecache
 from tests.aws.conftest import Ec2Hosts, Stubs, aws_for, leftovers, new_session
 from tests.support.awspricing import PriceListServer
 from tests.support.sshd import free_port
@@ -24,20 +22,6 @@ from tests.support.sshd import free_port
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
 TYPE = "m6i.large"  # what a pool with no accelerator runs on
-
-
-@pytest.fixture(autouse=True)
-def no_cached_prices() -> None:
-    """Each test asks the price service afresh (prices are cached on disk for days)."""
-    shutil.rmtree(pricecache.folder(), ignore_errors=True)
-
-
-@pytest.fixture
-def price_list(monkeypatch: pytest.MonkeyPatch) -> Iterator[PriceListServer]:
-    with PriceListServer() as server:
-        monkeypatch.setenv("AWS_ENDPOINT_URL_PRICING", server.url)
-        yield server
-        assert server.errors == []
 
 
 @sky.compute

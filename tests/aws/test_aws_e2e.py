@@ -30,6 +30,7 @@ from tests.contract import PROBE, ProviderContract
 from tests.ssh.conftest import wait_until
 from tests.support import bareroots, sshd, wheels
 from tests.support.metadata import MetadataServer
+from tests.test_preemption import work_until_preempted
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow]
 
@@ -284,8 +285,6 @@ def test_a_spot_interruption_notice_reaches_the_node_and_its_checkpoint_the_clie
     """The node's agent watches spot/instance-action (IMDSv2) itself: once the stand-in
     schedules a termination two minutes out, sky.preempting() on the node says so with the
     time left, the on_preemption callback runs, and its checkpoint reaches the client."""
-    from tests.test_preemption import work_until_preempted
-
     sim = ec2_hosts()
     imds = _Imds(sim.net.bridge_address)
     try:
@@ -306,30 +305,6 @@ def test_a_spot_interruption_notice_reaches_the_node_and_its_checkpoint_the_clie
             )
     finally:
         imds.close()
-
-
-@sky.compute
-def save_on_notice_then_go() -> str:
-    """First run: a checkpoint saved and reported on the notice, then the machine goes. After
-    the restart: what the node resumed from."""
-    resume = sky.resume_from()
-    if resume is not None:
-        return (Path(resume) / "state").read_text()
-
-    def save_now(notice: sky.Preemption) -> None:
-        path = Path(sky.output_dir()) / "ckpt-on-notice"
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "state").write_text(f"saved after {notice.source}")
-        sky.report({"saved": 1.0}, checkpoint=str(path))
-
-    sky.on_preemption(save_now)
-    deadline = time.time() + 30
-    while sky.preempting() is None:
-        if time.time() > deadline:  # (no assert: pytest rewrites them, and nodes lack pytest)
-            raise TimeoutError("no notice came")
-        time.sleep(0.01)
-    time.sleep(0.5)  # the callback runs in its own thread
-    os._exit(0)  # the instance goes, as the notice said
 
 
 def test_with_restarts_a_spot_notice_starts_the_replacement_before_the_node_is_gone(
@@ -362,7 +337,7 @@ def test_with_restarts_a_spot_notice_starts_the_replacement_before_the_node_is_g
             assert isinstance(cluster, AWSCluster)
             first = cluster.node_instances[0]
             threading.Timer(1.0, imds.interrupt, (120,)).start()
-            (resumed,) = save_on_notice_then_go() @ pool
+            ((resumed, _),) = work_until_preempted(True) @ pool
             second = cluster.node_instances[0]
             logs = "\n".join(pool.logs(0))
     finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -35,14 +34,6 @@ def cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """A fresh price cache for every test."""
     monkeypatch.setenv("SKYWARD_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache" / "prices"
-
-
-@pytest.fixture
-def price_list(monkeypatch: pytest.MonkeyPatch) -> Iterator[PriceListServer]:
-    with PriceListServer() as server:
-        monkeypatch.setenv("AWS_ENDPOINT_URL_PRICING", server.url)
-        yield server
-        assert server.errors == []
 
 
 @pytest.fixture

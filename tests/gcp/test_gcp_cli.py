@@ -53,7 +53,8 @@ def test_status_lists_this_users_gcp_pools(
         api_fake.billing.add_sku(
             ram, "0.002923", group="RAM", regions=["us-central1"], unit="GiBy.h"
         )
-        shutil.rmtree(pricecache.folder(), ignore_errors=True)  # the unknown was not kept
+        # The catalog read a moment ago (no SKU then) is kept on disk: read it afresh.
+        shutil.rmtree(pricecache.folder(), ignore_errors=True)
         assert runner.print_gcp_pools(profile) == 1
         out = capsys.readouterr().out
         # two VMs just started, each billed its first minute: $0.0022

@@ -174,21 +174,30 @@ def node_index() -> int:
     return sky.instance_info().node
 
 
+def preempt_mid_call(sim: GceHosts, pool: sky.ComputePool) -> tuple[str, sky.WorkerError]:
+    """The fake preempts the VM of node 1 while a call runs: the VM's name, and the call's
+    error, which must say the VM was preempted."""
+    fake = sim.fake
+    assert fake is not None
+    victim = sorted(sim.booted)[1]
+    timer = threading.Timer(1.0, fake.preempt, [victim])
+    timer.start()
+    with pytest.raises(sky.WorkerError) as caught:
+        slow_node() @ pool
+    timer.join()
+    assert caught.value.preempted, str(caught.value)
+    assert f"VM {victim} was preempted" in str(caught.value)
+    return victim, caught.value
+
+
 def test_a_preempted_node_is_named_and_replaced(gce_hosts: Callable[..., GceHosts]) -> None:
     sim = gce_hosts()
     fake = sim.fake
     assert fake is not None
     with sky.ComputePool(provider=gce_for(sim, spot=True), nodes=2, stream_output=False) as pool:
         assert node_index() @ pool == [0, 1]
-        victim = sorted(sim.booted)[1]
-        timer = threading.Timer(1.0, fake.preempt, [victim])
-        timer.start()
-        with pytest.raises(sky.WorkerError) as caught:
-            slow_node() @ pool
-        timer.join()
-        assert caught.value.preempted, str(caught.value)
-        assert f"VM {victim} was preempted" in str(caught.value)
-        pool.replace(caught.value.node)
+        victim, lost = preempt_mid_call(sim, pool)
+        pool.replace(lost.node)
         assert node_index() @ pool == [0, 1]
         names = {i["name"] for i in fake.instances.values() if i["status"] == "RUNNING"}
         assert victim not in names and len(names) == 2

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from skyward.providers.gcp import machine_types, provision, resources, teardown
 from skyward.providers.gcp.provision import GCPCluster
 from skyward.providers.gcp.settings import resolve
 from tests.gcp.conftest import PROJECT, GceHosts, gce_for, gcp_for
-from tests.gcp.test_gcp_e2e import nothing_left
+from tests.gcp.test_gcp_e2e import node_index, nothing_left, preempt_mid_call
 from tests.ssh.conftest import wait_until
 from tests.support.fakegcp import FakeGCP
 
@@ -270,19 +269,6 @@ def test_zones_resolve_in_order_and_bad_settings_are_config_errors() -> None:
 # -- end to end: pools on the bare hosts -----------------------------------------------------
 
 
-@sky.compute
-def node_index() -> int:
-    return sky.instance_info().node
-
-
-@sky.compute
-def slow_node() -> int:
-    import time
-
-    time.sleep(30)
-    return sky.instance_info().node
-
-
 def _zones_of(fake: FakeGCP) -> set[str]:
     return {zone for zone, _ in fake.instances}
 
@@ -303,15 +289,8 @@ def test_a_pool_whose_first_zone_is_full_runs_in_the_second(
         assert _zones_of(fake) == {B}
         cluster = pool.cluster
         assert isinstance(cluster, GCPCluster) and cluster.zone == B
-        victim = sorted(sim.booted)[1]
-        timer = threading.Timer(1.0, fake.preempt, [victim])
-        timer.start()
-        with pytest.raises(sky.WorkerError) as caught:
-            slow_node() @ pool
-        timer.join()
-        assert caught.value.preempted, str(caught.value)
-        assert f"VM {victim} was preempted" in str(caught.value)
-        pool.replace(caught.value.node)
+        victim, lost = preempt_mid_call(sim, pool)
+        pool.replace(lost.node)
         assert node_index() @ pool == [0, 1]
         # The lost VM was deleted where it was (B), and its replacement made there too.
         assert wait_until(lambda: victim not in {i["name"] for i in fake.instances.values()}, 10)
@@ -335,14 +314,8 @@ def test_a_replacement_goes_to_the_next_zone_of_the_region_when_the_pools_is_ful
         assert node_index() @ pool == [0, 1]
         assert _zones_of(fake) == {A}
         fake.no_capacity = {A: EXHAUSTED}
-        victim = sorted(sim.booted)[1]
-        timer = threading.Timer(1.0, fake.preempt, [victim])
-        timer.start()
-        with pytest.raises(sky.WorkerError) as caught:
-            slow_node() @ pool
-        timer.join()
-        assert caught.value.preempted, str(caught.value)
-        pool.replace(caught.value.node)
+        _, lost = preempt_mid_call(sim, pool)
+        pool.replace(lost.node)
         assert node_index() @ pool == [0, 1]
         running = {
             (zone, i["name"]) for (zone, _), i in fake.instances.items() if i["status"] == "RUNNING"
@@ -370,16 +343,11 @@ def test_a_pool_fails_over_from_aws_without_capacity_to_gcp(
     from botocore.exceptions import ClientError
     from moto import mock_aws
 
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    # moto has no placement groups: the AWS tests' stubs answer them
+    from tests.aws.conftest import Stubs, fake_aws_env
+
+    fake_aws_env(monkeypatch)
     sim = gce_hosts()
-    from tests.aws.conftest import Stubs  # moto has no placement groups: the AWS tests' stubs
 
     with mock_aws():
         session = Stubs().install(boto3.session.Session(region_name="us-east-1"))

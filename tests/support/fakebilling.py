@@ -172,11 +172,7 @@ class FakeBilling:
         return items[start:end], (str(end) if end < len(items) else "")
 
     def _checked(self, kind: Any, reply: dict[str, Any]) -> dict[str, Any]:
-        try:
-            kind.from_json(json.dumps(reply), ignore_unknown_fields=False)
-        except Exception as exc:  # the fake's own shapes drifted from the library's types
-            self.errors.append(f"the fake wrote a bad {kind.__name__}: {exc}")
-        return reply
+        return conforming(kind, reply, self.errors)
 
     def answer(self, request: Request) -> Reply:
         """One request of the catalog's REST API (also for `FakeGCP`, which serves it beside
@@ -187,6 +183,16 @@ class FakeBilling:
             status, reply = exc.code, exc.body()
         headers = {"Content-Type": "application/json; charset=UTF-8"}
         return status, headers, json.dumps(reply).encode()
+
+
+def conforming(kind: Any, reply: dict[str, Any], errors: list[str]) -> dict[str, Any]:
+    """`reply`, noting in `errors` if it is not a `kind` (a proto-plus message type of the
+    client library) as the library reads it: the fakes' shapes must not drift from Google's."""
+    try:
+        kind.from_json(json.dumps(reply), ignore_unknown_fields=False)
+    except Exception as exc:
+        errors.append(f"the fake wrote a bad {kind.__name__}: {exc}")
+    return reply
 
 
 def _money(amount: str) -> dict[str, Any]:

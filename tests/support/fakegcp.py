@@ -52,7 +52,7 @@ from typing import Any, ClassVar
 
 from google.cloud import compute_v1
 
-from tests.support.fakebilling import FakeBilling
+from tests.support.fakebilling import FakeBilling, conforming
 from tests.support.faketpu import TpuApi
 from tests.support.localhttp import LocalServer, Reply, Request
 
@@ -313,11 +313,7 @@ class FakeGCP(TpuApi):
         return parsed
 
     def _check(self, kind: Any, reply: dict[str, Any]) -> dict[str, Any]:
-        try:
-            kind.from_json(json.dumps(reply), ignore_unknown_fields=False)
-        except Exception as exc:  # the fake's own shapes drifted from the library's types
-            self.errors.append(f"the fake wrote a bad {kind.__name__}: {exc}")
-        return reply
+        return conforming(kind, reply, self.errors)
 
     def _require(self, ok: bool, message: str) -> None:
         if not ok:

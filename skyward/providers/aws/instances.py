@@ -33,6 +33,7 @@ from skyward.cluster import ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.aws import instance_types, resources, teardown, userdata
 from skyward.providers.base import NodeLoss
+from skyward.providers.cloud import failover
 from skyward.providers.cloud.provider import check_cidr
 
 GPU_AMI_PARAMETER = (
@@ -198,6 +199,37 @@ def in_subnet(params: Mapping[str, Any], subnet: Mapping[str, Any]) -> dict[str,
     ]
     moved["Placement"] = {**params["Placement"], "AvailabilityZone": subnet["AvailabilityZone"]}
     return moved
+
+
+def run_in_first_zone_with_room(
+    ec2: Any,
+    params: Mapping[str, Any],
+    subnets: Sequence[Mapping[str, Any]],
+    count: int,
+    pool_id: str,
+    attempts: failover.Attempts,
+    market: str = "",
+    check_cancel: CheckCancel = lambda: None,
+) -> tuple[list[str], dict[str, Any]] | None:
+    """`count` instances with `params` in the first of `subnets` whose zone has room: their ids
+    and the parameters they ran with; None when no zone had. A zone without capacity is told to
+    `attempts` and passed; a quota error blocks the region (`ec2`'s) and ends the search."""
+    said = f" ({market})" if market else ""
+    for subnet in subnets:
+        check_cancel()
+        moved = in_subnet(params, subnet)
+        try:
+            return run(ec2, moved, count, pool_id), moved
+        except ClientError as exc:
+            code, words = error_words(exc)
+            if code in ZONE_CODES:
+                attempts.failed(f"{subnet['AvailabilityZone']}{said}", words)
+                continue
+            if code in REGION_CODES:
+                attempts.block_region(str(ec2.meta.region_name), f"{words}{said}")
+                break
+            raise
+    return None
 
 
 def run(ec2: Any, params: Mapping[str, Any], count: int, pool_id: str) -> list[str]:

@@ -293,25 +293,17 @@ class AWS(CloudProvider):
         here = [s for s in aws.subnets if s["AvailabilityZone"] == zone]
         others = [s for s in aws.subnets if s["AvailabilityZone"] != zone]
         attempts = failover.Attempts(f"a replacement {aws.run_params['InstanceType']}", pool.tell)
-        for subnet in here + others or [{}]:
-            params = instances.in_subnet(aws.run_params, subnet) if subnet else aws.run_params
-            try:
-                fresh = instances.run(ec2, params, 1, aws.pool_id)
-            except ClientError as exc:
-                code, words = instances.error_words(exc)
-                if code in instances.ZONE_CODES:
-                    attempts.failed(str(subnet.get("AvailabilityZone", zone)), words)
-                    continue
-                if code in instances.REGION_CODES:
-                    attempts.block_region(str(aws.region), words)
-                    break
-                raise
-            if subnet and subnet["AvailabilityZone"] != zone:
-                pool.tell(f"the replacement runs in {subnet['AvailabilityZone']}, not {zone}")
-            aws.instance_ids += fresh
-            aws.made.add(teardown.INSTANCE, *fresh)
-            return self._wait_running(ec2, aws, fresh)
-        raise attempts.exhausted("The lost node cannot be replaced in its region now")
+        found = instances.run_in_first_zone_with_room(
+            ec2, aws.run_params, here + others, 1, aws.pool_id, attempts
+        )
+        if found is None:
+            raise attempts.exhausted("The lost node cannot be replaced in its region now")
+        fresh, params = found
+        if (went := params["Placement"]["AvailabilityZone"]) != zone:
+            pool.tell(f"the replacement runs in {went}, not {zone}")
+        aws.instance_ids += fresh
+        aws.made.add(teardown.INSTANCE, *fresh)
+        return self._wait_running(ec2, aws, fresh)
 
     def retire(self, pool: CloudCluster, lost: str) -> None:
         instances.retire(self.client("ec2", _aws(pool).region), lost)
@@ -422,21 +414,18 @@ class AWS(CloudProvider):
                 pool.made,
                 pool.check_cancel,
             )
-            for subnet in candidates:
-                pool.check_cancel()
-                params = instances.in_subnet(pool.run_params, subnet)
-                try:
-                    ids = instances.run(ec2, params, pool.spec.nodes, pool.pool_id)
-                except ClientError as exc:
-                    code, words = instances.error_words(exc)
-                    if code in instances.ZONE_CODES:
-                        attempts.failed(f"{subnet['AvailabilityZone']} ({market})", words)
-                        continue
-                    if code in instances.REGION_CODES:
-                        attempts.block_region(where, f"{words} ({market})")
-                        break
-                    raise
-                pool.run_params = params
+            found = instances.run_in_first_zone_with_room(
+                ec2,
+                pool.run_params,
+                candidates,
+                pool.spec.nodes,
+                pool.pool_id,
+                attempts,
+                market,
+                pool.check_cancel,
+            )
+            if found is not None:
+                ids, pool.run_params = found
                 pool.instance_ids = ids
                 pool.made.add(teardown.INSTANCE, *ids)
                 for index, instance_id in enumerate(ids):

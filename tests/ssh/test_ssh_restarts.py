@@ -1,5 +1,10 @@
 """`restarts=` over SSH: the checkpoint a restart resumes from is the newest one any node
-reported, even when its report was still on the wire as the lost node's end arrived."""
+reported, even when its report was still on the wire as the lost node's end arrived.
+
+What the stand-in hides: the namespace hosts share this machine's filesystem and Python (see
+tests/ssh/conftest.py), and the test uses that: node 1 learns from a marker file that node 0's
+report was written. The same restart on bare hosts that share nothing is tested on AWS and GCP
+(tests/aws/test_aws_e2e.py, tests/gcp/test_gcp_e2e.py)."""
 
 from __future__ import annotations
 

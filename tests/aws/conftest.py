@@ -419,6 +419,11 @@ def ec2_hosts(
     moto_server.reset()
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.url)
     made: list[Ec2Hosts] = []
+    # A pool asks its price before launch. moto has no Price List API: its 500s would have
+    # boto3 retry for seconds at every start. The stand-in, with no product, answers at once
+    # ("price unknown"); a test that wants prices gives its own (`price_list`).
+    pricing = PriceListServer().__enter__()
+    monkeypatch.setenv("AWS_ENDPOINT_URL_PRICING", pricing.url)
     # The index's own directory (links to `instance_wheels`): a test may add wheels to it.
     wheels = tmp_path / "index"
     wheels.mkdir()
@@ -448,6 +453,7 @@ def ec2_hosts(
             made.append(sim)
             return sim
 
+        cleanup.callback(pricing.__exit__)
         try:
             yield make
         finally:

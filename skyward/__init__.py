@@ -9,7 +9,8 @@
         losses = train(100) @ pool
 
 Public names are imported lazily, so the node agent (which imports this package too) starts
-without the client's dependencies.
+without the client's dependencies. Nothing in skyward imports this module: every module imports
+the one it needs (`skyward.version` for the version).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from skyward.version import __version__ as __version__
 
 _EXPORTS = {
     "ComputePool": "skyward.pool",

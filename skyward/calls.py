@@ -106,11 +106,11 @@ class PendingCall(Generic[R]):
         self.args = args
         self.kwargs = kwargs
 
-    def serialized_args(self, stage: Stager | None = None) -> list[Buffer]:
+    def serialized_args(self, stager: Stager | None = None) -> list[Buffer]:
         """The pickled ``(args, kwargs)`` as wire segments (large buffers out of band); raises
         `SerializationError` naming the culprit.
 
-        `stage` places every `sky.Data` found in the arguments (the pool syncs it to the
+        `stager` places every `sky.Data` found in the arguments (the pool syncs it to the
         nodes) and says whether any placement changed; the arguments are then pickled again.
         """
         self.function.serialized()
@@ -119,7 +119,7 @@ class PendingCall(Generic[R]):
         try:
             with collecting() as found:
                 segments = cloud_dumps((self.args, self.kwargs))
-            if found and stage is not None and stage(found):
+            if found and stager is not None and stager(found):
                 with collecting():
                     segments = cloud_dumps((self.args, self.kwargs))
             return segments

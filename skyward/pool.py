@@ -160,7 +160,7 @@ class ComputePool:
         self._over_budget: BudgetExceeded | None = None  # set when max_cost was spent
         self._watching_budget = False
         self._transfers = Transfers(self.provider, self.console, self.spec.outputs, collect_timeout)
-        self._dispatch.stage = self._transfers.stage
+        self._dispatch.stager = self._transfers.stage
         # What the nodes gave `sky.report`, in arrival order (appended to by skyward's threads).
         self.reports: list[Report] = []
         self._reported = activity.report_sink(

@@ -35,8 +35,9 @@ def test_mypy_strict_on_the_package(mypy_report: MypyReport) -> None:
 def _imports() -> dict[str, set[str]]:
     """Which skyward modules each skyward module imports: every import statement, at the top,
     inside a function or under TYPE_CHECKING (a circle for the type checker only still means a
-    name lives in the wrong place). ``skyward/__init__.py`` is left out: it imports nothing
-    itself, its public names load lazily."""
+    name lives in the wrong place). The package root counts too: its TYPE_CHECKING block
+    imports every public name's module, so a module that imported the root would close a
+    circle."""
     paths = {}
     for path in (ROOT / "skyward").rglob("*.py"):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -49,8 +50,6 @@ def _imports() -> dict[str, set[str]]:
 
     graph: dict[str, set[str]] = {name: set() for name in paths}
     for name, path in paths.items():
-        if name == "skyward":
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [module_of(alias.name) for alias in node.names]
@@ -100,7 +99,8 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_imports_go_one_way() -> None:
-    """No import circles: DESIGN.md's one-way imports, typing-only and lazy imports included."""
+    """No import circles: docs/architecture.md's one-way imports, typing-only and lazy imports
+    included."""
     graph = _imports()
     assert "skyward.client.session" in graph["skyward.client.dispatch"], (
         "the import graph was not read"
@@ -109,22 +109,69 @@ def test_imports_go_one_way() -> None:
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
+# The vocabulary at the top: what a pool, a provider, a plugin and a node all speak.
+VOCABULARY = (
+    "skyward.errors",
+    "skyward.image",
+    "skyward.data",
+    "skyward.info",
+    "skyward.reports",
+    "skyward.preemption",
+    "skyward.cluster",
+    "skyward.cost",
+    "skyward.version",
+)
+# Every provider but the protocol and the environment key: what the client never names.
+CONCRETE_PROVIDERS = (
+    "skyward.providers.local",
+    "skyward.providers.ssh",
+    "skyward.providers.aws",
+    "skyward.providers.gcp",
+    "skyward.providers.slurm",
+    "skyward.providers.remote",
+    "skyward.providers.cloud",
+)
+
 # What a package must not import (docs/architecture.md, "What each package may import").
 FORBIDDEN = {
+    **{
+        name: (
+            "skyward.client",
+            "skyward.providers",
+            "skyward.console",
+            "skyward.cli",
+            "skyward.plugins",
+            "skyward.transport",
+            "skyward.pool",
+            "skyward.calls",
+        )
+        for name in VOCABULARY
+    },
+    "skyward.calls": ("skyward.pool", "skyward.providers", "skyward.console", "skyward.cli"),
+    "skyward.pool": ("skyward.cli",),
     "skyward.transport": (
         "skyward.client",
         "skyward.providers",
         "skyward.console",
         "skyward.cli",
         "skyward.plugins",
+        "skyward.worker",
         "skyward.pool",
         "skyward.calls",
+        *(name for name in VOCABULARY if name != "skyward.errors"),
     ),
     "skyward.worker": (
         "skyward.client",
         "skyward.providers",
         "skyward.console",
         "skyward.cli",
+        "skyward.plugins.base",
+        "skyward.plugins.jax_plugin",
+        "skyward.plugins.keras_plugin",
+        "skyward.image",
+        "skyward.cluster",
+        "skyward.data",
+        "skyward.cost",
         "skyward.pool",
         "skyward.calls",
     ),
@@ -133,18 +180,31 @@ FORBIDDEN = {
         "skyward.providers",
         "skyward.cli",
         "skyward.pool",
+        "skyward.calls",
         "skyward.transport",
         "skyward.plugins",
     ),
-    "skyward.client": ("skyward.pool", "skyward.calls", "skyward.cli"),
+    "skyward.client": ("skyward.pool", "skyward.calls", "skyward.cli", *CONCRETE_PROVIDERS),
     "skyward.providers": (
         "skyward.client",
         "skyward.pool",
         "skyward.calls",
         "skyward.cli",
         "skyward.plugins",
+        "skyward.console.console",
+        "skyward.console.terminal",
+        "skyward.console.rendering",
+        "skyward.console.notebook",
     ),
-    "skyward.plugins": ("skyward.client", "skyward.providers", "skyward.pool", "skyward.cli"),
+    "skyward.plugins": (
+        "skyward.client",
+        "skyward.providers",
+        "skyward.console",
+        "skyward.transport",
+        "skyward.pool",
+        "skyward.calls",
+        "skyward.cli",
+    ),
     "skyward.providers.aws": ("skyward.providers.gcp", "skyward.providers.slurm"),
     "skyward.providers.gcp": ("skyward.providers.aws", "skyward.providers.slurm"),
     "skyward.providers.slurm": ("skyward.providers.aws", "skyward.providers.gcp"),
@@ -155,14 +215,19 @@ def _breaches(graph: dict[str, set[str]]) -> list[str]:
     def inside(name: str, package: str) -> bool:
         return name == package or name.startswith(package + ".")
 
-    return sorted(
+    found = {
         f"{source} imports {target}"
         for source, targets in graph.items()
         for package, banned in FORBIDDEN.items()
         if inside(source, package)
         for target in targets
         if any(inside(target, b) for b in banned)
+    }
+    # The root holds the public names only; a module imports the module that defines a name.
+    found.update(
+        f"{source} imports the package root" for source, t in graph.items() if "skyward" in t
     )
+    return sorted(found)
 
 
 def test_packages_import_only_what_the_architecture_allows() -> None:
@@ -171,13 +236,41 @@ def test_packages_import_only_what_the_architecture_allows() -> None:
 
 
 def test_the_rule_checker_finds_a_breach() -> None:
-    graph = {"skyward.transport.x": {"skyward.client.session"}, "skyward.client.session": set()}
-    assert _breaches(graph) == ["skyward.transport.x imports skyward.client.session"]
+    graph = {
+        "skyward.transport.x": {"skyward.client.session"},
+        "skyward.client.session": set(),
+        "skyward.worker.y": {"skyward"},
+    }
+    assert _breaches(graph) == [
+        "skyward.transport.x imports skyward.client.session",
+        "skyward.worker.y imports the package root",
+    ]
 
 
 def test_the_circle_finder_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(graph) == [["a", "b", "c"]]
+
+
+# The names more than one file may have: each does the same job in a different place
+# (docs/architecture.md, "The parts").
+SHARED_NAMES = {
+    "__init__.py",
+    "__main__.py",
+    "base.py",  # its package's interface
+    "provider.py",  # its folder's provider class
+    "instances.py",  # one job each for AWS and for GCP
+    "resources.py",
+    "teardown.py",
+    "prices.py",
+    "quotas.py",
+}
+
+
+def test_two_files_share_a_name_only_for_the_same_job() -> None:
+    names = [path.name for path in (ROOT / "skyward").rglob("*.py")]
+    shared = {name for name in names if names.count(name) > 1}
+    assert shared <= SHARED_NAMES, f"files that share a name: {sorted(shared - SHARED_NAMES)}"
 
 
 def _documented_agent_imports() -> list[str]:
@@ -208,3 +301,34 @@ def test_an_agent_imports_only_the_wire_and_the_hook_runner() -> None:
             check=True,
         ).stdout.split()
     )
+
+
+def test_an_agent_unpickles_plugins_without_the_client_side() -> None:
+    """The plugins an agent unpickles from `Hello` (as `client.plan.pickled` made them) load
+    their own modules and the base class, not the image, packaging or the cluster spec: those
+    name the client-side hooks' types, for the type checker only."""
+    import skyward as sky
+    from skyward.client.plan import pickled
+
+    class Logged(sky.Plugin):  # defined in a function: pickled by value, as a notebook's is
+        name = "logged"
+
+    blob = pickled([sky.Plugin("x", around_app=lambda info: None), Logged(), sky.plugins.jax()])
+    probe = (
+        "import sys, skyward.worker.agent\n"
+        "from skyward.transport import frames\n"
+        "plugins = frames.loads([sys.stdin.buffer.read()])\n"
+        "print(*[p.name for p in plugins])\n"
+        "print(*sorted(sys.modules))\n"
+    )
+    names, modules = (
+        subprocess.run(
+            [sys.executable, "-c", probe], cwd=ROOT, input=blob, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .splitlines()
+    )
+    assert names.split() == ["x", "logged", "jax"]
+    loaded = set(modules.split())
+    assert "skyward.plugins.jax_plugin" in loaded, "the jax plugin was not unpickled"
+    assert sorted(loaded & {"packaging", "skyward.image", "skyward.cluster"}) == []

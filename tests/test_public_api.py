@@ -69,3 +69,11 @@ def test_gather_results_are_typed_per_call(mypy_report: MypyReport) -> None:
 def test_the_examples_type_check_under_mypy_strict(mypy_report: MypyReport) -> None:
     for example in ("jax_data_parallel.py", "keras_fit.py", "train_with_data.py"):
         assert mypy_report.errors[example] == [], mypy_report.errors[example]
+
+
+def test_the_version_is_the_packages() -> None:
+    """`skyward.version` is what the handshake compares; pyproject.toml's is what pip installs."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert sky.__version__ == project["project"]["version"]

@@ -18,10 +18,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from skyward import __version__
 from skyward.errors import ConfigError
 from skyward.providers.local import cache_dir
 from skyward.providers.source import source_hash
+from skyward.version import __version__
 from skyward.worker import envbuild
 
 _DESCRIPTION = (

@@ -36,13 +36,13 @@ class Function(Protocol):
     def serialized(self) -> tuple[int, bytes]: ...
 
 
-class Call(Protocol):
+class PendingCall(Protocol):
     """What a dispatch reads of a pending call (`calls.PendingCall` is one)."""
 
     @property
     def function(self) -> Function: ...
 
-    def serialized_args(self, stage: Stager | None = None) -> list[frames.Buffer]: ...
+    def serialized_args(self, stager: Stager | None = None) -> list[frames.Buffer]: ...
 
 
 class Dispatch:
@@ -57,7 +57,7 @@ class Dispatch:
         self._broadcast_grace = broadcast_grace
         self._cursor = itertools.count()
         # Syncs the `sky.Data` of a call's arguments to the nodes before it is sent.
-        self.stage: Stager | None = None
+        self.stager: Stager | None = None
 
     @property
     def sessions(self) -> list[NodeSession]:
@@ -82,7 +82,7 @@ class Dispatch:
         return live
 
     def _frames(
-        self, call: Call, segments: list[frames.Buffer], to: Sequence[NodeSession]
+        self, call: PendingCall, segments: list[frames.Buffer], to: Sequence[NodeSession]
     ) -> CallFrames:
         """`call`'s frames for the sessions `to`: with the function's bytes too if one of them
         may lack it (a session only ever gains functions, so one that has it keeps it)."""
@@ -96,17 +96,17 @@ class Dispatch:
         live = self._live()
         return live[next(self._cursor) % len(live)]
 
-    def submit(self, call: Call, node: int | None) -> Future[Any]:
+    def submit(self, call: PendingCall, node: int | None) -> Future[Any]:
         """Send `call` to one node (the next in turn, or `node`); its future."""
-        payload = call.serialized_args(self.stage)
+        payload = call.serialized_args(self.stager)
         future: Future[Any] = Future()
         session = self._pick(node)
         session.submit([(self._frames(call, payload, (session,)), future)])
         return future
 
-    def run(self, call: Call, node: int | None = None) -> Any:
+    def run(self, call: PendingCall, node: int | None = None) -> Any:
         """Run `call` on one node and return its result (what ``call >> pool`` does)."""
-        payload = call.serialized_args(self.stage)
+        payload = call.serialized_args(self.stager)
         session = self._pick(node)
         tally = Tally(1)
         reply = new_reply(tally)
@@ -117,9 +117,9 @@ class Dispatch:
             raise reply.error
         return reply.value
 
-    def broadcast(self, call: Call) -> list[Any]:
+    def broadcast(self, call: PendingCall) -> list[Any]:
         """Run `call` on every node; results in node order (see `ComputePool.broadcast`)."""
-        payload = call.serialized_args(self.stage)
+        payload = call.serialized_args(self.stager)
         sessions, streams, locks, pipe_locks = self._wire  # replaced, not changed
         if any(session.dead is not None for session in sessions):
             dead = [session.node for session in sessions if session.dead is not None]
@@ -149,10 +149,10 @@ class Dispatch:
                     session.mark_sent(frames_.fn_id)
         return self._collect(tally, replies, sessions, spmd=True, streams=streams)
 
-    def gather(self, calls: Sequence[Call]) -> tuple[Any, ...]:
+    def gather(self, calls: Sequence[PendingCall]) -> tuple[Any, ...]:
         """Run independent calls spread over the nodes; results in call order (see
         `ComputePool.gather`)."""
-        payloads = [call.serialized_args(self.stage) for call in calls]
+        payloads = [call.serialized_args(self.stager) for call in calls]
         live = self._live()
         start = next(self._cursor)
         owners = [live[(start + i) % len(live)] for i in range(len(calls))]

@@ -17,6 +17,7 @@ from skyward.info import InstanceInfo
 from skyward.plugins.base import Plugin
 from skyward.providers.base import Node
 from skyward.providers.environment import client_python
+from skyward.version import __version__
 from skyward.worker.hostcheck import same_python
 
 HEAD_PORT = "head"  # the port every pool has on node 0 (`InstanceInfo.head_port`)
@@ -57,8 +58,6 @@ async def _handshake(
 ) -> list[InstanceInfo]:
     names = tuple(dict.fromkeys((HEAD_PORT, *(name for p in plugins for name in p.ports))))
     started = await asyncio.gather(*(session.open(names) for session in sessions))
-    from skyward import __version__
-
     versions = {s.skyward_version for s in started}
     if versions != {__version__}:
         raise BootstrapError(

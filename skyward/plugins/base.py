@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from skyward.cluster import ClusterSpec
-from skyward.image import Image
-from skyward.info import InstanceInfo
+if TYPE_CHECKING:
+    # For the annotations only: an agent unpickles every plugin, which imports this module,
+    # and must not load the image (and packaging) or the cluster spec that only the client uses.
+    from skyward.cluster import ClusterSpec
+    from skyward.image import Image
+    from skyward.info import InstanceInfo
 
 
 class ClientPool(Protocol):
@@ -28,8 +31,9 @@ class ClientPool(Protocol):
     def image(self) -> Image: ...
 
 
-Transform = Callable[[Image, ClusterSpec], Image]
-AroundApp = Callable[[InstanceInfo], AbstractContextManager[Any] | None]
+# Strings: the aliases are evaluated at import, and their names exist for the type checker only.
+Transform = Callable[["Image", "ClusterSpec"], "Image"]
+AroundApp = Callable[["InstanceInfo"], AbstractContextManager[Any] | None]
 AroundClient = Callable[[ClientPool], AbstractContextManager[Any] | None]
 
 

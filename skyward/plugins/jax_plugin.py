@@ -18,14 +18,18 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from skyward.cluster import ClusterSpec
 from skyward.errors import ConfigError
-from skyward.image import Image, Index
-from skyward.info import InstanceInfo
 from skyward.plugins.base import Plugin
 from skyward.worker import jaxenv
+
+if TYPE_CHECKING:
+    # Client-side types: an agent unpickles this plugin and must not load the image (and
+    # packaging) with it; `transform`, which runs on the client, imports `Index` itself.
+    from skyward.cluster import ClusterSpec
+    from skyward.image import Image
+    from skyward.info import InstanceInfo
 
 JAX_RELEASES = "https://storage.googleapis.com/jax-releases/jax_releases.html"
 LIBTPU_RELEASES = "https://storage.googleapis.com/jax-releases/libtpu_releases.html"
@@ -96,6 +100,8 @@ class JaxPlugin(Plugin):
         return "cuda13" if major >= 13 else "cuda12"
 
     def transform(self, image: Image, cluster: ClusterSpec) -> Image:
+        from skyward.image import Index  # on the client only (see the imports above)
+
         flavour = self.flavour(cluster)
         pin = f"=={self.version}" if self.version else ""
         image = image.without_packages(["jax", "jaxlib"]).with_pip(f"jax[{flavour}]{pin}")

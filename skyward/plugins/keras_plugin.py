@@ -14,13 +14,17 @@ import hashlib
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from skyward.cluster import ClusterSpec
 from skyward.errors import ConfigError
-from skyward.image import Image
-from skyward.info import InstanceInfo
 from skyward.plugins.base import Plugin
+
+if TYPE_CHECKING:
+    # Client-side types: an agent unpickles this plugin and must not load the image (and
+    # packaging) with it.
+    from skyward.cluster import ClusterSpec
+    from skyward.image import Image
+    from skyward.info import InstanceInfo
 
 BACKENDS = ("jax", "tensorflow", "torch", "numpy")
 

@@ -15,18 +15,19 @@ import tarfile
 from functools import cache
 from pathlib import Path
 
-import skyward
+# This file is skyward/providers/source.py: the package is two levels up. Found by path, not by
+# importing `skyward`, whose lazy names import the providers back.
+_PACKAGE = Path(__file__).resolve().parents[1]
 
 
 @cache
 def _files() -> tuple[tuple[str, bytes], ...]:
-    package = Path(skyward.__file__).resolve().parent
     paths = sorted(
         p
-        for p in package.rglob("*")
+        for p in _PACKAGE.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and p.suffix not in {".pyc", ".pyo"}
     )
-    return tuple((p.relative_to(package.parent).as_posix(), p.read_bytes()) for p in paths)
+    return tuple((p.relative_to(_PACKAGE.parent).as_posix(), p.read_bytes()) for p in paths)
 
 
 @cache

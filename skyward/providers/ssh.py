@@ -24,7 +24,7 @@ from skyward.errors import ConfigError
 from skyward.image import Image
 from skyward.providers.base import Cluster, Node, Provider, count, given_rate
 from skyward.providers.remote import bootstrap, connect, hoststeps
-from skyward.providers.remote.data import RemoteData, remove_outputs
+from skyward.providers.remote.datasync import RemoteData, remove_outputs
 from skyward.transport.sshhost import Endpoint, KnownHosts
 
 

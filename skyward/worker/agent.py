@@ -37,6 +37,7 @@ from skyward.errors import PluginError, SerializationError
 from skyward.plugins import hooks
 from skyward.transport import frames, messages, pickling
 from skyward.transport.agentwire import LINGER_ENV, AgentWire
+from skyward.version import __version__
 from skyward.worker import notices
 
 HEARTBEAT_SECONDS = 2.0
@@ -68,7 +69,7 @@ class Agent:
                 os.getpid(),
                 socket.gethostname(),
                 platform.python_version(),
-                _skyward_version(),
+                __version__,
                 _free_ports(opened.port_names),
             )
         )
@@ -286,12 +287,6 @@ def _free_ports(names: tuple[str, ...]) -> dict[str, int]:
             sock.bind(("", 0))
             ports[name] = int(sock.getsockname()[1])
         return ports
-
-
-def _skyward_version() -> str:
-    from skyward import __version__
-
-    return __version__
 
 
 def _exit_hard(status: int) -> None:

@@ -516,7 +516,7 @@ def test_a_replacement_is_one_instance_launched_as_the_pools_were(
     params = instances.set_up(
         ec2_client,
         aws.client("ssm"),
-        aws.placement,
+        aws.machine_settings,
         pool,
         choice,
         instances.type_details(ec2_client, choice),
@@ -568,7 +568,7 @@ def test_an_instance_profile_gives_the_nodes_their_own_credentials(
     params = instances.set_up(
         aws.client("ec2"),
         aws.client("ssm"),
-        aws.placement,
+        aws.machine_settings,
         pool,
         choice,
         instances.type_details(aws.client("ec2"), choice),

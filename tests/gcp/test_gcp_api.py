@@ -19,7 +19,7 @@ import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.providers.cloud.bootscript import HostKey
 from skyward.providers.gcp import instances, machine_types, resources, startup, teardown
-from skyward.providers.gcp.settings import Access, Clients, Placement, resolve
+from skyward.providers.gcp.settings import Access, Clients, MachineSettings, resolve
 from tests.gcp.conftest import PROJECT, ZONE
 from tests.support.fakegcp import FakeGCP
 
@@ -119,7 +119,7 @@ def test_without_the_extra_the_error_names_it(monkeypatch: pytest.MonkeyPatch) -
 
 
 def launch(
-    fake: FakeGCP, spec: ClusterSpec, placement: Placement, accelerator: str | None
+    fake: FakeGCP, spec: ClusterSpec, settings: MachineSettings, accelerator: str | None
 ) -> tuple[Clients, Access, teardown.Made]:
     """The API half of a launch (what `GCP._provision` runs), without connecting."""
     clients = Clients(AnonymousCredentials(), fake.url)
@@ -131,7 +131,7 @@ def launch(
     )
     deadline = time.monotonic() + 20
     body = instances.set_up(
-        clients, access, placement, spec, choice, metadata, made, deadline, lambda: None
+        clients, access, settings, spec, choice, metadata, made, deadline, lambda: None
     )
     instances.run(clients, access, body, spec.nodes, deadline)
     for vm in instances.wait_running(
@@ -144,8 +144,8 @@ def launch(
 
 def test_a_spot_gpu_pool_asks_for_what_gce_needs(api_fake: FakeGCP) -> None:
     spec = ClusterSpec(2, "pool-req12345")
-    placement = Placement(spot=True, ssh_cidr="203.0.113.7/32", service_account="sa@p.iam")
-    clients, _, made = launch(api_fake, spec, placement, "H100:8")
+    settings = MachineSettings(spot=True, ssh_cidr="203.0.113.7/32", service_account="sa@p.iam")
+    clients, _, made = launch(api_fake, spec, settings, "H100:8")
     vms = sorted(api_fake.instances.values(), key=lambda i: i["name"])
     assert [vm["name"] for vm in vms] == ["skyward-pool-req12345-001", "skyward-pool-req12345-002"]
     for vm in vms:
@@ -175,7 +175,7 @@ def test_a_spot_gpu_pool_asks_for_what_gce_needs(api_fake: FakeGCP) -> None:
 
 def test_private_cpu_pool_has_no_external_address(api_fake: FakeGCP) -> None:
     spec = ClusterSpec(1, "pool-cpu12345")
-    clients, _, made = launch(api_fake, spec, Placement(use_private_ips=True), None)
+    clients, _, made = launch(api_fake, spec, MachineSettings(use_private_ips=True), None)
     (vm,) = api_fake.instances.values()
     assert "accessConfigs" not in vm["networkInterfaces"][0]
     assert vm["scheduling"]["provisioningModel"] == "STANDARD"
@@ -189,7 +189,7 @@ def test_private_cpu_pool_has_no_external_address(api_fake: FakeGCP) -> None:
 def pool_calls(fake: FakeGCP, nodes: int) -> Counter[str]:
     before = Counter(fake.calls)
     spec = ClusterSpec(nodes, f"pool-n{nodes:07d}")
-    clients, _, made = launch(fake, spec, Placement(use_private_ips=True), None)
+    clients, _, made = launch(fake, spec, MachineSettings(use_private_ips=True), None)
     teardown.remove_pool(clients, PROJECT, spec.pool_id, made, timeout=10, poll=0.05)
     assert fake.labelled() == []
     return fake.calls - before

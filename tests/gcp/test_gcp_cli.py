@@ -14,7 +14,7 @@ from skyward.cli.profiles import Profile
 from skyward.cluster import ClusterSpec
 from skyward.providers.cloud import pricecache
 from skyward.providers.gcp import teardown
-from skyward.providers.gcp.settings import Placement
+from skyward.providers.gcp.settings import MachineSettings
 from tests.gcp.conftest import PROJECT, ZONE
 from tests.gcp.test_gcp_api import launch
 from tests.support.fakegcp import FakeGCP
@@ -37,8 +37,8 @@ def test_status_lists_this_users_gcp_pools(
     assert runner.print_gcp_pools(profile) == 0
     assert capsys.readouterr().out == ""
     spec = ClusterSpec(nodes=2, pool_id="pool-status1", provider="gcp")
-    placement = Placement(use_private_ips=True)
-    clients, _, made = launch(api_fake, spec, placement, None)
+    settings = MachineSettings(use_private_ips=True)
+    clients, _, made = launch(api_fake, spec, settings, None)
     try:
         assert runner.print_gcp_pools(profile) == 1
         out = capsys.readouterr().out

@@ -202,7 +202,7 @@ def bare_pool(tmp_path: Path, nodes: int) -> GCPCluster:
 
 
 def calls_of(gcp: sky.GCP) -> provision.Calls:
-    return provision.Calls.start(gcp.clients(), gcp.access(), gcp.placement, 0.05, 10.0)
+    return provision.Calls.start(gcp.clients(), gcp.access(), gcp.machine_settings, 0.05, 10.0)
 
 
 def test_what_a_refused_zone_left_is_removed_before_the_next_and_the_rules_stay(

@@ -12,7 +12,7 @@ import skyward as sky
 from skyward.cli import main as cli
 from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.gcp import tpu_types
-from skyward.providers.gcp.settings import Placement
+from skyward.providers.gcp.settings import MachineSettings
 from tests.gcp.conftest import PROJECT, ZONE, gcp_for
 from tests.support.fakegcp import FakeGCP
 
@@ -106,12 +106,12 @@ def test_skyward_ls_and_down_include_tpu_nodes(
     access, clients = gcp.access(), gcp.clients()
     tpu = tpu_types.parse("v4-16")
     metadata = startup.metadata("left-1", HostKey.generate("x"), 60, "root", "ssh-ed25519 AAAA")
-    body = tpus.node_body(access, Placement(), "left-1", tpu, metadata, None)
+    body = tpus.node_body(access, MachineSettings(), "left-1", tpu, metadata, None)
     made = teardown.Made()
     tpus.create(clients, access, "left-1", body, tpu, False, made.add)
     tpus.create(clients, access, "left-2", body, tpu_types.parse("v6e-8"), True, made.add)
     elsewhere = dataclasses.replace(access, zone="us-east5-a")  # ls and down cover every zone
-    body3 = tpus.node_body(elsewhere, Placement(), "left-3", tpu, metadata, None)
+    body3 = tpus.node_body(elsewhere, MachineSettings(), "left-3", tpu, metadata, None)
     tpus.create(clients, elsewhere, "left-3", body3, tpu, False, made.add)
     import google.auth
     from google.auth.credentials import AnonymousCredentials

@@ -61,7 +61,7 @@ logger = logging.getLogger("skyward.aws")
 
 
 @dataclass(frozen=True)
-class Placement:
+class MachineSettings:
     """Where and how a pool's instances run: the `sky.AWS` settings the EC2 calls need."""
 
     ami: str | None = None
@@ -77,7 +77,7 @@ class Placement:
 def set_up(
     ec2: Any,
     ssm: Any,
-    placement: Placement,
+    settings: MachineSettings,
     spec: ClusterSpec,
     choice: instance_types.Choice,
     details: Mapping[str, Any],
@@ -92,8 +92,8 @@ def set_up(
     them to another zone's). `details`: the type's `describe` (`type_details`). Everything
     that can be wrong with the request is found out before anything exists."""
     arch = instance_types.architecture(details)
-    ami = placement.ami or _resolve_ami(ssm, choice.is_gpu, arch)
-    cidr = placement.ssh_cidr or _client_cidr(ec2, subnet["VpcId"], placement.use_private_ips)
+    ami = settings.ami or _resolve_ami(ssm, choice.is_gpu, arch)
+    cidr = settings.ssh_cidr or _client_cidr(ec2, subnet["VpcId"], settings.use_private_ips)
     check_cancel()
 
     tags = resources.pool_tags(spec.pool_id)
@@ -125,7 +125,7 @@ def set_up(
         ],
     )
     where: dict[str, str] = {"AvailabilityZone": subnet["AvailabilityZone"]}
-    if placement.placement_group:
+    if settings.placement_group:
         made.add(teardown.PLACEMENT_GROUP, name)
         ec2.create_placement_group(
             GroupName=name,
@@ -136,13 +136,13 @@ def set_up(
     check_cancel()
 
     options: dict[str, Any] = {}
-    profile = placement.iam_instance_profile
+    profile = settings.iam_instance_profile
     if profile:
         # The nodes' own credentials (sky.Data("s3://..."), s3:// output_dir): a role the user
         # owns; the pool only names it, so the teardown has nothing to remove.
         key = "Arn" if profile.startswith("arn:") else "Name"
         options["IamInstanceProfile"] = {key: profile}
-    if placement.spot:
+    if settings.spot:
         options["InstanceMarketOptions"] = {
             "MarketType": "spot",
             "SpotOptions": {
@@ -154,14 +154,14 @@ def set_up(
         ImageId=ami,
         InstanceType=choice.instance_type,
         KeyName=name,
-        UserData=userdata.render(spec.pool_id, host_key, placement.idle_timeout),
+        UserData=userdata.render(spec.pool_id, host_key, settings.idle_timeout),
         InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's poweroff ends it
         NetworkInterfaces=[
             {
                 "DeviceIndex": 0,
                 "SubnetId": subnet["SubnetId"],
                 "Groups": [group],
-                "AssociatePublicIpAddress": not placement.use_private_ips,
+                "AssociatePublicIpAddress": not settings.use_private_ips,
                 "DeleteOnTermination": True,
             }
         ],

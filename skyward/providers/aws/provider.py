@@ -174,7 +174,7 @@ class AWS(CloudProvider):
         self.region = regions[0]
         self.spot = spot
         self.instance_type = instance_type
-        self.placement = instances.Placement(
+        self.machine_settings = instances.MachineSettings(
             ami,
             bool(spot),
             next(iter(self.subnets.get(regions[0], ())), None),
@@ -255,12 +255,12 @@ class AWS(CloudProvider):
             region = self.region or session.region_name
             if not region:
                 return Price.unknown("no AWS region: pass sky.AWS(region=...)")
-            if not self.placement.spot:
+            if not self.machine_settings.spot:
                 with self._lock:  # a session makes one client at a time
                     pricing = prices.pricing_client(session)
                 return prices.on_demand(pricing, kind, region)
             ec2 = self.client("ec2")
-            subnet = self.placement.subnet_id
+            subnet = self.machine_settings.subnet_id
             return prices.spot(ec2, kind, prices.zone_of_subnet(ec2, subnet) if subnet else None)
 
         try:
@@ -403,8 +403,8 @@ class AWS(CloudProvider):
             pool.subnets = candidates
             pool.run_params = instances.set_up(
                 ec2,
-                self.client("ssm", region) if self.placement.ami is None else None,
-                dataclasses.replace(self.placement, spot=spot),
+                self.client("ssm", region) if self.machine_settings.ami is None else None,
+                dataclasses.replace(self.machine_settings, spot=spot),
                 pool.spec,
                 choice,
                 details,
@@ -468,7 +468,7 @@ class AWS(CloudProvider):
         progress: Progress | None = None,
     ) -> list[Reached]:
         """Connect to the instances `found` (as nodes `indexes`), trusting only the pool's key."""
-        key = "PrivateIpAddress" if self.placement.use_private_ips else "PublicIpAddress"
+        key = "PrivateIpAddress" if self.machine_settings.use_private_ips else "PublicIpAddress"
         addresses = []
         for instance in found:
             address = instance.get(key)

@@ -32,7 +32,7 @@ from skyward.providers.remote.bootstrap import (
     survey_nodes,
 )
 from skyward.providers.remote.connect import BootWait, ConnectOptions, connect_all
-from skyward.providers.remote.data import RemoteData
+from skyward.providers.remote.datasync import RemoteData
 from skyward.providers.remote.hoststeps import Bootstrap
 from skyward.transport.sshhost import Endpoint, SSHHost, load_known_hosts
 

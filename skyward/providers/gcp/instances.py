@@ -31,7 +31,7 @@ from skyward.providers.cloud.provider import check_cidr
 from skyward.providers.gcp import api, resources, teardown
 from skyward.providers.gcp.machine_types import Choice
 from skyward.providers.gcp.resources import network_url, subnetwork_url
-from skyward.providers.gcp.settings import Access, Clients, Placement
+from skyward.providers.gcp.settings import Access, Clients, MachineSettings
 
 CHECK_IP_URL = "https://checkip.amazonaws.com"
 PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
@@ -46,7 +46,7 @@ logger = logging.getLogger("skyward.gcp")
 def set_up(
     clients: Clients,
     access: Access,
-    placement: Placement,
+    settings: MachineSettings,
     spec: ClusterSpec,
     choice: Choice,
     metadata: dict[str, str],
@@ -55,36 +55,36 @@ def set_up(
     check_cancel: CheckCancel,
 ) -> compute_v1.BulkInsertInstanceResource:
     """Create the pool's firewall rules; return the bulkInsert body of its VMs (count unset)."""
-    create_firewalls(clients, access, placement, spec.pool_id, made, deadline, check_cancel)
-    return bulk_body(access, placement, spec, choice, metadata)
+    create_firewalls(clients, access, settings, spec.pool_id, made, deadline, check_cancel)
+    return bulk_body(access, settings, spec, choice, metadata)
 
 
 def bulk_body(
     access: Access,
-    placement: Placement,
+    settings: MachineSettings,
     spec: ClusterSpec,
     choice: Choice,
     metadata: dict[str, str],
 ) -> compute_v1.BulkInsertInstanceResource:
     """The bulkInsert body of the pool's VMs in `access.zone`'s region (count unset)."""
     tag = resources.network_tag(spec.pool_id)
-    network = network_url(access, placement.network)
+    network = network_url(access, settings.network)
     labels = resources.pool_labels(spec.pool_id)
     interface = compute_v1.NetworkInterface(network=network)
-    subnetwork = subnetwork_url(access, placement.subnetwork)
+    subnetwork = subnetwork_url(access, settings.subnetwork)
     if subnetwork:
         interface.subnetwork = subnetwork
-    if not placement.use_private_ips:
+    if not settings.use_private_ips:
         interface.access_configs = [
             compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")
         ]
     scheduling = compute_v1.Scheduling(
         automatic_restart=False,
         # GPU VMs cannot live-migrate; spot VMs must not.
-        on_host_maintenance="TERMINATE" if choice.is_gpu or placement.spot else "MIGRATE",
-        provisioning_model="SPOT" if placement.spot else "STANDARD",
+        on_host_maintenance="TERMINATE" if choice.is_gpu or settings.spot else "MIGRATE",
+        provisioning_model="SPOT" if settings.spot else "STANDARD",
     )
-    if placement.spot:
+    if settings.spot:
         # STOP, not DELETE: a preempted VM stays (TERMINATED) so `explain` can say what happened.
         scheduling.instance_termination_action = "STOP"
     properties = compute_v1.InstanceProperties(
@@ -100,8 +100,8 @@ def bulk_body(
                 auto_delete=True,
                 type_="PERSISTENT",
                 initialize_params=compute_v1.AttachedDiskInitializeParams(
-                    source_image=placement.image or choice.image,
-                    disk_size_gb=placement.disk_size_gb,
+                    source_image=settings.image or choice.image,
+                    disk_size_gb=settings.disk_size_gb,
                     labels=labels,
                 ),
             )
@@ -109,11 +109,11 @@ def bulk_body(
         network_interfaces=[interface],
         scheduling=scheduling,
     )
-    if placement.service_account:
+    if settings.service_account:
         # The VMs' own credentials (e.g. for gs:// data): an account the user owns.
         properties.service_accounts = [
             compute_v1.ServiceAccount(
-                email=placement.service_account,
+                email=settings.service_account,
                 scopes=["https://www.googleapis.com/auth/cloud-platform"],
             )
         ]
@@ -134,7 +134,7 @@ def named(
 def create_firewalls(
     clients: Clients,
     access: Access,
-    placement: Placement,
+    settings: MachineSettings,
     pool_id: str,
     made: teardown.Made,
     deadline: float,
@@ -142,9 +142,9 @@ def create_firewalls(
 ) -> None:
     """The pool's two rules: SSH from the client's CIDR to the pool's network tag, and
     everything between machines with that tag (VMs or TPU hosts)."""
-    cidrs = [placement.ssh_cidr] if placement.ssh_cidr else _client_cidrs(placement)
+    cidrs = [settings.ssh_cidr] if settings.ssh_cidr else _client_cidrs(settings)
     tag = resources.network_tag(pool_id)
-    network = network_url(access, placement.network)
+    network = network_url(access, settings.network)
     ssh_rule, internal_rule = resources.firewall_names(pool_id)
     about = f"skyward pool {pool_id}"
     rules = [
@@ -324,8 +324,8 @@ def describe_loss(instance: Any, preempted: bool | None) -> NodeLoss | None:
     return NodeLoss(f"VM {instance.name} is {status}{stopped}")
 
 
-def _client_cidrs(placement: Placement) -> list[str]:
-    if placement.use_private_ips:
+def _client_cidrs(settings: MachineSettings) -> list[str]:
+    if settings.use_private_ips:
         return list(PRIVATE_RANGES)  # the client is inside the VPC or on a VPN
     try:
         with urllib.request.urlopen(CHECK_IP_URL, timeout=10) as answer:

@@ -62,7 +62,7 @@ from skyward.providers.gcp.provision import GCPCluster
 from skyward.providers.gcp.settings import (
     Access,
     Clients,
-    Placement,
+    MachineSettings,
     endpoint_of,
     region_of,
     resolve,
@@ -161,7 +161,7 @@ class GCP(CloudProvider):
         self.spot = spot
         self.machine_type = machine_type
         self.runtime_version = runtime_version
-        self.placement = Placement(
+        self.machine_settings = MachineSettings(
             image,
             bool(spot),  # spot="prefer" asks spot VMs first (and prices them as spot)
             network,
@@ -236,7 +236,7 @@ class GCP(CloudProvider):
         rates with ``spot=True``. `Price.unknown` with the reason when the catalog cannot say."""
 
         def look_up(tpu: tpu_types.TpuType | None, machine_type: str) -> Price:
-            access, spot = self.access(), self.placement.spot
+            access, spot = self.access(), self.machine_settings.spot
             endpoint = endpoint_of(self._endpoint, "CLOUDBILLING")
             catalog = prices.catalog_client(access.credentials, endpoint)
             if tpu is not None:
@@ -366,7 +366,11 @@ class GCP(CloudProvider):
 
     def _calls(self) -> provision.Calls:
         return provision.Calls.start(
-            self.clients(), self.access(), self.placement, self.poll_interval, self.boot_timeout
+            self.clients(),
+            self.access(),
+            self.machine_settings,
+            self.poll_interval,
+            self.boot_timeout,
         )
 
     async def _connect(
@@ -383,7 +387,7 @@ class GCP(CloudProvider):
             for index, host in zip(indexes, found, strict=True):
                 progress.phase(index, Phase.CONNECTING, f"{host.name} {host.address}")
         labels = [f"{'TPU' if pool.tpu else 'VM'} {h.name} ({h.address})" for h in found]
-        connected = await self.connect_hosts(pool, addresses, self.placement.user, labels)
+        connected = await self.connect_hosts(pool, addresses, self.machine_settings.user, labels)
         reached: list[Reached] = []
         for index, ssh, host in zip(indexes, connected, found, strict=True):
             node = RemoteNode(index, ssh, host.private or None)

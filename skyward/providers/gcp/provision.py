@@ -39,7 +39,7 @@ from skyward.providers.gcp import (
     tpus,
 )
 from skyward.providers.gcp.instances import logger
-from skyward.providers.gcp.settings import Access, Clients, Placement, region_of
+from skyward.providers.gcp.settings import Access, Clients, MachineSettings, region_of
 
 T = TypeVar("T")
 
@@ -80,27 +80,32 @@ class Calls:
 
     clients: Clients
     access: Access
-    placement: Placement
+    machine_settings: MachineSettings
     poll: float
     timeout: float  # the provider's boot_timeout: each attempt has all of it
     deadline: float  # monotonic: `timeout` from the start of the launch or of the attempt
 
     @classmethod
     def start(
-        cls, clients: Clients, access: Access, placement: Placement, poll: float, timeout: float
+        cls,
+        clients: Clients,
+        access: Access,
+        machine_settings: MachineSettings,
+        poll: float,
+        timeout: float,
     ) -> Calls:
-        return cls(clients, access, placement, poll, timeout, time.monotonic() + timeout)
+        return cls(clients, access, machine_settings, poll, timeout, time.monotonic() + timeout)
 
     def attempt(self, zone: str, spot: bool | None = None) -> Calls:
         """These calls for one attempt: in `zone`, with spot VMs or not (`spot`; None: as
-        placed), with the whole boot_timeout from now."""
-        placement = self.placement
+        the provider's settings say), with the whole boot_timeout from now."""
+        machine_settings = self.machine_settings
         if spot is not None:
-            placement = dataclasses.replace(placement, spot=spot)
+            machine_settings = dataclasses.replace(machine_settings, spot=spot)
         return dataclasses.replace(
             self,
             access=self.access.at(zone),
-            placement=placement,
+            machine_settings=machine_settings,
             deadline=time.monotonic() + self.timeout,
         )
 
@@ -114,7 +119,7 @@ def vms(
         instances.create_firewalls(
             calls.clients,
             calls.access,
-            calls.placement,
+            calls.machine_settings,
             pool.pool_id,
             pool.made,
             calls.deadline,
@@ -170,7 +175,7 @@ def tpu_slice(
         instances.create_firewalls(
             calls.clients,
             calls.access,
-            calls.placement,
+            calls.machine_settings,
             pool.pool_id,
             pool.made,
             calls.deadline,
@@ -242,7 +247,9 @@ def _vms_in(
     """All of the pool's VMs in `calls.access.zone`, running; `api.NoRoom` when GCE has no
     room for them there."""
     pool.zone = calls.access.zone
-    pool.body = instances.bulk_body(calls.access, calls.placement, pool.spec, choice, metadata)
+    pool.body = instances.bulk_body(
+        calls.access, calls.machine_settings, pool.spec, choice, metadata
+    )
     instances.run(calls.clients, calls.access, pool.body, pool.spec.nodes, calls.deadline)
     return _running(calls, pool, pool.spec.nodes, set())
 
@@ -257,7 +264,7 @@ def _slice_in(
     """The pool's slice in `calls.access.zone`, READY; `api.NoRoom` when it has no room."""
     pool.zone = calls.access.zone
     body = tpus.node_body(
-        calls.access, calls.placement, pool.pool_id, tpu, metadata, runtime_version
+        calls.access, calls.machine_settings, pool.pool_id, tpu, metadata, runtime_version
     )
     operation = tpus.create(
         calls.clients,
@@ -265,12 +272,12 @@ def _slice_in(
         pool.pool_id,
         body,
         tpu,
-        calls.placement.spot,
+        calls.machine_settings.spot,
         pool.made.add,
     )
     node = _wait(calls, pool, tpus.wait_ready, tpu, operation)
     name = tpus.node_name(pool.pool_id)
-    private = calls.placement.use_private_ips
+    private = calls.machine_settings.use_private_ips
     return [
         Host(f"{name} worker {i}", tpus.address(e, private), str(e.ip_address))
         for i, e in enumerate(tpus.endpoints(node))
@@ -305,7 +312,7 @@ def _too_small(
             return None
         return shape.cpus
 
-    return quotas.shortfall(found, choice, pool.spec.nodes, calls.placement.spot, vcpus)
+    return quotas.shortfall(found, choice, pool.spec.nodes, calls.machine_settings.spot, vcpus)
 
 
 def _clear(calls: Calls, pool: GCPCluster) -> None:
@@ -348,8 +355,8 @@ def _metadata(calls: Calls, pool: GCPCluster) -> dict[str, str]:
     return startup.metadata(
         pool.pool_id,
         pool.host_key,
-        calls.placement.idle_timeout,
-        calls.placement.user,
+        calls.machine_settings.idle_timeout,
+        calls.machine_settings.user,
         write_login_key(pool.key_path),
     )
 
@@ -359,7 +366,7 @@ def _running(calls: Calls, pool: GCPCluster, count: int, exclude: set[str]) -> l
     found = _wait(calls, pool, instances.wait_running, count, exclude)
     for instance in found:
         pool.made.add(teardown.INSTANCE, str(instance.name), calls.access.zone)
-    return [_vm_host(instance, calls.placement.use_private_ips) for instance in found]
+    return [_vm_host(instance, calls.machine_settings.use_private_ips) for instance in found]
 
 
 def _wait(calls: Calls, pool: GCPCluster, wait: Callable[..., T], *what: Any) -> T:

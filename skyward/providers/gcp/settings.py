@@ -191,7 +191,7 @@ class Clients:
 
 
 @dataclass(frozen=True)
-class Placement:
+class MachineSettings:
     """Where and how a pool's VMs run: the `sky.GCP` settings the API calls need."""
 
     image: str | None = None

@@ -25,7 +25,7 @@ from skyward.errors import ProvisionError
 from skyward.providers.base import NodeLoss
 from skyward.providers.gcp import api, resources
 from skyward.providers.gcp.resources import network_url, subnetwork_url
-from skyward.providers.gcp.settings import Access, Clients, Placement
+from skyward.providers.gcp.settings import Access, Clients, MachineSettings
 from skyward.providers.gcp.tpu_types import TpuType
 
 CheckCancel = Callable[[], None]
@@ -67,7 +67,7 @@ def uses_queue(tpu: TpuType, spot: bool) -> bool:
 
 def node_body(
     access: Access,
-    placement: Placement,
+    settings: MachineSettings,
     pool_id: str,
     tpu: TpuType,
     metadata: dict[str, str],
@@ -75,10 +75,10 @@ def node_body(
 ) -> tpu_v2.Node:
     """The TPU node of pool `pool_id` (its spot setting is added by `create`)."""
     network = tpu_v2.NetworkConfig(
-        network=network_url(access, placement.network),
-        enable_external_ips=not placement.use_private_ips,
+        network=network_url(access, settings.network),
+        enable_external_ips=not settings.use_private_ips,
     )
-    subnetwork = subnetwork_url(access, placement.subnetwork)
+    subnetwork = subnetwork_url(access, settings.subnetwork)
     if subnetwork:
         network.subnetwork = subnetwork
     node = tpu_v2.Node(
@@ -90,9 +90,9 @@ def node_body(
         tags=[resources.network_tag(pool_id)],
         description=f"skyward pool {pool_id}",
     )
-    if placement.service_account:
+    if settings.service_account:
         node.service_account = tpu_v2.ServiceAccount(
-            email=placement.service_account,
+            email=settings.service_account,
             scope=["https://www.googleapis.com/auth/cloud-platform"],
         )
     return node

@@ -48,8 +48,7 @@ from skyward.providers.base import (
     output_path,
 )
 from skyward.providers.environment import env_spec
-from skyward.providers.remote import bootstrap, connect, hoststeps
-from skyward.providers.remote import data as remote_data
+from skyward.providers.remote import bootstrap, connect, datasync, hoststeps
 from skyward.providers.remote.bootstrap import RemoteNode
 from skyward.providers.remote.hoststeps import CACHE
 from skyward.providers.slurm import commands, jobs
@@ -392,9 +391,9 @@ class Slurm(Provider):
         slurm = _slurm(cluster)
         if not slurm.client_shares:
             if not slurm.shared_cache:
-                return await remote_data.stage_tree(cluster, data, log)
+                return await datasync.stage_tree(cluster, data, log)
             first = Cluster(cluster.spec, cluster.nodes[:1])
-            placement = await remote_data.stage_tree(first, data, log)
+            placement = await datasync.stage_tree(first, data, log)
             for node in bootstrap.remote_nodes(cluster):
                 node.trees.add(placement[1])
             return placement
@@ -412,7 +411,7 @@ class Slurm(Provider):
         if outputs is None:
             return
         if outputs.startswith(S3_SCHEME) or not _slurm(cluster).client_shares:
-            await remote_data.collect_outputs(cluster, nodes, outputs)
+            await datasync.collect_outputs(cluster, nodes, outputs)
             return
         await asyncio.to_thread(_copy_outputs, cluster, nodes)
 
@@ -436,7 +435,7 @@ class Slurm(Provider):
             await asyncio.to_thread(shutil.rmtree, _client_outputs(cluster), True)
         elif cluster.nodes and cluster.job_id:
             with contextlib.suppress(Exception):
-                await remote_data.remove_outputs(cluster)
+                await datasync.remove_outputs(cluster)
         jobs = " ".join(a.job_id for a in cluster.allocations if a.job_id)
         if jobs and not login.closed:
             with contextlib.suppress(Exception):

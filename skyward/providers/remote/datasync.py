@@ -1,5 +1,6 @@
-"""Data and outputs for nodes on SSH hosts: the `Provider` verbs `stage_data` and
-`collect_outputs` of every remote provider (SSH, AWS), over the pool's own connections.
+"""Data in and outputs out for nodes on remote hosts: the `Provider` verbs `stage_data` and
+`collect_outputs` of every remote provider (SSH, AWS, GCP; Slurm calls the functions itself),
+over the pool's own connections.
 
 - `stage_tree`: a `sky.Data` tree is scanned here and pushed to every node that lacks it
   (`files.push_tree`: one content-addressed store per host, only missing content travels); each
@@ -32,7 +33,7 @@ HOST_CACHE = f'"{CACHE}"'  # as a shell word
 
 class RemoteData(Provider):
     """`stage_data` and `collect_outputs` for providers whose nodes are `RemoteNode`s; list it
-    before `Provider` in the class's bases (SSH, AWS)."""
+    before `Provider` in the class's bases (SSH; AWS and GCP through `CloudProvider`)."""
 
     async def stage_data(self, cluster: Cluster, data: Data, log: Log) -> Placement:
         return await stage_tree(cluster, data, log)

@@ -253,9 +253,22 @@ def test_the_host_check_reports_gpus_where_skyward_cannot_be_imported(tmp_path: 
     skyward (``-I -S``) and still lists the GPUs, here a fake nvidia-smi replaying the recorded
     H100 machine. A query that does not ask (Local's) lists none."""
     query = hostcheck.Query(cache=str(tmp_path), env="h", gpus=True)
-    fake = fake_nvidia_smi("h100-driver580", tmp_path / "bin")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    report = host_check(query, "h100-driver580", tmp_path)
+    assert report.gpus == parsed("h100-driver580")
+    assert report.satisfied is None, "skyward was not importable there"
+    assert hostcheck.check(replace(query, gpus=False)).gpus is None
+
+
+def host_check(
+    query: hostcheck.Query, machine: str, tmp_path: Path, visible: str | None = None
+) -> hostcheck.Report:
+    """The check program's report on a host that cannot import skyward (``-I -S``), whose
+    nvidia-smi replays `machine`, and whose CUDA_VISIBLE_DEVICES is `visible` (None: unset)."""
+    fake = fake_nvidia_smi(machine, tmp_path / "bin")
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "CUDA_VISIBLE_DEVICES"}}
     env["PATH"] = f"{fake}:{env['PATH']}"
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
     done = subprocess.run(
         [sys.executable, "-I", "-S", "-c", hostcheck.program(), query.to_json()],
         capture_output=True,
@@ -264,10 +277,48 @@ def test_the_host_check_reports_gpus_where_skyward_cannot_be_imported(tmp_path: 
         cwd=tmp_path,
         env=env,
     )
-    report = hostcheck.Report.from_json(done.stdout)
-    assert report.gpus == parsed("h100-driver580")
-    assert report.satisfied is None, "skyward was not importable there"
-    assert hostcheck.check(replace(query, gpus=False)).gpus is None
+    return hostcheck.Report.from_json(done.stdout)
+
+
+def test_cuda_visible_devices_leaves_out_the_gpus_it_hides() -> None:
+    """A process may use the GPUs its CUDA_VISIBLE_DEVICES names, by index, by UUID or by a
+    UUID's prefix (as CUDA takes them), in the machine's order; the rest are counted and said."""
+    eight = parsed("a100x8-driver550")
+    uuids = [gpu.uuid for gpu in eight.gpus]
+    assert gpus.visible(eight, None) == eight
+    for devices in ("2,3", "3,2", f"{uuids[2]},3", f" {uuids[2][:12]} , {uuids[3]}"):
+        seen = gpus.visible(eight, devices)
+        assert [gpu.index for gpu in seen.gpus] == [2, 3], devices
+        assert (seen.hidden, seen.driver, seen.cuda) == (6, eight.driver, eight.cuda)
+    assert seen.describe() == (
+        "2 x A100-80GB (driver 550.54.15, CUDA 12.4); 6 more hidden by CUDA_VISIBLE_DEVICES"
+    )
+    nothing = gpus.visible(eight, "")
+    assert (nothing.gpus, nothing.hidden) == ((), 8)
+    assert nothing.describe() == "no NVIDIA GPU (8 more hidden by CUDA_VISIBLE_DEVICES)"
+    assert Inventory.from_json(seen.to_json()) == seen
+
+
+def test_a_confined_step_lists_only_its_gpus_and_keeps_them_all() -> None:
+    """Where a site confines a Slurm step to its GPUs (ConstrainDevices), the driver lists only
+    those, numbered from 0 (here GPUs 2 and 3 of the recorded eight), and Slurm's
+    CUDA_VISIBLE_DEVICES numbers them from 0 too: both are kept, none is hidden."""
+    lines = recorded("a100x8-driver550", "query.txt").splitlines()[2:4]
+    renumbered = "\n".join(f"{i}{line[1:]}" for i, line in enumerate(lines))
+    confined = gpus.parse_smi(renumbered, recorded("a100x8-driver550", "nvidia-smi.txt"))
+    seen = gpus.visible(confined, "0,1")
+    assert [gpu.uuid for gpu in seen.gpus] == [line.split(", ")[3] for line in lines]
+    assert seen.hidden == 0
+
+
+def test_the_host_check_reports_only_the_gpus_its_step_was_given(tmp_path: Path) -> None:
+    """On a Slurm node the host check is a job step, and Slurm names the step's GPUs in its
+    CUDA_VISIBLE_DEVICES (here 2 and 3 of the recorded eight A100s): the check reports those
+    alone, as every remote host's check does with what its CUDA_VISIBLE_DEVICES says."""
+    query = hostcheck.Query(cache=str(tmp_path), env="h", gpus=True)
+    report = host_check(query, "a100x8-driver550", tmp_path, visible="2,3")
+    assert report.gpus == gpus.visible(parsed("a100x8-driver550"), "2,3")
+    assert report.gpus is not None and [gpu.index for gpu in report.gpus.gpus] == [2, 3]
 
 
 def hardware(*machines: str | None) -> Hardware:

@@ -13,17 +13,13 @@ from collections.abc import Mapping
 
 from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
-from skyward.worker.gpus import Gpu, Inventory, matches, visible_env
+from skyward.worker.gpus import Gpu, Inventory, matches, visible, visible_env
 
 
 def usable(inventory: Inventory, environ: Mapping[str, str]) -> tuple[Gpu, ...]:
     """The GPUs this process may hand out: whole GPUs (not in MIG mode), and only those the
     client's own ``CUDA_VISIBLE_DEVICES`` lists (by index or UUID) when it is set."""
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return inventory.usable
-    wanted = [entry.strip() for entry in visible.split(",") if entry.strip()]
-    return tuple(g for g in inventory.usable if str(g.index) in wanted or g.uuid in wanted)
+    return visible(inventory, environ.get("CUDA_VISIBLE_DEVICES")).usable
 
 
 def assign(

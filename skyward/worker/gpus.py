@@ -9,6 +9,11 @@ not answer, a hung nvidia-smi) has an empty inventory whose `Inventory.problem` 
 The parsing (`parse_smi`, `cuda_version`) and the naming (`gpu_name`, `matches`) are pure
 functions over the tools' text, so tests feed them outputs recorded on real machines.
 
+A process's ``CUDA_VISIBLE_DEVICES`` says which of the machine's GPUs it may use (`visible`):
+the client's own for Local, a Slurm job step's as Slurm set it for the GPUs it granted. NVML
+and nvidia-smi list every GPU of the machine whatever it says, so `find_visible` (what the host
+check reports) leaves out the GPUs it hides.
+
 Names: a GPU is named as a pool spells it (``accelerator="H100"``): the driver's model name
 without the vendor words ("NVIDIA H100 80GB HBM3" -> "H100"), with the memory size only for the
 models made in two sizes, on the larger one ("NVIDIA A100-SXM4-80GB" -> "A100-80GB", the 40 GB
@@ -22,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 ANY = "GPU"
@@ -65,6 +71,9 @@ class Inventory:
     # Why the GPUs could not be listed ("nvidia-smi was not found on PATH", the driver's own
     # complaint); None when they were (even none at all).
     problem: str | None = None
+    # The machine's GPUs left out because the process's CUDA_VISIBLE_DEVICES hides them (a
+    # Slurm step given 2 of 8: 6), said in errors so that the missing ones are explained.
+    hidden: int = 0
 
     @property
     def cuda_major(self) -> int | None:
@@ -82,8 +91,10 @@ class Inventory:
 
     def describe(self) -> str:
         """In words, for errors: "1 x L4 (driver 550.54.15, CUDA 12.4)", "no NVIDIA GPU (...)"."""
+        hidden = f"{self.hidden} more hidden by CUDA_VISIBLE_DEVICES" if self.hidden else ""
         if not self.gpus:
-            return f"no NVIDIA GPU ({self.problem})" if self.problem else "no NVIDIA GPU"
+            why = ", ".join(part for part in (self.problem or "", hidden) if part)
+            return f"no NVIDIA GPU ({why})" if why else "no NVIDIA GPU"
         counts = Counter(gpu.name + (" in MIG mode" if gpu.mig else "") for gpu in self.gpus)
         driver = ", ".join(
             part
@@ -91,7 +102,8 @@ class Inventory:
             if part
         )
         listed = ", ".join(f"{count} x {name}" for name, count in counts.items())
-        return f"{listed} ({driver})" if driver else listed
+        described = f"{listed} ({driver})" if driver else listed
+        return f"{described}; {hidden}" if hidden else described
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -108,6 +120,7 @@ class Inventory:
             driver=data["driver"],
             cuda=data["cuda"],
             problem=data.get("problem"),
+            hidden=data.get("hidden", 0),
         )
 
 
@@ -123,6 +136,37 @@ def find(timeout: float = SMI_TIMEOUT) -> Inventory:
         if found is not None:
             return found
     return _from_smi(timeout)
+
+
+def find_visible(timeout: float = SMI_TIMEOUT) -> Inventory:
+    """The GPUs this process may use: `find`'s, less those its ``CUDA_VISIBLE_DEVICES``
+    hides (`visible`). What a host check reports: on a Slurm node, the check is a job step
+    given the allocation's GPUs, and Slurm names them there."""
+    return visible(find(timeout), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible(inventory: Inventory, devices: str | None) -> Inventory:
+    """The part of `inventory` that a process whose ``CUDA_VISIBLE_DEVICES`` is `devices` may
+    use: the GPUs it names by index or by UUID (or a UUID's prefix, as CUDA takes them), in the
+    machine's order; all of them when it is unset (None), none when it is empty. The others
+    are counted in `Inventory.hidden`.
+
+    Where a site confines a Slurm step to its GPUs (``ConstrainDevices``), the driver lists
+    only those, numbered from 0, and Slurm numbers ``CUDA_VISIBLE_DEVICES`` the same way: the
+    two agree, and nothing is hidden."""
+    if devices is None:
+        return inventory
+    wanted = [entry.strip() for entry in devices.split(",") if entry.strip()]
+    kept = tuple(gpu for gpu in inventory.gpus if _named(gpu, wanted))
+    return replace(inventory, gpus=kept, hidden=inventory.hidden + len(inventory.gpus) - len(kept))
+
+
+def _named(gpu: Gpu, entries: list[str]) -> bool:
+    return any(
+        entry == str(gpu.index)
+        or (bool(gpu.uuid) and entry.startswith("GPU-") and gpu.uuid.startswith(entry))
+        for entry in entries
+    )
 
 
 def parse_smi(query: str, header: str) -> Inventory:
@@ -207,8 +251,13 @@ def gpu_name(model: str) -> str:
 def matches(requested: str, gpu: Gpu) -> bool:
     """Whether the accelerator name `requested` (any case) asks for `gpu`: "GPU" is any GPU,
     "A100" any A100 (40 or 80 GB), "A100-80GB" only the 80 GB one."""
+    return name_matches(requested, gpu.name)
+
+
+def name_matches(requested: str, name: str) -> bool:
+    """`matches` for a GPU known by its name only (``gpu_name``'s, e.g. "A100-80GB")."""
     want = requested.upper()
-    return want in (ANY, gpu.name) or _MEMORY_SUFFIX.sub("", gpu.name) == want
+    return want in (ANY, name) or _MEMORY_SUFFIX.sub("", name) == want
 
 
 def _cuda_words(cuda: str | None) -> str:

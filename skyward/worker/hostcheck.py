@@ -4,10 +4,10 @@
 version, the machine's OS, architecture and C library, skyward's source, a usable uv (skyward's
 own copy, or one on PATH of the same minor version), an environment already built for the image,
 the setup marker, the apt packages missing, whether the interpreter satisfies the image's
-requirements, and (when asked) the machine's GPUs. `decide` turns that `Report` into the
-interpreter the nodes run, or a build, by one rule. Every provider uses these two: Local calls
-`check` in-process; on a remote host `program()` runs with the host's interpreter
-(``python3 -c PROGRAM QUERY_JSON``), one command that prints the report.
+requirements, and (when asked) the machine's GPUs that its ``CUDA_VISIBLE_DEVICES`` leaves it.
+`decide` turns that `Report` into the interpreter the nodes run, or a build, by one rule. Every
+provider uses these two: Local calls `check` in-process; on a remote host `program()` runs with
+the host's interpreter (``python3 -c PROGRAM QUERY_JSON``), one command that prints the report.
 
 Standard library only, and Python 3.8+: it runs with the host's own python3, before skyward's
 source or any environment is on the host. The requirement probe is `skyward.worker.probe`,
@@ -48,7 +48,8 @@ class Query:
     apt: tuple[str, ...] = ()
     requirements: tuple[str, ...] = ()
     probe: bool = True  # whether this interpreter may serve the nodes (then: probe it)
-    gpus: bool = False  # whether to list the machine's GPUs (`skyward.worker.gpus.find`)
+    # whether to list the GPUs this process may use (`skyward.worker.gpus.find_visible`)
+    gpus: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -98,7 +99,7 @@ class Decision:
 
 def check(query: Query, find_gpus: Callable[[], Inventory] | None = None) -> Report:
     """Look at this interpreter and the cache directory for `query`; `find_gpus` lists the
-    GPUs (default: `skyward.worker.gpus.find`, imported)."""
+    GPUs (default: `skyward.worker.gpus.find_visible`, imported)."""
     home = os.path.expanduser(query.cache)
     env_dir = os.path.join(home, "envs", query.env)
     ready = os.path.exists(os.path.join(env_dir, READY_MARKER))
@@ -167,9 +168,9 @@ def _find_uv(home: str, version: str) -> str | None:
 
 
 def _find_gpus() -> Inventory:
-    from skyward.worker.gpus import find
+    from skyward.worker.gpus import find_visible
 
-    return find()
+    return find_visible()
 
 
 def _source_init(home: str, src: str) -> str:
@@ -192,7 +193,8 @@ def _dpkg_installed(package: str) -> bool:
 def program() -> str:
     """The check as one ``python3 -c`` program (argument: the query's JSON) for a host where
     skyward may not be importable yet: this module's source and the GPU inventory's, each run
-    as a module of its own, then `main` with the inventory's `find`. Built on the client."""
+    as a module of its own, then `main` with the inventory's `find_visible` (a Slurm step's
+    GPUs are those its CUDA_VISIBLE_DEVICES names). Built on the client."""
     from skyward.worker import gpus, hostcheck
 
     return (
@@ -203,7 +205,7 @@ def program() -> str:
         "    return module\n"
         f"gpus = _module('_skyward_gpus', {inspect.getsource(gpus)!r})\n"
         f"_module('_skyward_hostcheck', {inspect.getsource(hostcheck)!r})"
-        ".main(gpus.find)\n"
+        ".main(gpus.find_visible)\n"
     )
 
 

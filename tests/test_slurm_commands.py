@@ -8,13 +8,74 @@ import shlex
 import pytest
 
 from skyward.cluster import Accelerator
+from skyward.errors import ConfigError
 from skyward.providers.slurm import commands
 
 
 def test_gres_comes_from_the_accelerator() -> None:
     assert commands.gres_for(Accelerator("A100", 4)) == "gpu:a100:4"
     assert commands.gres_for(Accelerator("H100", 8), typed=False) == "gpu:8"
+    assert commands.gres_for(Accelerator("GPU", 2)) == "gpu:2"  # any GPU: no type
     assert commands.gres_for(None) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("gpu:a100:4", ["gpu:a100:4"]),
+        ("gpu:4", ["gpu:4"]),
+        ("gpu:a100:4(S:0-1)", ["gpu:a100:4"]),
+        ("gpu:a100:2,gpu:v100:2", ["gpu:a100:2", "gpu:v100:2"]),
+        ("gpu:a100:2(S:0,2),gpu:v100:2(S:1)", ["gpu:a100:2", "gpu:v100:2"]),
+        ("gpu:nvidia_a100-sxm4-80gb:8", ["gpu:nvidia_a100-sxm4-80gb:8"]),
+        ("gpu:a100:no_consume:4", ["gpu:a100:4"]),
+        ("gpu:h100:8,bandwidth:lustre:4G", ["gpu:h100:8", f"bandwidth:lustre:{4 * 1024**3}"]),
+        ("(null)", []),
+        ("", []),
+    ],
+)
+def test_sinfo_gres_lists_are_read(text: str, expected: list[str]) -> None:
+    assert [str(gres) for gres in commands.parse_gres(text)] == expected
+
+
+def test_the_gres_of_the_partition_a_job_goes_to() -> None:
+    """Asked with -p, every line is the partition's; without, the default partition's (the one
+    sinfo marks with *), or every line on a cluster without a default."""
+    out = "debug* gpu:4\ndebug* (null)\nbig gpu:h100:8(S:0-1)\n"
+    assert [str(g) for g in commands.partition_gres(out, None)] == ["gpu:4"]
+    assert [str(g) for g in commands.partition_gres("big gpu:h100:8\n", "big")] == ["gpu:h100:8"]
+    no_default = "a gpu:a100:2\nb gpu:v100:2\n"
+    assert [str(g) for g in commands.partition_gres(no_default, None)] == [
+        "gpu:a100:2",
+        "gpu:v100:2",
+    ]
+
+
+def request(accelerator: str, site: str) -> str:
+    return commands.gres_request(
+        Accelerator.parse(accelerator), commands.parse_gres(site), "partition 'gpu'"
+    )
+
+
+def test_gres_asks_for_the_sites_type_or_for_gpus_without_one() -> None:
+    assert request("A100:4", "gpu:a100:4") == "gpu:a100:4"
+    assert request("A100:2", "gpu:A100:8") == "gpu:A100:2"  # the site's spelling
+    assert request("A100:2", "gpu:a100:2,gpu:v100:2") == "gpu:a100:2"
+    # A type named as the driver names the model: the pool's name for it is A100-80GB.
+    assert request("A100:2", "gpu:nvidia_a100-sxm4-80gb:8") == "gpu:nvidia_a100-sxm4-80gb:2"
+    assert request("A100-80GB:2", "gpu:a100_80gb:8") == "gpu:a100_80gb:2"
+    assert request("A100:2", "gpu:4") == "gpu:2"  # no types at this site
+    assert request("H100", "gpu:a100:4,gpu:2") == "gpu:1"  # untyped GPUs beside: maybe H100s
+    assert request("GPU:2", "gpu:a100:4") == "gpu:2"  # any GPU
+
+
+def test_a_type_the_partition_lacks_is_a_config_error_naming_what_it_has() -> None:
+    with pytest.raises(ConfigError, match=r"'A100:4'.*partition 'gpu' has gpu:h100:8: no A100"):
+        request("A100:4", "gpu:h100:8(S:0-1)")
+    with pytest.raises(ConfigError, match=r"partition 'gpu' has none that Slurm allocates"):
+        request("A100:4", "(null)")
+    with pytest.raises(ConfigError, match=r"several GPU types.*gres='gpu:a100_40gb:4'"):
+        request("A100:4", "gpu:a100_40gb:4,gpu:a100_80gb:4")
 
 
 def test_a_time_limit_in_seconds_is_rounded_up_to_slurms_minutes() -> None:
@@ -49,7 +110,7 @@ def test_salloc_names_the_job_and_keeps_the_users_options_last() -> None:
     assert "--job-name=skyward-p1" in args and "--partition=gpu" in args
     assert "--account=lab" in args and "--gres=gpu:a100:4" in args and "--time=1:00:00" in args
     assert "--qos" not in " ".join(args)  # not asked: not passed
-    assert args[-4:] == ["--exclusive", "/bin/sh", "-c", commands.HOLDER]
+    assert args[-4:] == ["--exclusive", "/bin/sh", "-c", commands.holder()]
 
 
 def test_salloc_output_is_read_for_the_job_and_the_refusal() -> None:

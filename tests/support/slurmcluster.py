@@ -25,8 +25,15 @@ What this stand-in hides compared with a real cluster:
 * No cgroups: ``proctrack/linuxproc`` and ``task/none``, so memory and CPU limits are not
   enforced and nodes may claim more CPUs than the machine has (``config_overrides``).
 * GRES are bookkeeping only: ``gpu:a100:4`` makes Slurm count, allocate and refuse four GPUs
-  per node (empty files stand in for the device files), but there is no device behind them:
-  tasks get ``SLURM_GPUS_ON_NODE``, not ``CUDA_VISIBLE_DEVICES``.
+  per node, but there is no device behind them. By default empty files stand in for the
+  device files: slurmd 22.05 logs that they are "not a valid character or block device",
+  keeps no device for them, and its steps get ``SLURM_GPUS_ON_NODE`` but no
+  ``CUDA_VISIBLE_DEVICES``. With ``gpu_devices=True`` they are character device nodes
+  (``mknod``, major 195 as NVIDIA's ``/dev/nvidia<i>``, nothing behind them): slurmd takes
+  them for GPUs and sets ``CUDA_VISIBLE_DEVICES`` to the indexes of the GPUs it granted a
+  step, as on a real GPU node without ``ConstrainDevices`` (another job's GPUs are 0 and 1,
+  this one's 2 and 3). No process can open them (ENXIO): what a GPU step's program sees of
+  its GPUs must come from elsewhere (the fake nvidia-smi of :mod:`tests.support.gpus`).
 * The controller runs in this machine's own network namespace (in a UTS namespace of its own
   for its hostname): the client and the controller are on one host, as on a login node that
   also runs slurmctld.
@@ -49,6 +56,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_IFCHR
 from types import TracebackType
 from typing import Any, Self
 
@@ -388,6 +396,7 @@ class SlurmCluster:
         ready_timeout: float = 30.0,
         slurmd_timeout: int = 10,
         subnet_wait: float = 600.0,
+        gpu_devices: bool = False,
     ) -> None:
         """Describe (not start) a cluster.
 
@@ -397,6 +406,8 @@ class SlurmCluster:
         ``slurmd_timeout`` (``SlurmdTimeout``, seconds): a node that stops answering is
         marked down within about twice that. ``start`` waits up to ``subnet_wait`` seconds
         while another cluster (or BareHosts), in any process, uses the same subnet.
+        ``gpu_devices``: the GRES's device files are character device nodes, so Slurm sets
+        ``CUDA_VISIBLE_DEVICES`` in the steps given GPUs (see the module's note).
         """
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
@@ -407,6 +418,7 @@ class SlurmCluster:
         self.subnet = str(self.net.subnet)
         self.cpus_per_node = cpus_per_node
         self.gres = Gres.parse(gres) if gres else None
+        self.gpu_devices = gpu_devices
         self.cluster_name = cluster_name
         self.extra_config = list(extra_config)
         self.ready_timeout = ready_timeout
@@ -697,11 +709,16 @@ class SlurmCluster:
         if self.gres is None:
             return ""
         # slurmd counts a GPU per device file; without File= it reports none and the node is
-        # drained as INVAL. Empty regular files stand in for /dev/nvidia<i>.
+        # drained as INVAL. Empty regular files stand in for /dev/nvidia<i>, or, to have Slurm
+        # set CUDA_VISIBLE_DEVICES, device nodes: slurmd keeps a device only for a file that
+        # stat() calls a character or block device (195: NVIDIA's major number).
         devices = self._dir() / "dev"
         devices.mkdir(exist_ok=True)
         for i in range(self.gres.count):
-            (devices / f"{self.gres.name}{i}").touch()
+            if self.gpu_devices:
+                os.mknod(devices / f"{self.gres.name}{i}", 0o600 | S_IFCHR, os.makedev(195, i))
+            else:
+                (devices / f"{self.gres.name}{i}").touch()
         last = self.gres.count - 1
         files = f"{devices}/{self.gres.name}[0-{last}]" if last else f"{devices}/{self.gres.name}0"
         type_ = f" Type={self.gres.type}" if self.gres.type else ""

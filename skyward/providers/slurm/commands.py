@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from skyward.cluster import Accelerator
+from skyward.errors import ConfigError
+from skyward.worker.gpus import ANY, gpu_name, name_matches
 
 # The holding command's line, once the allocation is granted: the job id, the node list and the
 # CPUs per node, as salloc hands them to the command it runs.
@@ -75,13 +77,105 @@ class Request:
 
 
 def gres_for(accelerator: Accelerator | None, typed: bool = True) -> str | None:
-    """``gpu:a100:4`` for ``A100:4`` (``gpu:4`` with `typed` False: a site without GPU types)."""
+    """``gpu:a100:4`` for ``A100:4`` (``gpu:4`` with `typed` False: a site without GPU types,
+    and for ``GPU:4``, which any GPU serves)."""
     if accelerator is None or accelerator.name.lower() in {"cpu", "none"}:
         return None
     count = max(accelerator.count, 1)
-    if not typed:
+    if not typed or accelerator.name.upper() == ANY:
         return f"gpu:{count}"
     return f"gpu:{accelerator.name.lower()}:{count}"
+
+
+@dataclass(frozen=True)
+class SiteGres:
+    """A generic resource that nodes have, as ``sinfo -o %G`` lists it: ``gpu:a100:4``."""
+
+    name: str
+    type: str | None
+    count: int
+
+    def __str__(self) -> str:
+        return ":".join([self.name, *([self.type] if self.type else []), str(self.count)])
+
+
+# One entry of a GRES list: ``gpu:a100:4`` and what may follow it in parentheses, the sockets
+# its devices sit on (``(S:0-1)``, ``(S:0,2)``: a comma there does not end the entry).
+_GRES_ENTRY = re.compile(r"[^,(]+(?:\([^)]*\))?")
+_GRES_COUNT = re.compile(r"(\d+)([KMGTP]?)")
+
+
+def parse_gres(text: str) -> list[SiteGres]:
+    """The generic resources of a GRES list as sinfo prints it: ``gpu:a100:4(S:0-1)``,
+    ``gpu:4`` (a GPU without a type), ``gpu:a100:2,gpu:v100:2``; none for ``(null)``."""
+    found: list[SiteGres] = []
+    if text.strip() in {"", "(null)"}:
+        return found
+    for entry in _GRES_ENTRY.findall(text.strip()):
+        words = [w for w in re.sub(r"\(.*\)$", "", entry.strip()).split(":") if w]
+        words = [w for w in words if w != "no_consume"]  # a flag, not a type
+        if not words or not re.fullmatch(r"[A-Za-z][\w.-]*", words[0]):
+            continue
+        count = _GRES_COUNT.fullmatch(words[-1]) if len(words) > 1 else None
+        number = 1  # a GRES listed without a count (none of Slurm's do) is one
+        if count is not None:
+            words.pop()
+            suffix = count.group(2)  # large counts (a bandwidth GRES): 4K, 2G
+            number = int(count.group(1)) * (1024 ** ("KMGTP".index(suffix) + 1) if suffix else 1)
+        found.append(SiteGres(words[0], words[1] if len(words) > 1 else None, number))
+    return found
+
+
+def partition_gres(sinfo_output: str, partition: str | None) -> list[SiteGres]:
+    """The generic resources of a partition's nodes from ``sinfo -h -o '%P %G'`` (one line per
+    partition and group of alike nodes): every line when sinfo was asked for `partition`
+    (``-p``); else the default partition's (sinfo marks it ``debug*``), or every line on a
+    cluster without one."""
+    lines = [line.split(None, 1) for line in sinfo_output.splitlines() if line.strip()]
+    if partition is None and any(words[0].endswith("*") for words in lines):
+        lines = [words for words in lines if words[0].endswith("*")]
+    return [gres for words in lines if len(words) == 2 for gres in parse_gres(words[1])]
+
+
+def gres_request(accelerator: Accelerator, listed: Sequence[SiteGres], where: str) -> str:
+    """The ``--gres`` that asks for `accelerator` on nodes with `listed`: ``gpu:<type>:<n>``
+    where a GPU type of the site is the accelerator (``a100`` or ``nvidia_a100-sxm4-80gb`` for
+    ``A100``), ``gpu:<n>`` where the site's GPUs have no type (or for ``GPU:<n>``). A
+    `ConfigError` naming what `where` (``partition 'gpu'``) has when it has no such GPU, so
+    that nothing is queued that Slurm would refuse or never run."""
+    count = max(accelerator.count, 1)
+    gpus = [gres for gres in listed if gres.name == "gpu"]
+    if not gpus:
+        raise ConfigError(
+            f"accelerator={str(accelerator)!r} asks for GPUs, and {where} has none that Slurm "
+            "allocates (no gpu GRES in `sinfo -o %G`). Leave accelerator out, pick a "
+            "partition with GPUs (partition=...), or pass gres= as your site documents it"
+        )
+    if accelerator.name.upper() == ANY:
+        return f"gpu:{count}"
+    types = sorted({gres.type for gres in gpus if gres.type})
+    exact = [t for t in types if t.lower() == accelerator.name.lower()]
+    fitting = exact or [t for t in types if name_matches(accelerator.name, _type_name(t))]
+    if len(fitting) == 1:
+        return f"gpu:{fitting[0]}:{count}"
+    has = ", ".join(sorted({str(gres) for gres in gpus}))
+    if fitting:
+        raise ConfigError(
+            f"accelerator={str(accelerator)!r} fits several GPU types of {where} ({has}): "
+            f"name one with gres=, e.g. gres='gpu:{fitting[0]}:{count}'"
+        )
+    if any(gres.type is None for gres in gpus):
+        return f"gpu:{count}"  # GPUs without a type: the host check then sees which they are
+    raise ConfigError(
+        f"accelerator={str(accelerator)!r} asks for {accelerator.name} GPUs, and {where} has "
+        f"{has}: no {accelerator.name}. Ask for what it has, pick another partition "
+        "(partition=...), or pass gres= as your site documents it"
+    )
+
+
+def _type_name(gres_type: str) -> str:
+    """A GRES type as a pool names GPUs: ``nvidia_a100-sxm4-80gb`` -> ``A100-80GB``."""
+    return gpu_name(gres_type.replace("_", " "))
 
 
 def duration(seconds: float | None) -> str | None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from skyward.cluster import ClusterSpec, Hardware
+from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
 from skyward.data import S3_SCHEME, Data, Placement
@@ -150,6 +150,8 @@ class Slurm(Provider):
         )
         self.qos = qos
         self.gres = gres
+        # How this site's partition is asked for each accelerator (`_find_gres`).
+        self._site_gres: dict[Accelerator, str] = {}
         self.options = tuple(options)
         self.pending_timeout = pending_timeout
         self.login = Endpoint.parse(login, None, 22) if login else None
@@ -189,9 +191,38 @@ class Slurm(Provider):
             account=self.account,
             qos=self.qos,
             time_limit=self.time_limit,
-            gres=self.gres or commands.gres_for(spec.accelerator),
+            gres=self._gres(spec.accelerator),
             options=self.options,
         )
+
+    def _gres(self, accelerator: Accelerator | None) -> str | None:
+        """The GRES per node: `gres` as the user wrote it; else the form `_find_gres` found
+        that the site has for the accelerator; else the typed one (``gpu:a100:4``)."""
+        if self.gres:
+            return self.gres
+        if accelerator in self._site_gres:
+            return self._site_gres[accelerator]
+        return commands.gres_for(accelerator)
+
+    async def _find_gres(self, login: Login, accelerator: Accelerator | None) -> None:
+        """Read the partition's GRES (``sinfo``) and choose how to ask for the accelerator:
+        ``gpu:<type>:<n>`` where the site has that GPU type, ``gpu:<n>`` where its GPUs have
+        no type; a `ConfigError` naming what the partition has where it lacks the type, before
+        anything is queued. Kept for `_request`, so that a replacement asks as the launch did.
+        Skipped with `gres` given (it is the user's, verbatim), and where sinfo does not
+        answer (salloc then judges the typed form)."""
+        if self.gres or accelerator is None or commands.gres_for(accelerator) is None:
+            return
+        partition = f" -p {shlex.quote(self.partition)}" if self.partition else ""
+        try:
+            out = await self._command(login, f"sinfo -h -o '%P %G'{partition}")
+        except (ProvisionError, TimeoutError):
+            return
+        if not out.strip():  # a partition that does not exist: salloc says so in its words
+            return
+        where = f"partition {self.partition!r}" if self.partition else "the default partition"
+        listed = commands.partition_gres(out, self.partition)
+        self._site_gres[accelerator] = commands.gres_request(accelerator, listed, where)
 
     async def _open_login(self) -> Login:
         if self.login is None:
@@ -199,10 +230,11 @@ class Slurm(Provider):
         return SSHLogin(await self.connect_options.connect(self.login))
 
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
-        request = self._request(spec)
         login = await self._open_login()
         cluster = SlurmCluster(spec, [], login=login)
         try:
+            await self._find_gres(login, spec.accelerator)
+            request = self._request(spec)
             for index in range(spec.nodes):
                 progress.phase(index, Phase.BOOTING, "asking Slurm for the allocation")
             hosts = await self._allocate(cluster, request, progress)

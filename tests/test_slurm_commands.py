@@ -110,7 +110,7 @@ def test_salloc_names_the_job_and_keeps_the_users_options_last() -> None:
     assert "--job-name=skyward-p1" in args and "--partition=gpu" in args
     assert "--account=lab" in args and "--gres=gpu:a100:4" in args and "--time=1:00:00" in args
     assert "--qos" not in " ".join(args)  # not asked: not passed
-    assert args[-4:] == ["--exclusive", "/bin/sh", "-c", commands.holder()]
+    assert args[-4:] == ["--exclusive", "/bin/sh", "-c", commands.HOLDER]
 
 
 def test_salloc_output_is_read_for_the_job_and_the_refusal() -> None:

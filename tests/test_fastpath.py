@@ -165,6 +165,45 @@ def test_register_each_registers_live_nodes_and_fails_dead_ones_at_once() -> Non
     assert not any(s.lock.locked() for s in sessions)
 
 
+def test_a_tally_counts_each_reply_once_whatever_thread_settles_it() -> None:
+    """The replies the fast path settles (`settle`, `register_each`) are `Reply`s: each is
+    counted once, under its tally's lock, however many threads settle it at once, and a waiter
+    asleep on the tally is woken."""
+    from skyward.client.replies import Reply, Tally
+
+    for _ in range(20):
+        tally = Tally(64)
+        replies = [Reply(tally) for _ in range(64)]
+        woken = threading.Event()
+
+        def wait(tally: Tally = tally, woken: threading.Event = woken) -> None:
+            if tally.wait(tally.all_done, 10):
+                woken.set()
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        barrier = threading.Barrier(4)
+
+        def settle_all(thread: int, wait: Any = barrier, replies: list[Reply] = replies) -> None:
+            wait.wait()
+            for index, reply in enumerate(replies):
+                if index % 8 == 0:
+                    reply.set_exception(RuntimeError(f"failed {index}"))
+                reply.set_result((thread, index))
+
+        settlers = [threading.Thread(target=settle_all, args=(t,)) for t in range(4)]
+        for thread in settlers:
+            thread.start()
+        for thread in settlers:
+            thread.join()
+        waiter.join(10)
+        assert woken.is_set() and tally.all_done() and tally.settled == 64
+        assert len(tally.failures) == len({id(r) for r in tally.failures}) <= 8
+        for index, reply in enumerate(replies):
+            assert reply.done() and (reply.error is None) == (reply not in tally.failures)
+            assert reply.error is not None or reply.value[1] == index
+
+
 def test_write_each_writes_every_pipe_and_names_the_ones_that_failed() -> None:
     pipes = [os.pipe() for _ in range(3)]
     os.close(pipes[1][0])  # nobody reads node 1: its write fails (EPIPE)

@@ -65,9 +65,9 @@ def test_truncated_stream_is_a_frame_error() -> None:
     head, *_ = frames.encode(messages.Call(1, 2, None), [b"abc" * 10])
     os.write(write_fd, bytes(head)[:5])
     os.close(write_fd)
-    channel = AgentWire(read_fd, os.open(os.devnull, os.O_WRONLY))
+    wire = AgentWire(read_fd, os.open(os.devnull, os.O_WRONLY))
     try:
-        channel.read()
+        wire.read()
     except frames.FrameError as exc:
         assert "middle of a frame" in str(exc)
     else:
@@ -80,32 +80,32 @@ def test_linger_keeps_frames_and_leaves_the_stream_blocking() -> None:
     import time
 
     read_fd, write_fd = os.pipe()
-    channel = AgentWire(read_fd, os.open(os.devnull, os.O_WRONLY))
+    wire = AgentWire(read_fd, os.open(os.devnull, os.O_WRONLY))
     # Two frames in one write: after reading the first, the second waits in the read buffer,
     # where polling the pipe alone would not see it.
     first = b"".join(bytes(c) for c in frames.encode(messages.Call(1, 2, None), [b"a"]))
     second = b"".join(bytes(c) for c in frames.encode(messages.Call(3, 2, None), [b"b"]))
     os.write(write_fd, first + second)
-    assert channel.read() == (messages.Call(1, 2, None), [b"a"])
-    channel.linger(60.0)  # returns at once: a frame is already buffered
-    assert channel.read() == (messages.Call(3, 2, None), [b"b"])
+    assert wire.read() == (messages.Call(1, 2, None), [b"a"])
+    wire.linger(60.0)  # returns at once: a frame is already buffered
+    assert wire.read() == (messages.Call(3, 2, None), [b"b"])
 
     # Nothing arrives: the window runs out and the stream is blocking again for read().
-    channel.linger(0.001)
+    wire.linger(0.001)
     assert os.get_blocking(read_fd)
 
     # A frame arriving during the window ends it and is read whole.
     writer = threading.Timer(0.05, os.write, (write_fd, first))
     writer.start()
     started = time.monotonic()
-    channel.linger(60.0)
+    wire.linger(60.0)
     assert time.monotonic() - started < 30
-    assert channel.read() == (messages.Call(1, 2, None), [b"a"])
+    assert wire.read() == (messages.Call(1, 2, None), [b"a"])
     writer.join()
 
     os.close(write_fd)
-    channel.linger(0.001)  # the end of the stream: the window runs out, read() sees the end
-    assert channel.read() is None
+    wire.linger(0.001)  # the end of the stream: the window runs out, read() sees the end
+    assert wire.read() is None
 
 
 def test_every_message_travels_as_itself() -> None:
@@ -195,7 +195,7 @@ class _Reports:
 
 
 class _Host:
-    """A `CallHost` for the channel alone: one function, errors and values kept."""
+    """A `CallHost` for the `AgentWire` alone: one function, errors and values kept."""
 
     def __init__(self) -> None:
         self.functions: dict[int, object] = {}
@@ -229,11 +229,12 @@ def _size(data: bytes) -> int:
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["alone", "with-read-ahead"])
-def test_the_agent_channel_serves_calls_that_arrive_in_any_pieces(shared: bool) -> None:
+def test_the_agent_wire_serves_calls_that_arrive_in_any_pieces(shared: bool) -> None:
     """Calls written a few bytes at a time, several to a write, with a large argument among
     them, are run in order and answered as the client's decoder expects; a call that raises
-    goes to the host; Shutdown ends the loop. `shared`: another thread keeps taking frames
-    ahead (as the agent's watcher does for a pinging client), and nothing changes."""
+    goes to the host; any other message goes to `other`; Shutdown ends the loop. `shared`:
+    another thread keeps taking frames ahead (as the agent's watcher does for a pinging
+    client), and nothing changes."""
     import os
     import threading
 
@@ -253,11 +254,14 @@ def test_the_agent_channel_serves_calls_that_arrive_in_any_pieces(shared: bool) 
         call = messages.Call(call_id, fn_id, fnb)
         for chunk in frames.encode(call, pickling.cloud_dumps((args, {}))):
             blob += chunk
+    hello = messages.Hello("info")  # one small segment, like a call's, but no call
+    for chunk in frames.encode(hello, [b"plugins"]):
+        blob += chunk
     for chunk in frames.encode(messages.Shutdown()):
         blob += chunk
     to_agent_r, to_agent_w = os.pipe()
     from_agent_r, from_agent_w = os.pipe()
-    channel = AgentWire(to_agent_r, from_agent_w)
+    wire = AgentWire(to_agent_r, from_agent_w)
 
     def write_in_pieces() -> None:
         rng = random.Random(3)
@@ -285,12 +289,12 @@ def test_the_agent_channel_serves_calls_that_arrive_in_any_pieces(shared: bool) 
 
     def read_ahead() -> None:
         while not served.is_set():
-            channel.read_ahead(keep)
+            wire.read_ahead(keep)
 
     ahead = threading.Thread(target=read_ahead)
     if shared:
         ahead.start()
-    channel.serve(host, other, shared=shared)  # type: ignore[arg-type]
+    wire.serve(host, other, shared=shared)  # type: ignore[arg-type]
     served.set()
     if shared:
         ahead.join()
@@ -309,24 +313,74 @@ def test_the_agent_channel_serves_calls_that_arrive_in_any_pieces(shared: bool) 
         (4, "RuntimeError: function 8 was never sent"),
     ]
     assert host.loaded == [7, 9]
-    assert others == [messages.Shutdown()]
+    assert others == [hello, messages.Shutdown()]
+
+
+def _metadata(message: messages.Message) -> bytes:
+    """The metadata of `message`'s frame (with one segment)."""
+    data = b"".join(bytes(c) for c in frames.encode(message, [b"segment"]))
+    meta_len, count = frames.HEADER.unpack_from(data)
+    start = frames.HEADER.size + frames.LENGTH.size * count
+    return data[start : start + meta_len]
 
 
 def test_calls_and_results_travel_packed_and_decode_as_themselves() -> None:
-    """A call without its function's bytes and a result carry packed metadata (no pickle);
-    `encode_call` builds the very bytes `encode` does, small argument or large."""
+    """A call without its function's bytes and a result carry packed metadata (no pickle),
+    written by `encode_call` and `encode_result` however they are asked for, and read back by
+    `read_meta`, which reads pickled metadata too."""
     for segments in ([b"args"], [b"x" * 70_000], [b"a", b"b" * 100_000]):
-        fast = [bytes(c) for c in frames.encode_call(7, 3, segments)]
-        assert fast == [bytes(c) for c in frames.encode(messages.Call(7, 3, None), segments)]
-    call = frames.meta_bytes(messages.Call(7, 3, None))
-    result = frames.meta_bytes(messages.Result(2**40))
-    assert call[0] == result[0] == frames.PACKED != pickle.dumps(())[0]
-    assert frames.meta_tuple(call) == (messages.Call.KIND, 7, 3, None)
-    assert frames.meta_tuple(result) == (messages.Result.KIND, 2**40)
-    with_fn = frames.meta_bytes(messages.Call(7, 3, b"fn"))
-    assert frames.meta_tuple(with_fn) == (messages.Call.KIND, 7, 3, b"fn")  # pickled
+        call = [bytes(c) for c in frames.encode(messages.Call(7, 3, None), segments)]
+        assert call == [bytes(c) for c in frames.encode_call(7, 3, segments)]
+        result = [bytes(c) for c in frames.encode(messages.Result(2**40), segments)]
+        assert result == [bytes(c) for c in frames.encode_result(2**40, segments)]
+    call_meta = _metadata(messages.Call(7, 3, None))
+    result_meta = _metadata(messages.Result(2**40))
+    assert call_meta[0] == result_meta[0] == frames.PACKED != pickle.dumps(())[0]
+    assert (len(call_meta), len(result_meta)) == (
+        frames.PACKED_CALL.size,
+        frames.PACKED_RESULT.size,
+    )
+    for meta, wire in [
+        (call_meta, (messages.Call.KIND, 7, 3, None)),
+        (result_meta, (messages.Result.KIND, 2**40)),
+        (_metadata(messages.Call(7, 3, b"fn")), (messages.Call.KIND, 7, 3, b"fn")),  # pickled
+        (_metadata(messages.Heartbeat()), (messages.Heartbeat.KIND,)),
+    ]:
+        padded = b"before" + meta + b"after"  # read in place, from where it starts
+        assert frames.read_meta(padded, len(b"before"), len(meta)) == wire
     with pytest.raises(frames.FrameError, match="packed metadata"):
-        frames.meta_tuple(bytes([frames.PACKED]) + b"\0" * 5)
+        frames.read_meta(bytes([frames.PACKED]) + b"\0" * 5, 0, 6)
+    not_a_tuple = pickle.dumps(5)
+    with pytest.raises(frames.FrameError, match="int, not a message"):
+        frames.read_meta(not_a_tuple, 0, len(not_a_tuple))
+
+
+def test_the_agent_fast_path_writes_the_bytes_encode_result_writes() -> None:
+    """The agent's loop packs a small scalar's `Result` in place (`frames.RESULT_FRAME`): its
+    bytes are those of `encode_result`, the plain path's writer, call after call."""
+    import os
+
+    to_agent_r, to_agent_w = os.pipe()
+    from_agent_r, from_agent_w = os.pipe()
+    host = _Host()
+    host.functions[7] = _halve
+    sent = b"".join(
+        bytes(chunk)
+        for call_id, x in [(1, 10), (2**40, 4)]
+        for chunk in frames.encode_call(call_id, 7, pickling.cloud_dumps(((x,), {})))
+    )
+    os.write(to_agent_w, sent + b"".join(bytes(c) for c in frames.encode(messages.Shutdown())))
+    os.close(to_agent_w)
+    AgentWire(to_agent_r, from_agent_w).serve(host, lambda m, s: False)  # type: ignore[arg-type]
+    os.close(from_agent_w)
+    written = b""
+    while data := os.read(from_agent_r, 1 << 16):
+        written += data
+    os.close(from_agent_r)
+    expected = [
+        frames.encode_result(c, [pickle.dumps(v, frames.PROTOCOL)]) for c, v in [(1, 5), (2**40, 2)]
+    ]
+    assert written == b"".join(bytes(chunk) for chunks in expected for chunk in chunks)
 
 
 def test_threads_sending_at_once_never_interleave_their_frames() -> None:
@@ -337,7 +391,7 @@ def test_threads_sending_at_once_never_interleave_their_frames() -> None:
 
     to_agent_r, to_agent_w = os.pipe()  # nothing is sent to the agent: its input stays idle
     from_agent_r, from_agent_w = os.pipe()
-    channel = AgentWire(to_agent_r, from_agent_w)
+    wire = AgentWire(to_agent_r, from_agent_w)
     sizes = [10, 3_000, 5_000, 70_000, 300_000]
     per_thread = 40
     received: list[tuple[int, bytes]] = []
@@ -358,7 +412,7 @@ def test_threads_sending_at_once_never_interleave_their_frames() -> None:
     def send(thread: int) -> None:
         for i in range(per_thread):
             size = sizes[(thread + i) % len(sizes)]
-            channel.send(messages.Result(thread * 1000 + i), [bytes([thread]) * size])
+            wire.send(messages.Result(thread * 1000 + i), [bytes([thread]) * size])
 
     reader = threading.Thread(target=read_all)
     reader.start()
@@ -369,7 +423,7 @@ def test_threads_sending_at_once_never_interleave_their_frames() -> None:
         sender.join()
     os.close(from_agent_w)
     reader.join()
-    for fd in (to_agent_w, from_agent_r):  # (the channel owns and closes its input)
+    for fd in (to_agent_w, from_agent_r):  # (the wire owns and closes its input)
         os.close(fd)
     assert not broken, broken
     assert len(received) == 4 * per_thread

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, cast
 
-from skyward.client.replies import Reply, Tally, new_reply
+from skyward.client.replies import Reply, Tally
 from skyward.client.session import NodeSession
 from skyward.data import Stager
 from skyward.errors import ConfigError, PoolClosedError, WorkerError
@@ -109,7 +109,7 @@ class Dispatch:
         payload = call.serialized_args(self.stager)
         session = self._pick(node)
         tally = Tally(1)
-        reply = new_reply(tally)
+        reply = Reply(tally)
         session.submit([(self._frames(call, payload, (session,)), reply)])
         session.stream.wait_replies((session.stream,), reply.done)
         tally.wait(reply.done)
@@ -126,7 +126,7 @@ class Dispatch:
             raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
         frames_ = self._frames(call, payload, sessions)  # encoded once, written to every node
         tally = Tally(len(sessions))
-        replies = [new_reply(tally) for _ in sessions]
+        replies = [Reply(tally) for _ in sessions]
         # Registered on every session first, then written back to back: each write wakes a
         # node, which then competes for the cores with the rest of this loop.
         chunks = register_each(frames_, sessions, replies, locks)
@@ -157,7 +157,7 @@ class Dispatch:
         start = next(self._cursor)
         owners = [live[(start + i) % len(live)] for i in range(len(calls))]
         tally = Tally(len(calls))
-        replies = [new_reply(tally) for _ in calls]
+        replies = [Reply(tally) for _ in calls]
         batches: dict[int, Calls] = {}
         for session, call, payload, reply in zip(owners, calls, payloads, replies, strict=True):
             frames_ = self._frames(call, payload, (session,))

@@ -1,7 +1,7 @@
 """How a dispatch's outcomes are counted.
 
 A `Reply` is one call's outcome, lighter than a `concurrent.futures.Future`; a `Tally` counts a
-dispatch's replies, so that waiting for all of them costs no lock per reply.
+dispatch's replies under one lock, and wakes the thread that waits for them.
 """
 
 from __future__ import annotations
@@ -12,83 +12,73 @@ from typing import Any
 
 
 class Tally:
-    """The replies of one dispatch, counted as they settle (on any thread), so that waiting
-    for them costs no lock per reply; a waiter that must sleep is woken as they settle."""
+    """The replies of one dispatch, counted as they settle (on any thread); a waiter that
+    must sleep is woken as they settle. Its lock guards the count, the failures and the state
+    of every reply it counts."""
 
-    __slots__ = ("cond", "failures", "settled", "total", "waiting")
+    __slots__ = ("_lock", "_wakeup", "failures", "settled", "total")
 
     def __init__(self, total: int) -> None:
         self.total = total
+        # A count, not the replies: a reply holds its tally, so a list of them would be a
+        # cycle, and every dispatch's replies would wait for the garbage collector instead of
+        # going when the call returns (`test_calls_leave_no_garbage_for_the_collector`).
+        self.settled = 0
         self.failures: list[Reply] = []  # in the order they failed
-        # One entry per settled reply (list.append is atomic under the GIL), not the reply
-        # itself: a reply holds its tally, so that would be a cycle, and every dispatch's
-        # replies would wait for the garbage collector instead of going when the call returns.
-        self.settled: list[None] = []
-        self.waiting = False
-        self.cond: threading.Condition | None = None  # made by the first waiter that sleeps
+        self._lock = threading.Lock()
+        # Made by the first waiter that has to sleep: most calls are answered before their
+        # caller looks (a Local pipe's reply is read by the caller itself).
+        self._wakeup: threading.Condition | None = None
 
-    def settle(self, reply: Reply) -> None:
-        """Count `reply`, settled (once) on any thread, and wake the waiter if one sleeps."""
-        if reply.error is not None:
-            self.failures.append(reply)
-        self.settled.append(None)
-        if self.waiting:  # read after the append: see `wait`
-            self.wake()
-
-    def wake(self) -> None:
-        """Wake the waiter that sleeps (`wait`)."""
-        if self.cond is not None:
-            with self.cond:
-                self.cond.notify_all()
+    def settle(self, reply: Reply, value: Any, error: BaseException | None) -> None:
+        """Settle `reply` with `value` or `error`, once (a later settling is ignored), and wake
+        the waiter if one sleeps."""
+        with self._lock:
+            if reply.finished:
+                return
+            reply.value, reply.error, reply.finished = value, error, True
+            self.settled += 1
+            if error is not None:
+                self.failures.append(reply)
+            if self._wakeup is not None:
+                self._wakeup.notify_all()
 
     def all_done(self) -> bool:
-        return len(self.settled) == self.total
+        return self.settled == self.total
 
     def all_done_or_failed(self) -> bool:
-        return len(self.settled) == self.total or bool(self.failures)
+        return self.settled == self.total or bool(self.failures)
 
     def wait(self, enough: Callable[[], bool], timeout: float | None = None) -> bool:
         """Sleep until `enough()` or `timeout`; whether it is enough."""
         if enough():
             return True
-        if self.cond is None:
-            self.cond = threading.Condition(threading.Lock())
-        with self.cond:
-            # Set before `enough()` is checked again under the lock: a reply that settles after
-            # that check sees the flag and notifies; one that settled before, the check sees.
-            self.waiting = True
-            return self.cond.wait_for(enough, timeout)
+        with self._lock:  # `enough()` is checked again under it, so no settling is missed
+            if self._wakeup is None:
+                self._wakeup = threading.Condition(self._lock)
+            return self._wakeup.wait_for(enough, timeout)
 
 
 class Reply:
-    """One call's outcome in a `Tally`: lighter than a `Future` (no lock, never cancelled, set
-    exactly once). Made without an ``__init__`` (its fields start as class defaults): a
-    broadcast makes one per node on every call."""
+    """One call's outcome in a `Tally`: lighter than a `Future` (never cancelled, set once,
+    under its tally's lock)."""
 
-    tally: Tally
-    value: Any = None
-    error: BaseException | None = None
-    finished = False
+    __slots__ = ("error", "finished", "tally", "value")
+
+    def __init__(self, tally: Tally) -> None:
+        self.tally = tally
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.finished = False
 
     def set_running_or_notify_cancel(self) -> bool:
         return True
 
     def set_result(self, result: Any) -> None:
-        if not self.finished:  # counted once, whatever happens
-            self.value, self.finished = result, True
-            self.tally.settle(self)
+        self.tally.settle(self, result, None)
 
     def set_exception(self, exception: BaseException | None) -> None:
-        if not self.finished:
-            self.error, self.finished = exception, True
-            self.tally.settle(self)
+        self.tally.settle(self, None, exception)
 
     def done(self) -> bool:
         return self.finished
-
-
-def new_reply(tally: Tally) -> Reply:
-    """A `Reply` counted by `tally`."""
-    reply = Reply()
-    reply.tally = tally
-    return reply

@@ -2,10 +2,11 @@
 
 The agent spends its life in `AgentWire.serve`. With many agents sharing cores (an 8-node
 broadcast on a laptop), what a call costs on a node is mostly the memory its path touches,
-fetched again each time the agent wakes with cold caches: each Python function call on the path
-costs several microseconds there (measured: one more call per node made an 8-node broadcast
-20% slower on 2 cores), so the common case, a small call that returns, is read, run and
-answered within the one loop of `serve`, with the agent's functions (`CallHost`).
+fetched again each time the agent wakes with cold caches, so each Python function call on the
+path costs several times what it does in a warm loop (commit edfef46: one Python call less per
+call on a node made the 8-node broadcast of `benchmarks/bench_local.py` about 20% faster on 2
+cores). So the common case, a small call that returns, is read, run and answered within the
+one loop of `serve`, with the agent's functions (`CallHost`).
 
 Run by the worker agent (and the tests): standard library only.
 """
@@ -36,15 +37,17 @@ from skyward.transport.frames import (
     RESULT,
     RESULT_FRAME,
     SCALARS,
+    Buffer,
     FrameError,
     Segments,
     encode,
+    encode_result,
     lengths_of,
-    meta_tuple,
+    read_meta,
     spin_until,
     write_all,
 )
-from skyward.transport.messages import Call, Message, Result, from_wire
+from skyward.transport.messages import Call, Message, from_wire
 
 # How long the agent polls for the next call after answering one (see AgentWire.linger). The
 # provider sets it, and only where the agent has a core to itself: polling agents that share
@@ -114,9 +117,10 @@ class AgentWire:
     def __init__(self, fd_in: int, fd_out: int) -> None:
         self.fileno_in = fd_in
         # Reads take exactly what they ask for, so nothing is ever buffered here: small parts
-        # with os.read (a BufferedReader's own refill costs several microseconds a call), a
-        # large segment with an unbuffered reader, which fills one bytes object of the
-        # segment's size in place.
+        # with os.read (a BufferedReader's refill, copying each part through its own buffer,
+        # added to every call's cost on a node: commit 3a65aa1 measured the agent's CPU per
+        # call without it), a large segment with an unbuffered reader, which fills one bytes
+        # object of the segment's size in place.
         self._whole = io.BufferedReader(io.FileIO(fd_in, "rb"), buffer_size=1)
         # One poll object per thread that polls (a poll object refuses concurrent use): the
         # reader's `linger` and the other thread's `read_ahead`.
@@ -134,7 +138,10 @@ class AgentWire:
 
     def send(self, message: Message, segments: Segments = ()) -> None:
         """Write one frame (from any thread: whole frames, one at a time)."""
-        chunks = encode(message, segments)
+        self._write(encode(message, segments))
+
+    def _write(self, chunks: list[Buffer]) -> None:
+        """Write one frame's chunks, under the write lock."""
         with self._write_lock:
             for chunk in chunks:
                 write_all(self._out_fd, chunk)
@@ -163,9 +170,13 @@ class AgentWire:
         # and b8cd480): a small call's frame is read with two exact reads (its header and first
         # segment length, then the packed metadata and the pickled arguments), run, and
         # answered with one write, all in this loop: with many agents sharing cores, each
-        # Python call on a node's path costs several times what it does in a warm loop.
-        # Anything else goes through the plain steps (`_rest_of_frame`, `_serve_frame`,
-        # `_answer`), which handle every frame.
+        # Python call on a node's path costs several times what it does in a warm loop (see
+        # "Why the per-call path is written flat" in docs/architecture.md). So the packed
+        # format is read and written here in place, with the structs `frames` defines it by,
+        # where the plain steps call `frames.read_meta` and `frames.encode_result`: calling
+        # them here made the 8-node broadcast read 1.76x of its floor against 1.20x, in six
+        # alternating runs (benchmarks/README.md, "Issue 26"). Anything else goes through the
+        # plain steps (`_rest_of_frame`, `_serve_frame`, `_answer`), which handle every frame.
         fd_in, fd_out, lock = self.fileno_in, self._out_fd, self._write_lock
         functions, reports = host.functions, host.reports
         while True:
@@ -185,8 +196,8 @@ class AgentWire:
                     body = self._read_exactly(size, body)
                 marker, kind, call_id, fn_id = PACKED_CALL.unpack_from(body)
                 if marker != PACKED or kind != CALL:  # pickled metadata of that very size
-                    message = from_wire(meta_tuple(body[: PACKED_CALL.size]))
-                    if not self._serve_frame(host, other, message, [body[PACKED_CALL.size :]]):
+                    message = from_wire(read_meta(body, 0, meta_len))
+                    if not self._serve_frame(host, other, message, [body[meta_len:]]):
                         return
                 else:
                     try:
@@ -194,7 +205,7 @@ class AgentWire:
                             fn = functions[fn_id]
                         except KeyError:
                             fn = host.load_function(fn_id, None)
-                        args, kwargs = pickle.loads(body[PACKED_CALL.size :])
+                        args, kwargs = pickle.loads(body[meta_len:])
                         value = fn(*args, **kwargs)
                         del args, kwargs
                     except BaseException as exc:  # (sys.exit() in the user's code fails the
@@ -206,7 +217,7 @@ class AgentWire:
                         blob = pickle.dumps(value, PROTOCOL)
                     if blob is None or len(blob) >= COALESCE_LIMIT:
                         self._answer(host, call_id, value)
-                    else:
+                    else:  # `encode_result(call_id, [blob])`, in place
                         meta = (PACKED_RESULT.size, 1, len(blob), PACKED, RESULT, call_id)
                         with lock:
                             write_all(fd_out, RESULT_FRAME.pack(*meta) + blob)
@@ -240,15 +251,9 @@ class AgentWire:
 
     def _answer(self, host: CallHost, call_id: int, value: Any) -> None:
         """Send call `call_id`'s `Result`, after the reports queued before it."""
-        reply: bytes | None = None  # the whole frame, when the result is a small scalar
-        result: Segments | None = None
+        result: Segments | None
         if type(value) in SCALARS:
-            blob = pickle.dumps(value, PROTOCOL)
-            if len(blob) < COALESCE_LIMIT:
-                reply = RESULT_FRAME.pack(PACKED_RESULT.size, 1, len(blob), PACKED, RESULT, call_id)
-                reply += blob
-            else:
-                result = [blob]
+            result = [pickle.dumps(value, PROTOCOL)]
         else:
             result = host.dump_result(call_id, value)
             if result is None:  # answered already, with why it cannot travel
@@ -257,12 +262,7 @@ class AgentWire:
         reports = host.reports
         if reports.queue or reports.sending.locked():
             reports.flush()  # the client sees a call's reports before its result
-        if reply is None:
-            assert result is not None
-            self.send(Result(call_id), result)
-            return
-        with self._write_lock:
-            write_all(self._out_fd, reply)
+        self._write(encode_result(call_id, result))
 
     def read(self) -> tuple[Message, list[bytes]] | None:
         """Read one frame; None when the stream has closed between frames."""
@@ -302,15 +302,15 @@ class AgentWire:
             meta = self._read_exactly(meta_len)
             # a large segment is its own bytes object: an out-of-band ``bytes`` argument is then
             # rebuilt as that very object, with no copy
-            return from_wire(meta_tuple(meta)), [self._read_exactly(first)]
+            return from_wire(read_meta(meta, 0, meta_len)), [self._read_exactly(first)]
         if count == 0:  # `first` is the metadata's first 8 bytes
             if meta_len < LENGTH.size:
                 raise FrameError(f"a frame's metadata cannot be {meta_len} bytes long")
             meta = self._read_exactly(meta_len, head[HEADER.size :])
-            return from_wire(meta_tuple(meta)), []
+            return from_wire(read_meta(meta, 0, meta_len)), []
         rest = self._read_exactly(LENGTH.size * (count - 1) + meta_len)
         lengths = (first, *lengths_of(count - 1).unpack_from(rest))
-        message = from_wire(meta_tuple(memoryview(rest)[LENGTH.size * (count - 1) :]))
+        message = from_wire(read_meta(rest, LENGTH.size * (count - 1), meta_len))
         return message, [self._read_exactly(n) for n in lengths]
 
     def read_ahead(self, keep: Callable[[Message], bool]) -> None:

@@ -7,9 +7,9 @@ against the plain behaviour it stands for.
 
 - `all_held`: a broadcast's locks, taken in list order with one loop run in C and given back the
   same way, once per broadcast rather than a ``with`` block per node (`broadcast`).
-- `settle_frames`: the one reader of a reply's packed metadata on the client; it settles small
-  `Result`s straight from the chunk they came in, without building a message or copying the
-  bytes into a buffer (`rtt`, `broadcast`: one reply per chunk; `gather`: many).
+- `settle_frames`: it settles small `Result`s straight from the chunk they came in, without
+  building a message or copying the bytes into a buffer (`rtt`, `broadcast`: one reply per
+  chunk; `gather`: many). Their metadata is read by `frames.read_meta`, the format's one reader.
 - `register_each` and `write_each`: a broadcast's call registered on every node's session, then
   written to every node's pipe, each in one Python call with all the locks taken at once
   (`broadcast`: a method call or two per node cost it about a third, in A/B runs of this
@@ -152,12 +152,6 @@ def write_each(
     return failed
 
 
-class Outcome(Protocol):
-    """Where a call's result goes (`callframes.Outcome` has it)."""
-
-    def set_result(self, result: Any) -> None: ...
-
-
 Unpicklable = Callable[[Any, Exception], None]
 OnFrame = Callable[[Message, list[frames.Buffer]], None]
 
@@ -190,10 +184,11 @@ def settle_frames(
     Returns where the whole frames end: the rest (a frame cut short) is for `FrameDecoder`.
 
     FAST PATH (every reply of `rtt`, `broadcast` and `gather` comes here; commits 2330448 and
-    edfef46): the packed metadata is read with one struct, and each frame is sliced straight
-    from `data`, with no copy into the decoder's buffer."""
+    edfef46): each frame is sliced straight from `data`, with no copy into the decoder's
+    buffer, and a small `Result` settles its call without a message being built. The metadata
+    is read by `frames.read_meta`, as on the plain path."""
     offset, end = 0, len(data)
-    head, packed_result = frames.ONE_SEGMENT, frames.PACKED_RESULT
+    head, read_meta, result = frames.ONE_SEGMENT, frames.read_meta, frames.RESULT
     while end - offset >= head.size:
         meta_len, count, first = head.unpack_from(data, offset)
         start = offset + frames.HEADER.size + frames.LENGTH.size * count
@@ -203,12 +198,11 @@ def settle_frames(
             if stop > end:
                 break
             offset = stop
-            if meta_len == packed_result.size and data[start] == frames.PACKED:
-                _, kind, call_id = packed_result.unpack_from(data, start)
-                if kind == frames.RESULT:
-                    settle(pending, call_id, (data[middle:stop],), unpicklable)
-                    continue
-            on_frame(from_wire(frames.meta_tuple(data[start:middle])), [data[middle:stop]])
+            meta = read_meta(data, start, meta_len)
+            if meta[0] == result and len(meta) == 2:  # (RESULT, call_id)
+                settle(pending, meta[1], (data[middle:stop],), unpicklable)
+            else:
+                on_frame(from_wire(meta), [data[middle:stop]])
             continue
         if start > end:
             break
@@ -216,7 +210,7 @@ def settle_frames(
         stop = start + meta_len + sum(lengths)
         if stop > end:
             break
-        message = from_wire(frames.meta_tuple(data[start : start + meta_len]))
+        message = from_wire(read_meta(data, start, meta_len))
         segments: list[frames.Buffer] = []
         position = start + meta_len
         for size in lengths:

@@ -31,13 +31,18 @@ PROTOCOL = 5
 # A frame's metadata is its message's wire tuple, pickled; except for the two messages every call
 # sends, which are packed: a marker byte no pickle starts with (a pickle's first byte is its
 # PROTO opcode, 0x80), the kind, then the fields as 64-bit integers. Unpacking a struct costs a
-# fraction of unpickling, on every call's way out and back.
+# fraction of unpickling, on every call's way out and back. This module is the format's one
+# definition, on both sides: its writers are `encode_call` and `encode_result` (which `encode`
+# uses for those two messages), its reader `read_meta`, which the client's fast path calls too;
+# the agent's fast path reads and writes it in place with the structs defined here.
 PACKED = 0x01
 PACKED_CALL = struct.Struct("!BBQQ")  # a Call without the function's bytes: call_id, fn_id
 PACKED_RESULT = struct.Struct("!BBQ")  # a Result: call_id
 CALL, RESULT = Call.KIND, Result.KIND
-# A one-segment frame's header and packed Result metadata, written at once (a small reply).
-RESULT_FRAME = struct.Struct("!IIQBBQ")
+# A small Result's frame up to its one segment: the header, the segment's length, the packed
+# metadata, as `encode_result` writes them (tests/test_frames.py checks the agent's fast path,
+# which packs it in place, against `encode_result`).
+RESULT_FRAME = struct.Struct(ONE_SEGMENT.format + PACKED_RESULT.format.removeprefix("!"))
 
 Buffer = bytes | bytearray | memoryview
 Segments = Sequence[Buffer]
@@ -56,56 +61,62 @@ class FrameError(Exception):
     """The byte stream does not hold a valid frame (truncated, or not a skyward agent)."""
 
 
-def meta_bytes(message: Message) -> bytes:
-    """A frame's metadata for `message`: packed for a result and a call without its function's
-    bytes, else its wire tuple pickled."""
-    if isinstance(message, Result):
-        return PACKED_RESULT.pack(PACKED, RESULT, message.call_id)
-    if isinstance(message, Call) and message.fn_bytes is None:
-        return PACKED_CALL.pack(PACKED, CALL, message.call_id, message.fn_id)
-    return pickle.dumps(to_wire(message), PROTOCOL)
-
-
-def meta_tuple(blob: Buffer) -> Any:
-    """The wire tuple a frame's metadata holds (see `meta_bytes`)."""
-    if blob[0] != PACKED:
-        return pickle.loads(blob)
-    size = memoryview(blob).nbytes
-    if size == PACKED_RESULT.size:
-        return PACKED_RESULT.unpack(blob)[1:]
-    if size == PACKED_CALL.size:
-        return (*PACKED_CALL.unpack(blob)[1:], None)
-    raise FrameError(f"packed metadata of {size} bytes is no message")
+def encode(message: Message, segments: Segments = ()) -> list[Buffer]:
+    """The byte strings to write, in order, for one frame (small segments coalesced)."""
+    if type(message) is Result:
+        return encode_result(message.call_id, segments)
+    if type(message) is Call and message.fn_bytes is None:
+        return encode_call(message.call_id, message.fn_id, segments)
+    return _frame(pickle.dumps(to_wire(message), PROTOCOL), segments)
 
 
 def encode_call(call_id: int, fn_id: int, segments: Segments) -> list[Buffer]:
-    """`encode(Call(call_id, fn_id, None), segments)` without building the message (every
-    call's frame to a node that has its function)."""
+    """`encode(Call(call_id, fn_id, None), segments)`: the one writer of a packed `Call` (every
+    call's frame to a node that has its function; its message is never built)."""
     return _frame(PACKED_CALL.pack(PACKED, CALL, call_id, fn_id), segments)
 
 
-def encode(message: Message, segments: Segments = ()) -> list[Buffer]:
-    """The byte strings to write, in order, for one frame (small segments coalesced)."""
-    return _frame(meta_bytes(message), segments)
+def encode_result(call_id: int, segments: Segments) -> list[Buffer]:
+    """`encode(Result(call_id), segments)`: the one writer of a packed `Result`."""
+    return _frame(PACKED_RESULT.pack(PACKED, RESULT, call_id), segments)
+
+
+def read_meta(data: Buffer, start: int, size: int) -> tuple[Any, ...]:
+    """The wire tuple ``(kind, *fields)`` that the metadata at ``data[start:start + size]``
+    holds (`messages.from_wire` checks its fields): the one reader of the packed format, and
+    of pickled metadata."""
+    if data[start] != PACKED:
+        meta = pickle.loads(data[start : start + size])
+        if type(meta) is not tuple or not meta:
+            raise FrameError(f"a frame's metadata is {type(meta).__name__}, not a message")
+        return meta
+    if size == PACKED_RESULT.size:
+        return PACKED_RESULT.unpack_from(data, start)[1:]
+    if size == PACKED_CALL.size:
+        return (*PACKED_CALL.unpack_from(data, start)[1:], None)
+    raise FrameError(f"packed metadata of {size} bytes is no message")
 
 
 def _frame(blob: bytes, segments: Segments) -> list[Buffer]:
-    """The byte strings of a frame with metadata `blob`."""
-    if len(segments) == 1 and type(segments[0]) is bytes and len(segments[0]) < COALESCE_LIMIT:
-        # a small result or call: one struct and one bytes object (each small call's path)
-        only = segments[0]
-        return [ONE_SEGMENT.pack(len(blob), 1, len(only)) + blob + only]
-    head = bytearray(HEADER.pack(len(blob), len(segments)))
-    for segment in segments:
-        head += LENGTH.pack(memoryview(segment).nbytes)
+    """The byte strings of a frame with metadata `blob`: its header, lengths and metadata, with
+    each small segment after them copied into one first write, and each large one on its own."""
+    sizes = [nbytes(segment) for segment in segments]
+    head = bytearray(HEADER.pack(len(blob), len(sizes)))
+    for size in sizes:
+        head += LENGTH.pack(size)
     head += blob
     chunks: list[Buffer] = [head]
-    for segment in segments:
-        if memoryview(segment).nbytes < COALESCE_LIMIT and isinstance(chunks[-1], bytearray):
-            chunks[-1] += segment
+    for segment, size in zip(segments, sizes, strict=True):
+        if chunks[-1] is head and size < COALESCE_LIMIT:
+            head += segment
         else:
             chunks.append(segment)
     return chunks
+
+
+def nbytes(data: Buffer) -> int:
+    """The size of `data` in bytes (a memoryview's ``len`` counts items)."""
+    return data.nbytes if type(data) is memoryview else len(data)
 
 
 def coalesce(chunks: list[Buffer]) -> list[Buffer]:
@@ -113,7 +124,7 @@ def coalesce(chunks: list[Buffer]) -> list[Buffer]:
     out: list[Buffer] = []
     small = bytearray()
     for chunk in chunks:
-        if memoryview(chunk).nbytes < COALESCE_LIMIT:
+        if nbytes(chunk) < COALESCE_LIMIT:
             small += chunk
             continue
         if small:
@@ -274,7 +285,8 @@ class FrameDecoder:
                 if len(self._buf) < need:
                     return
                 self._lengths = list(lengths_of(count).unpack_from(self._buf, HEADER.size))
-                self._meta = from_wire(meta_tuple(self._buf[HEADER.size + 8 * count : need]))
+                start = HEADER.size + LENGTH.size * count
+                self._meta = from_wire(read_meta(self._buf, start, meta_len))
                 del self._buf[:need]
                 self._segments = []
             if len(self._segments) < len(self._lengths):

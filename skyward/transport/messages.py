@@ -22,9 +22,7 @@ never inside the message. Shared by the client and the agent: standard library o
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields
-from operator import attrgetter
 from typing import Any, ClassVar
 
 
@@ -208,20 +206,11 @@ _TYPES: tuple[type[Any], ...] = (
 )
 
 
-def _packer(cls: type[Any]) -> Callable[[Any], tuple[Any, ...]]:
-    """A function from a `cls` message to its wire tuple (built once per class: this runs on
-    every call's way out and back)."""
-    kind, names = cls.KIND, tuple(f.name for f in fields(cls))
-    if not names:
-        return lambda message: (kind,)
-    if len(names) == 1:
-        get_one = attrgetter(names[0])
-        return lambda message: (kind, get_one(message))
-    get_all = attrgetter(*names)
-    return lambda message: (kind, *get_all(message))
-
-
-_PACKERS: dict[type[Any], Callable[[Any], tuple[Any, ...]]] = {cls: _packer(cls) for cls in _TYPES}
+# Each message type's field names, in order, and each kind's type.
+_FIELDS: dict[type[Any], tuple[str, ...]] = {
+    cls: tuple(f.name for f in fields(cls)) for cls in _TYPES
+}
+_BY_KIND: dict[int, type[Any]] = {cls.KIND: cls for cls in _TYPES}
 
 
 class MessageError(Exception):
@@ -231,35 +220,17 @@ class MessageError(Exception):
 
 def to_wire(message: Message) -> tuple[Any, ...]:
     """The tuple that travels for `message`: its kind, then its fields in order."""
-    return _PACKERS[type(message)](message)
-
-
-def _builder(cls: type[Any]) -> Callable[[Any], Any]:
-    """A function from a `cls` wire tuple to the message. It fills the slots directly: a frozen
-    dataclass's own ``__init__`` goes through ``object.__setattr__`` for each field, which
-    costs about 300 ns a field."""
-    setters = tuple(getattr(cls, f.name).__set__ for f in fields(cls))
-    size, new = len(setters) + 1, object.__new__
-
-    def build(meta: Any) -> Any:
-        if len(meta) != size:
-            raise MessageError(f"{cls.__name__} has {size - 1} field(s), got {len(meta) - 1}")
-        message = new(cls)
-        for setter, value in zip(setters, meta[1:], strict=True):
-            setter(message, value)
-        return message
-
-    return build
-
-
-# Each kind's decoder: from a wire tuple to the message.
-_DECODERS: dict[int, Callable[[Any], Any]] = {cls.KIND: _builder(cls) for cls in _TYPES}
+    return (message.KIND, *(getattr(message, name) for name in _FIELDS[type(message)]))
 
 
 def from_wire(meta: Any) -> Message:
     """The message a frame's metadata tuple holds."""
     try:
-        message: Message = _DECODERS[meta[0]](meta)
+        cls = _BY_KIND[meta[0]]
+        names = _FIELDS[cls]
+        if len(meta) != len(names) + 1:
+            raise MessageError(f"{cls.__name__} has {len(names)} field(s), got {len(meta) - 1}")
+        message: Message = cls(*meta[1:])
     except (KeyError, IndexError, TypeError) as exc:
         raise MessageError(f"not a skyward message: {str(meta)[:200]} ({exc})") from None
     return message

@@ -15,9 +15,10 @@ A conversation with one agent::
     Ping()                      ->                          (over SSH, while the agent lives)
     Shutdown()                  ->                          (the agent unwinds its plugins, exits)
 
-On the wire a message is a tuple ``(kind, *fields)``, pickled as a frame's metadata (see
-`frames`); large payloads (arguments, values, plugins, exceptions) travel as the frame's segments,
-never inside the message. Shared by the client and the agent: standard library only.
+On the wire a message is a tuple ``(kind, *fields)``, a frame's metadata: pickled, or packed
+for a `Call` without its function's bytes and a `Result` (see `frames`); large payloads
+(arguments, values, plugins, exceptions) travel as the frame's segments, never inside the
+message. Shared by the client and the agent: standard library only.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ tests are in tests/slurm/)."""
 from __future__ import annotations
 
 import shlex
+import subprocess
+import time
 
 import pytest
 
@@ -110,7 +112,7 @@ def test_salloc_names_the_job_and_keeps_the_users_options_last() -> None:
     assert "--job-name=skyward-p1" in args and "--partition=gpu" in args
     assert "--account=lab" in args and "--gres=gpu:a100:4" in args and "--time=1:00:00" in args
     assert "--qos" not in " ".join(args)  # not asked: not passed
-    assert args[-4:] == ["--exclusive", "/bin/sh", "-c", commands.HOLDER]
+    assert args[-4:] == ["--exclusive", "/bin/sh", "-c", commands.holder()]
 
 
 def test_salloc_output_is_read_for_the_job_and_the_refusal() -> None:
@@ -153,3 +155,44 @@ def test_scontrol_output_gives_addresses_and_states() -> None:
     state = "NodeName=n1 State=DOWN+NOT_RESPONDING ThreadsPerCore=1 Reason=Not responding [root@x]"
     assert commands.node_state(state) == ("DOWN+NOT_RESPONDING", "Not responding [root@x]")
     assert commands.node_state("NodeName=n1 State=IDLE ThreadsPerCore=1") == ("IDLE", "")
+
+
+def test_the_holder_holds_while_lines_come_and_ends_when_they_stop() -> None:
+    """`holder(idle)` run by the shell as salloc would: it prints the grant, stays while a line
+    comes within `idle` seconds, and returns once none has for that long, its stdin still open."""
+    holder = subprocess.Popen(
+        ["/bin/sh", "-c", commands.holder(1)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[0-1]", "SLURM_JOB_CPUS_PER_NODE": "2"},
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline().decode().split() == [commands.GRANTED, "7", "n[0-1]", "2"]
+        for _ in range(8):  # 2.4 s of lines, each within the second
+            holder.stdin.write(b"\n")
+            holder.stdin.flush()
+            silent = time.monotonic()
+            time.sleep(0.3)
+            assert holder.poll() is None
+        holder.wait(timeout=10)  # stdin left open
+        assert 0.9 <= time.monotonic() - silent < 5
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_without_an_idle_limit_the_holder_ends_only_with_its_stdin() -> None:
+    holder = subprocess.Popen(
+        ["/bin/sh", "-c", commands.holder()], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        holder.stdout.readline()
+        time.sleep(1.5)
+        assert holder.poll() is None
+        holder.stdin.close()
+        assert holder.wait(timeout=10) == 0
+    finally:
+        holder.kill()
+        holder.wait()

@@ -55,6 +55,11 @@ class Query:
         return json.dumps(asdict(self))
 
 
+# A file a client writes a fresh token into, in its own cache, before it checks hosts that may
+# share that directory (a Slurm cluster's shared home): the check reads it back at no extra cost.
+CLIENT_TOKEN = ".client-token"
+
+
 @dataclass(frozen=True)
 class Report:
     """What `check` found."""
@@ -77,6 +82,9 @@ class Report:
     system: str = ""
     machine: str = ""
     libc: str = ""  # "glibc" on most Linux machines, "" where unknown (musl)
+    # What the cache's CLIENT_TOKEN file holds ("" without one): the token the client wrote in
+    # its own cache when the host sees that very directory (a shared home).
+    client_token: str = ""
 
     @classmethod
     def from_json(cls, text: str) -> Report:
@@ -126,7 +134,16 @@ def check(query: Query, find_gpus: Callable[[], Inventory] | None = None) -> Rep
         system=system,
         machine=platform.machine(),
         libc=platform.libc_ver()[0] if system == "Linux" else "",
+        client_token=_read_token(os.path.join(home, CLIENT_TOKEN)),
     )
+
+
+def _read_token(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read(64).strip()
+    except OSError:
+        return ""
 
 
 def same_python(version: str, wanted: str) -> bool:

@@ -97,15 +97,20 @@ def provider_cluster(slurm_ready: None) -> Iterator[SlurmCluster]:
         yield cluster
 
 
-@pytest.fixture
-def login(provider_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCluster:
-    """This process as the cluster's login node: only SLURM_CONF names the cluster."""
+def as_login(cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCluster:
+    """This process as `cluster`'s login node: only SLURM_CONF names the cluster."""
     for name in list(os.environ):
         if name.startswith("SLURM"):
             monkeypatch.delenv(name)
-    for name, value in provider_cluster.env().items():
+    for name, value in cluster.env().items():
         monkeypatch.setenv(name, value)
-    return provider_cluster
+    return cluster
+
+
+@pytest.fixture
+def login(provider_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCluster:
+    """This process as the provider cluster's login node."""
+    return as_login(provider_cluster, monkeypatch)
 
 
 def queue(cluster: SlurmCluster) -> list[str]:

@@ -8,11 +8,14 @@ share this machine's filesystem (a shared home), so one environment build serves
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,11 @@ import skyward as sky
 from tests.slurm.conftest import queue, wait_for_empty_queue
 from tests.support import sshd
 from tests.support.slurmcluster import SlurmCluster
+
+
+def jobs_of(pool: sky.ComputePool, cluster: SlurmCluster) -> list[str]:
+    """The pool's jobs in the queue (another test's may still be completing)."""
+    return [line for line in queue(cluster) if pool.pool_id in line]
 
 
 @sky.compute
@@ -39,13 +47,14 @@ def whereabouts() -> tuple[str, str, int, str, list[str]]:
 def test_a_pool_is_one_allocation_with_an_agent_on_each_node(login: SlurmCluster) -> None:
     with sky.ComputePool(provider=sky.Slurm(), nodes=3) as pool:
         found = whereabouts() @ pool
-        assert len(queue(login)) == 1  # one job: the allocation
+        assert len(jobs_of(pool, login)) == 1  # one job: the allocation
     names = [name for name, *_ in found]
     assert sorted(names) == ["node0", "node1", "node2"]
     assert len({job for _, job, *_ in found}) == 1  # every node in one job
     assert [node for _, _, node, *_ in found] == [0, 1, 2]
     assert {head for *_, head, _ in found} == {login.node(names[0]).address}
-    assert all(world == [] for *_, world in found), "the step's SLURM_* world leaked in"
+    # the step's SLURM_* world is gone; where the cluster's configuration is, is kept
+    assert all(world == ["SLURM_CONF"] for *_, world in found), found
     assert wait_for_empty_queue(login, 5) == []
 
 
@@ -101,26 +110,35 @@ def test_a_client_killed_with_sigkill_leaves_no_job(
     assert wait_for_empty_queue(login, 60) == []
 
 
+@contextlib.contextmanager
+def ssh_login_node(
+    cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, str]]:
+    """A login node reached over SSH (an sshd whose sessions know `cluster` by SLURM_CONF)
+    while this process does not know the cluster: `sky.Slurm`'s login arguments for it."""
+    for name in list(os.environ):
+        if name.startswith("SLURM"):
+            monkeypatch.delenv(name)
+    key = sshd.KeyPair.generate(tmp_path)
+    server = sshd.SshdServer(
+        authorized_keys=[key], extra_config=[f"SetEnv SLURM_CONF={cluster.conf_path}"]
+    )
+    with server:
+        yield {
+            "login": f"root@127.0.0.1:{server.port}",
+            "key": str(key.private_path),
+            "known_hosts": str(server.write_known_hosts(tmp_path / "known_hosts")),
+        }
+
+
 def test_a_pool_through_a_login_node_reached_over_ssh(
     provider_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`login="root@host:port"`: every Slurm command and every agent's step goes over one
     verified SSH connection to the login node, whose sessions know the cluster (SLURM_CONF),
     while this process does not."""
-    for name in list(os.environ):
-        if name.startswith("SLURM"):
-            monkeypatch.delenv(name)
-    key = sshd.KeyPair.generate(tmp_path)
-    login_node = sshd.SshdServer(
-        authorized_keys=[key], extra_config=[f"SetEnv SLURM_CONF={provider_cluster.conf_path}"]
-    )
-    with login_node:
-        known_hosts = login_node.write_known_hosts(tmp_path / "known_hosts")
-        provider = sky.Slurm(
-            login=f"root@127.0.0.1:{login_node.port}",
-            key=key.private_path,
-            known_hosts=str(known_hosts),
-        )
+    with ssh_login_node(provider_cluster, tmp_path, monkeypatch) as login:
+        provider = sky.Slurm(**login)
         data = tmp_path / "data"
         data.mkdir()
         (data / "a.txt").write_text("alpha")
@@ -136,6 +154,49 @@ def test_a_pool_through_a_login_node_reached_over_ssh(
     for node in (0, 1):  # pulled through the login's connection from a step on each node
         assert (runs / f"node-{node}" / "out.txt").read_text() == f"from node {node}"
     assert wait_for_empty_queue(provider_cluster, 5) == []
+
+
+SILENT_CLIENT = """
+import time
+import skyward as sky
+
+@sky.compute
+def nap():
+    time.sleep(600)
+
+provider = sky.Slurm(login={login!r}, key={key!r}, known_hosts={known_hosts!r}, keepalive=1)
+with sky.ComputePool(provider=provider, nodes=1, stream_output=False) as pool:
+    print("POOL", pool.pool_id, flush=True)
+    nap() @ pool
+"""
+
+
+def test_a_client_gone_silent_behind_an_ssh_login_lets_the_allocation_go(
+    provider_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client stopped (SIGSTOP: a laptop asleep) keeps its SSH connection open, so the login
+    node sees no end; the allocation's holder, missing four keepalive lines, ends it."""
+    with ssh_login_node(provider_cluster, tmp_path, monkeypatch) as login:
+        script = tmp_path / "client.py"
+        script.write_text(SILENT_CLIENT.format(**login))
+        client = subprocess.Popen(
+            [sys.executable, str(script)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )
+        try:
+            assert client.stdout is not None
+            assert client.stdout.readline().startswith("POOL ")
+            assert len(queue(provider_cluster)) == 1
+            client.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            assert wait_for_empty_queue(provider_cluster, 30) == []
+            assert time.monotonic() - stopped >= 3  # not before four lines were missed
+        finally:
+            client.kill()
+            client.wait()
 
 
 @sky.compute
@@ -188,13 +249,74 @@ def test_a_node_lost_mid_call_is_named_and_replaced_from_a_new_allocation(
             assert f"Slurm node {lost} is DOWN" in str(caught.value), str(caught.value)
             pool.replace(1)
             after = whereabouts() @ pool
-            assert len(queue(login)) == 2  # the pool's job, and the replacement's
+            assert len(jobs_of(pool, login)) == 2  # the pool's job, and the replacement's
         names = [name for name, *_ in after]
         assert names[0] == before[0][0] and names[1] not in (lost, names[0]), names
         assert after[0][1] == before[0][1] != after[1][1]  # node 1 runs in a job of its own
     finally:
         login.start_node(lost)
     assert wait_for_empty_queue(login, 10) == []
+
+
+@sky.compute
+def exit_on(node: int) -> str:
+    if sky.instance_info().node == node:
+        os._exit(9)
+    return socket.gethostname()
+
+
+def test_an_agent_that_died_on_a_healthy_node_is_replaced_in_the_same_job(
+    login: SlurmCluster,
+) -> None:
+    """The agent died, not the machine: replace() starts a new step on the same node, in the
+    pool's own job, with nothing more asked of Slurm."""
+    with sky.ComputePool(provider=sky.Slurm(), nodes=2, broadcast_grace=1) as pool:
+        before = whereabouts() @ pool
+        with pytest.raises(sky.WorkerError) as caught:
+            exit_on(1) @ pool
+        assert caught.value.node == 1, str(caught.value)
+        pool.replace(1)
+        after = whereabouts() @ pool
+        assert len(jobs_of(pool, login)) == 1  # no second allocation
+    assert [row[:2] for row in after] == [row[:2] for row in before]  # same nodes, same job
+    assert wait_for_empty_queue(login, 5) == []
+
+
+def test_a_node_an_admin_sets_down_mid_call_is_a_worker_error_with_slurms_reason(
+    login: SlurmCluster,
+) -> None:
+    """``scontrol update state=down``: Slurm kills the node's steps; the call fails naming the
+    node, its state and the admin's reason, and the rest of the job goes on (--no-kill)."""
+    with sky.ComputePool(provider=sky.Slurm(), nodes=2, broadcast_grace=1) as pool:
+        name = (whereabouts() @ pool)[1][0]
+        future = pool.submit(sleep_on(1, 60), node=1)
+        time.sleep(1)
+        try:
+            login.run(["scontrol", "update", f"nodename={name}", "state=down", "reason=maint"])
+            with pytest.raises(sky.WorkerError) as caught:
+                future.result(timeout=30)
+            assert caught.value.node == 1, str(caught.value)
+            assert f"Slurm node {name} is DOWN: maint" in str(caught.value), str(caught.value)
+            assert len(jobs_of(pool, login)) == 1
+        finally:
+            login.run(["scontrol", "update", f"nodename={name}", "state=resume"])
+    assert wait_for_empty_queue(login, 5) == []
+    login.wait_ready()
+
+
+def test_a_drained_node_finishes_the_call_it_runs(login: SlurmCluster) -> None:
+    """``state=drain`` gives a node no new jobs; what runs there, the pool's call, goes on."""
+    with sky.ComputePool(provider=sky.Slurm(), nodes=2) as pool:
+        name = (whereabouts() @ pool)[1][0]
+        future = pool.submit(sleep_on(1, 3), node=1)
+        time.sleep(1)
+        try:
+            login.run(["scontrol", "update", f"nodename={name}", "state=drain", "reason=maint"])
+            assert future.result(timeout=30) == name
+        finally:
+            login.run(["scontrol", "update", f"nodename={name}", "state=resume"])
+    assert wait_for_empty_queue(login, 5) == []
+    login.wait_ready()
 
 
 def test_stacks_reach_the_agents_through_srun(login: SlurmCluster) -> None:
@@ -207,11 +329,12 @@ def test_stacks_reach_the_agents_through_srun(login: SlurmCluster) -> None:
         assert_stuck_on(pool.stacks(timeout=10), node=1, nodes=2)
 
 
-def test_restarts_replace_the_lost_node_and_resume_from_the_checkpoint(
+def test_restarts_start_the_lost_agent_again_and_resume_from_the_checkpoint(
     login: SlurmCluster, tmp_path: Path
 ) -> None:
-    """restarts=1 on Slurm: the lost node comes back from a new allocation on another machine,
-    node 0 keeps its machine and job, and both resume from node 0's checkpoint."""
+    """restarts=1 on Slurm: node 1's agent dies (its machine does not), so the restart starts
+    it again on that machine in the pool's own job, and both nodes resume from node 0's
+    checkpoint. (A lost machine is replaced from a new allocation: the test above.)"""
     from tests.test_restarts import checkpoint_then_lose_node_1
 
     with sky.ComputePool(
@@ -219,9 +342,9 @@ def test_restarts_replace_the_lost_node_and_resume_from_the_checkpoint(
     ) as pool:
         before = [name for name, *_ in whereabouts() @ pool]
         after = checkpoint_then_lose_node_1() @ pool
-        assert len(queue(login)) == 2  # the pool's job, and the replacement's
+        assert len(jobs_of(pool, login)) == 1  # nothing more asked of Slurm
     assert [state for state, _ in after] == ["step 5", "step 5"]
-    assert after[0][1] == before[0] and after[1][1] not in before, (before, after)
+    assert [name for _, name in after] == before
     assert wait_for_empty_queue(login, 10) == []
 
 

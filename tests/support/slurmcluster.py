@@ -16,7 +16,8 @@ Plain Python (no pytest), root only, Debian-like machines. Built on
 What this stand-in hides compared with a real cluster:
 
 * The compute nodes share this machine's filesystem, users and Python (like a cluster with a
-  shared home and a common node image): a path or a package the client has, every node has.
+  shared home and a common node image): a path or a package the client has, every node has,
+  except the ``private_dirs`` a cluster is given (a tmpfs of each node's own there).
 * Every job runs as root (``SlurmUser=root``) and there is no accounting database (no
   slurmdbd, no associations): any ``--account`` string is accepted, except on a partition
   with ``AllowAccounts``, which then refuses every job at submission ("Invalid account or
@@ -108,13 +109,22 @@ _apt_updated = False
 # Run inside fresh UTS and mount namespaces (unshare): give the process its own /etc/hosts
 # (a bind mount that vanishes with the namespace, never touching this machine's file) and
 # hostname, then become the daemon. Slurm compares gethostname() with the names in slurm.conf.
+# Each directory of the colon-separated third argument gets a tmpfs of the process's own: a
+# node's private disk where the cluster's nodes should not share a path (its cache, its home).
 _LAUNCH = """\
 set -e
 name=$1
 hosts=$2
-shift 2
+private=$3
+shift 3
 mount --bind "$hosts" /etc/hosts
 hostname "$name"
+IFS=:
+for dir in $private; do
+    mkdir -p "$dir"
+    mount -t tmpfs -o mode=0755 "private-$name" "$dir"
+done
+unset IFS
 exec "$@"
 """
 
@@ -396,6 +406,7 @@ class SlurmCluster:
         ready_timeout: float = 30.0,
         slurmd_timeout: int = 10,
         subnet_wait: float = 600.0,
+        private_dirs: Sequence[str] = (),
         gpu_devices: bool = False,
     ) -> None:
         """Describe (not start) a cluster.
@@ -406,6 +417,8 @@ class SlurmCluster:
         ``slurmd_timeout`` (``SlurmdTimeout``, seconds): a node that stops answering is
         marked down within about twice that. ``start`` waits up to ``subnet_wait`` seconds
         while another cluster (or BareHosts), in any process, uses the same subnet.
+        ``private_dirs`` (absolute paths) are each node's own: an empty tmpfs per node, mounted
+        in its mount namespace, so a cache or home there is not shared (every other path is).
         ``gpu_devices``: the GRES's device files are character device nodes, so Slurm sets
         ``CUDA_VISIBLE_DEVICES`` in the steps given GPUs (see the module's note).
         """
@@ -424,6 +437,9 @@ class SlurmCluster:
         self.ready_timeout = ready_timeout
         self.slurmd_timeout = slurmd_timeout
         self.subnet_wait = subnet_wait
+        if any(":" in d or not os.path.isabs(d) for d in private_dirs):
+            raise ValueError(f"private_dirs must be absolute paths without ':': {private_dirs}")
+        self.private_dirs = tuple(private_dirs)
         self.nodes: list[SlurmNode] = []
         names = [f"node{i}" for i in range(nodes)]
         self.partitions = list(partitions or [Partition("debug", default=True)])
@@ -778,7 +794,7 @@ class SlurmCluster:
         work = self._dir()
         argv = [
             "unshare", "--uts", "--mount", "--propagation", "private",
-            "sh", "-c", _LAUNCH, "sh", CONTROLLER_NAME, str(work / "etc" / "hosts"),
+            "sh", "-c", _LAUNCH, "sh", CONTROLLER_NAME, str(work / "etc" / "hosts"), "",
             str(SLURMCTLD), "-D", "-i", "-f", str(self.conf_path),
         ]  # fmt: skip
         self._ctld = self._popen(argv, work / "ctld" / "console.log")
@@ -807,6 +823,7 @@ class SlurmCluster:
             "nsenter", f"--net=/run/netns/{node.netns}",
             "unshare", "--uts", "--mount", "--propagation", "private",
             "sh", "-c", _LAUNCH, "sh", node.name, str(self._dir() / "etc" / "hosts"),
+            ":".join(self.private_dirs),
             str(SLURMD), "-D", "-N", node.name, "-f", str(self.conf_path),
         ]  # fmt: skip
         node._proc = self._popen(argv, node.console_path)

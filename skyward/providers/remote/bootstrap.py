@@ -49,11 +49,11 @@ from skyward.image import Image
 from skyward.providers.base import Cluster, Log, Node
 from skyward.providers.environment import env_spec
 from skyward.providers.remote import hoststeps
-from skyward.providers.remote.host import Host
+from skyward.providers.remote.host import Host, StreamedProcess
 from skyward.providers.remote.hoststeps import CACHE, Bootstrap
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.base import AgentStream
-from skyward.transport.sshhost import RemoteProcess, SSHHost, shell_env
+from skyward.transport.sshhost import SSHHost, shell_env
 from skyward.transport.sshstream import open_agent
 from skyward.worker import hostcheck
 from skyward.worker.gpus import Inventory, visible_env
@@ -105,7 +105,7 @@ class RemoteNode(Node):
         channel (a Slurm node, whose host is no SSH connection, starts a job step instead)."""
         return await open_agent(ssh_host(self), command)
 
-    async def start_process(self, command: str) -> RemoteProcess:
+    async def start_process(self, command: str) -> StreamedProcess:
         """Start a shell command line on the host whose stdio the client streams over (a data
         tree's push or pull), in a process group its SSH connection adopts."""
         return await ssh_host(self).start(command)

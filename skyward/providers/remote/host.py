@@ -2,8 +2,9 @@
 
 An `SSHHost` is one (a connection to a machine). So is a Slurm compute node, whose commands
 run as job steps started from the login node (`providers.slurm.steps.StepHost`). The bootstrap
-(`bootstrap`, `hoststeps`) and the output upload run on any `Host`; pushing a data tree to a
-node (`treepeer`) streams over an SSH channel, so it takes an `SSHHost`.
+(`bootstrap`, `hoststeps`) and the output upload run on any `Host`. Pushing a data tree to a
+node, or pulling its outputs (`treepeer`), streams over a `StreamedProcess` the node starts: an
+SSH exec channel, or a job step whose stdio is srun's pipes.
 """
 
 from __future__ import annotations
@@ -37,3 +38,59 @@ class Host(Protocol):
     async def close(self) -> None:
         """Kill what was started through this host and let it go; idempotent."""
         ...
+
+
+class Writer(Protocol):
+    """A process's stdin, as asyncssh and asyncio both give it."""
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def write_eof(self) -> None: ...
+
+
+class Reader(Protocol):
+    """A process's stdout or stderr, as asyncssh and asyncio both give it."""
+
+    async def read(self, n: int = -1) -> bytes: ...
+
+    async def readline(self) -> bytes: ...
+
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+class Stdio(Protocol):
+    @property
+    def stdin(self) -> Writer: ...
+
+    @property
+    def stdout(self) -> Reader: ...
+
+    @property
+    def stderr(self) -> Reader: ...
+
+
+class Groups(Protocol):
+    """What started the process, and kills its process group (an `SSHHost`, a Slurm login)."""
+
+    @property
+    def groups(self) -> set[int]: ...
+
+    async def kill_groups(self, pids: list[int]) -> None: ...
+
+
+class StreamedProcess(Protocol):
+    """A process the client streams a tree over: `transport.sshhost.RemoteProcess`, or a
+    Slurm step started on this machine (`providers.slurm.login.LocalProcess`)."""
+
+    @property
+    def host(self) -> Groups: ...
+
+    @property
+    def process(self) -> Stdio: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    async def exit_status(self) -> int | None: ...

@@ -1,9 +1,10 @@
 """One node's ``python -m skyward.worker.treestore`` process, seen from the client.
 
-A `Peer` is that process on an exec channel: what is written to it (counted), its replies
-(``!I`` length + JSON, the wire of `skyward.worker.treestore`) with its errors raised as a
-`DataError` naming the node, and its end. Its process group is the host's (`SSHHost.start`
-adopts it), so closing the host ends it too.
+A `Peer` is that process, started by its node (an SSH exec channel, or a Slurm job step whose
+stdio is srun's pipes): what is written to it (counted), its replies (``!I`` length + JSON, the
+wire of `skyward.worker.treestore`) with its errors raised as a `DataError` naming the node, and
+its end. Its process group is its starter's (`SSHHost.start` adopts it), so closing that ends
+it too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import asyncssh
 
 from skyward.errors import DataError
 from skyward.providers.remote.bootstrap import RemoteNode, module_command
-from skyward.transport.sshhost import RemoteProcess
+from skyward.providers.remote.host import StreamedProcess
 
 MODULE = "skyward.worker.treestore"
 LENGTH = struct.Struct("!I")  # a reply's length, and a chunk's
@@ -27,7 +28,7 @@ LENGTH = struct.Struct("!I")  # a reply's length, and a chunk's
 class Peer:
     """One node's treestore process, its replies, and what one transfer wrote to it."""
 
-    def __init__(self, node: RemoteNode, proc: RemoteProcess, what: str, *args: str) -> None:
+    def __init__(self, node: RemoteNode, proc: StreamedProcess, what: str, *args: str) -> None:
         self.node, self.proc, self.what, self.args = node, proc, what, args
         self.kept = False  # a push finished on this process: it is reused, and may have died
         self.reset()
@@ -108,7 +109,7 @@ class Peer:
         self.proc.host.groups.discard(self.proc.pid)
 
 
-async def _launch(node: RemoteNode, what: str, *args: str) -> RemoteProcess:
+async def _launch(node: RemoteNode, what: str, *args: str) -> StreamedProcess:
     """Start the treestore module on the node, in a process group the host adopts."""
     if node.python is None:
         raise DataError(

@@ -19,16 +19,35 @@ from skyward.worker.gpus import ANY, gpu_name, name_matches
 # The holding command's line, once the allocation is granted: the job id, the node list and the
 # CPUs per node, as salloc hands them to the command it runs.
 GRANTED = "SKYWARD-ALLOCATION"
-HOLDER = (
-    f'echo "{GRANTED} $SLURM_JOB_ID $SLURM_JOB_NODELIST $SLURM_JOB_CPUS_PER_NODE"; '
-    # Held while its stdin stays open: the client's pipe (or its SSH channel). When the client
-    # ends, however it ends, the pipe closes, `cat` returns and salloc gives the nodes back.
-    "exec cat >/dev/null"
-)
+_ANNOUNCE = f'echo "{GRANTED} $SLURM_JOB_ID $SLURM_JOB_NODELIST $SLURM_JOB_CPUS_PER_NODE"'
 
-# Every SLURM_* and SLURMD_* variable of the step, unset before the agent starts: JAX (and
-# other libraries) read them to guess the world size, and a step's world is one task.
-UNSET_STEP_VARIABLES = "unset $(env | sed -n 's/^\\(SLURMD\\{0,1\\}_[A-Za-z0-9_]*\\)=.*/\\1/p')"
+
+def holder(idle_seconds: int | None = None) -> str:
+    """The command salloc runs on the login node for the pool's life: it prints the grant, then
+    holds while its stdin stays open (the client's pipe, or its SSH channel). When the client
+    ends, however it ends, that closes, the holder returns and salloc gives the nodes back.
+
+    With `idle_seconds`, it also returns once no line has come for that long: the client writes
+    one every few seconds, so a client that went silent without its connection closing (a
+    laptop asleep, a network gone: sshd on the login node may not notice for hours) still ends
+    the allocation. Only ``sleep`` and ``kill`` besides the shell: login nodes vary."""
+    if idle_seconds is None:
+        return f"{_ANNOUNCE}; exec cat >/dev/null"
+    # Each line disarms the last timer and arms a new one, which ends the holder ($$) if it
+    # fires first. A disarmed timer's `sleep` outlives it harmlessly, by at most idle_seconds.
+    return (
+        f"{_ANNOUNCE}; while :; do (sleep {idle_seconds}; kill $$) & timer=$!; "
+        "IFS= read -r _ || exit 0; kill $timer 2>/dev/null; done"
+    )
+
+
+# Every SLURM_* and SLURMD_* variable of the step but SLURM_CONF, unset before the agent
+# starts: JAX (and other libraries) read them to guess the world size, and a step's world is
+# one task. SLURM_CONF only says where the cluster's configuration is: user code that runs
+# squeue or srun on a site that sets it needs it.
+UNSET_STEP_VARIABLES = (
+    "unset $(env | sed -n '/^SLURM_CONF=/d; s/^\\(SLURMD\\{0,1\\}_[A-Za-z0-9_]*\\)=.*/\\1/p')"
+)
 
 # Refusals that are the request's fault: the user fixes the settings, not the cluster.
 _CONFIG_ERRORS = (
@@ -56,6 +75,7 @@ class Request:
     time_limit: str | None = None
     gres: str | None = None
     options: tuple[str, ...] = ()
+    idle_seconds: int | None = None  # the holder's (`holder`): with a client that writes lines
 
     def salloc(self) -> list[str]:
         """The ``salloc`` command line that holds the allocation for the pool's life."""
@@ -73,7 +93,7 @@ class Request:
             if value:
                 args.append(f"{flag}={value}")
         args += list(self.options)
-        return [*args, "/bin/sh", "-c", HOLDER]
+        return [*args, "/bin/sh", "-c", holder(self.idle_seconds)]
 
 
 def gres_for(accelerator: Accelerator | None, typed: bool = True) -> str | None:

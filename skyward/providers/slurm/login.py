@@ -2,7 +2,8 @@
 
 A `Login` runs a command to completion (`run`), starts the agent with its stdio as the pool's
 stream (`open_agent`), and holds a long-running command whose stdin the pool keeps open
-(`hold`: the allocation). `LocalLogin` runs them as child processes, each in its own session so
+(`hold`: the allocation), and starts a command whose stdio a data tree streams over (`start`).
+`LocalLogin` runs them as child processes, each in its own session so
 that killing its process group ends all of it; `SSHLogin` runs them on one verified SSH
 connection (`SSHHost`), whose process groups it kills on close.
 """
@@ -11,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import asyncssh
 
+from skyward.providers.remote.host import StreamedProcess
 from skyward.transport.base import AgentStream
 from skyward.transport.pipes import spawn
 from skyward.transport.sshhost import OUTPUT_TAIL_LINES, Completed, RemoteProcess, SSHHost
@@ -59,6 +63,11 @@ class Login(Protocol):
 
     async def hold(self, command: str) -> Held: ...
 
+    async def start(self, command: str) -> StreamedProcess:
+        """`command` with its stdio the client's to stream over, in a process group that
+        `close` kills."""
+        ...
+
     async def open_agent(self, command: str) -> AgentStream: ...
 
     async def close(self) -> None: ...
@@ -72,7 +81,7 @@ class LocalLogin:
 
     def __init__(self) -> None:
         self.closed = False
-        self._groups: set[int] = set()
+        self.groups: set[int] = set()  # the process groups of what runs, killed on close
 
     def __str__(self) -> str:
         return "this machine"
@@ -89,7 +98,7 @@ class LocalLogin:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
-        self._groups.add(process.pid)
+        self.groups.add(process.pid)
         return process
 
     async def run(self, command: str, input: bytes = b"", log: Log | None = None) -> Completed:
@@ -116,11 +125,20 @@ class LocalLogin:
             _kill_group(process.pid)
             raise
         finally:
-            self._groups.discard(process.pid)
+            self.groups.discard(process.pid)
         return Completed(status, out, "\n".join(tail))
 
     async def hold(self, command: str) -> Held:
-        return _LocalHeld(await self._start(command), self._groups)
+        return _LocalHeld(await self._start(command), self.groups)
+
+    async def start(self, command: str) -> LocalProcess:
+        """A command whose stdio the client streams over (a data tree's push or pull)."""
+        return LocalProcess(self, await self._start(command))
+
+    async def kill_groups(self, pids: list[int]) -> None:
+        for pid in pids:
+            _kill_group(pid)
+            self.groups.discard(pid)
 
     async def open_agent(self, command: str) -> AgentStream:
         stream = await spawn(["/bin/sh", "-c", command], os.environ, None)
@@ -130,9 +148,9 @@ class LocalLogin:
 
     async def close(self) -> None:
         self.closed = True
-        for pid in list(self._groups):
+        for pid in list(self.groups):
             _kill_group(pid)
-        self._groups.clear()
+        self.groups.clear()
 
 
 def _kill_group(pid: int) -> None:
@@ -140,11 +158,34 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+class LocalProcess:
+    """A command started by `LocalLogin.start`: its stdio pipes and its process group."""
+
+    def __init__(self, login: LocalLogin, process: asyncio.subprocess.Process) -> None:
+        assert process.stdin and process.stdout and process.stderr
+        self.host = login
+        self.process = _Pipes(process.stdin, process.stdout, process.stderr)
+        self.pid = process.pid
+        self._child = process
+
+    async def exit_status(self) -> int | None:
+        status = await self._child.wait()
+        self.host.groups.discard(self.pid)
+        return status
+
+
+@dataclass(frozen=True)
+class _Pipes:
+    stdin: asyncio.StreamWriter
+    stdout: asyncio.StreamReader
+    stderr: asyncio.StreamReader
+
+
 class _LocalHeld:
     def __init__(self, process: asyncio.subprocess.Process, groups: set[int]) -> None:
         assert process.stdin and process.stdout and process.stderr
         self._process = process
-        self._groups = groups
+        self.groups = groups
 
     async def stdout_line(self) -> str:
         assert self._process.stdout
@@ -166,14 +207,23 @@ class _LocalHeld:
             _kill_group(self._process.pid)
             return await self._process.wait()
         finally:
-            self._groups.discard(self._process.pid)
+            self.groups.discard(self._process.pid)
 
 
 class SSHLogin:
-    """A login node reached over SSH: the commands run there, on one verified connection."""
+    """A login node reached over SSH: the commands run there, on one verified connection.
 
-    def __init__(self, host: SSHHost) -> None:
+    A held command is written a line every `keepalive` seconds, and is told to end once
+    `idle_seconds` (four missed lines) pass without one (`commands.holder`): a client that
+    went silent with its connection left open still lets the allocation go."""
+
+    def __init__(self, host: SSHHost, keepalive: float = 15.0) -> None:
         self.host = host
+        self.keepalive = keepalive
+
+    @property
+    def idle_seconds(self) -> int:
+        return math.ceil(4 * self.keepalive)
 
     def __str__(self) -> str:
         return str(self.host)
@@ -190,7 +240,10 @@ class SSHLogin:
         return await self.host.run(command, input, log)
 
     async def hold(self, command: str) -> Held:
-        return _SSHHeld(await self.host.start(command))
+        return _SSHHeld(await self.host.start(command), self.keepalive)
+
+    async def start(self, command: str) -> StreamedProcess:
+        return await self.host.start(command)
 
     async def open_agent(self, command: str) -> AgentStream:
         return await open_agent(self.host, command)
@@ -200,8 +253,15 @@ class SSHLogin:
 
 
 class _SSHHeld:
-    def __init__(self, process: RemoteProcess) -> None:
+    def __init__(self, process: RemoteProcess, keepalive: float) -> None:
         self._process = process
+        self._beats = asyncio.ensure_future(self._beat(keepalive))
+
+    async def _beat(self, keepalive: float) -> None:
+        with contextlib.suppress(OSError, asyncssh.Error):
+            while True:
+                await asyncio.sleep(keepalive)
+                self._process.process.stdin.write(b"\n")
 
     async def stdout_line(self) -> str:
         return (await self._process.process.stdout.readline()).decode(errors="replace")
@@ -210,6 +270,7 @@ class _SSHHeld:
         return (await self._process.process.stderr.readline()).decode(errors="replace")
 
     def release(self) -> None:
+        self._beats.cancel()
         with contextlib.suppress(OSError, asyncssh.Error):
             self._process.process.stdin.write_eof()
 

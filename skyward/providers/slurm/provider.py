@@ -55,7 +55,7 @@ from skyward.providers.slurm import commands, jobs
 from skyward.providers.slurm.login import Held, LocalLogin, Login, SSHLogin
 from skyward.providers.slurm.steps import SlurmNode, StepHost
 from skyward.transport.sshhost import Endpoint, KnownHosts
-from skyward.worker import treestore
+from skyward.worker import hostcheck, treestore
 from skyward.worker.objectstore import Store, store_root
 
 T = TypeVar("T")
@@ -64,6 +64,8 @@ T = TypeVar("T")
 PENDING_POLL_SECONDS = 2.0
 # How long a Slurm command (squeue, scontrol, scancel) may take before it is given up on.
 COMMAND_SECONDS = 30.0
+# Words of a node's state (``scontrol show node``) that mean it runs no more of the pool's work.
+UNUSABLE = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING")
 
 
 @dataclass
@@ -84,6 +86,7 @@ class SlurmCluster(Cluster):
     allocations: list[Allocation] = field(default_factory=list)
     shared_cache: bool | None = None  # whether the nodes share one cache directory
     client_shares: bool = False  # whether it is this machine's own (login=None, shared home)
+    progress: Progress | None = None  # the pool's console: a replacement's pending reason
 
     @property
     def job_id(self) -> str:
@@ -111,6 +114,9 @@ class Slurm(Provider):
             wait, showing Slurm's reason (Priority, Resources, QOS...) in the console.
         python: the interpreter on the compute nodes (default ``python3``).
         key, known_hosts, connect_timeout, config: how to log into `login` (as `sky.SSH`).
+        keepalive: with `login`, seconds between SSH keepalives, and between the lines the
+            allocation's holder on the login node must hear: four missed, it ends the
+            allocation (a client asleep or cut off whose connection the login node keeps).
         uv_version, build_env: as `sky.SSH`: the uv to install, and the build steps' env.
         price_per_hour: what one node costs you per hour, in US dollars (a site's charge
             rate), if anything: the pool then counts its spend and can keep a `max_cost`.
@@ -133,6 +139,7 @@ class Slurm(Provider):
         key: str | os.PathLike[str] | None = None,
         known_hosts: KnownHosts = None,
         connect_timeout: float = 10.0,
+        keepalive: float = 15.0,
         config: Sequence[str] | None = None,
         uv_version: str | None = None,
         build_env: Mapping[str, str] | None = None,
@@ -155,7 +162,10 @@ class Slurm(Provider):
         self.options = tuple(options)
         self.pending_timeout = pending_timeout
         self.login = Endpoint.parse(login, None, 22) if login else None
-        self.connect_options = connect.login_options(key, known_hosts, config, connect_timeout)
+        self.connect_options = connect.login_options(
+            key, known_hosts, config, connect_timeout, keepalive
+        )
+        self.keepalive = keepalive
         self.bootstrap = hoststeps.Bootstrap(
             python, uv_version or metadata.version("uv"), dict(build_env or {})
         )
@@ -227,11 +237,11 @@ class Slurm(Provider):
     async def _open_login(self) -> Login:
         if self.login is None:
             return LocalLogin()
-        return SSHLogin(await self.connect_options.connect(self.login))
+        return SSHLogin(await self.connect_options.connect(self.login), self.keepalive)
 
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         login = await self._open_login()
-        cluster = SlurmCluster(spec, [], login=login)
+        cluster = SlurmCluster(spec, [], login=login, progress=progress)
         try:
             await self._find_gres(login, spec.accelerator)
             request = self._request(spec)
@@ -247,30 +257,61 @@ class Slurm(Provider):
         return cluster
 
     async def replace(self, cluster: Cluster, index: int) -> Node:
-        """A node from a new one-node allocation (Slurm does not grow a running job), on none
-        of the pool's machines (the lost one included); the rest of the pool keeps its job,
-        which survives the loss (``--no-kill``)."""
+        """Node `index` again. Where its machine is still the job's and healthy (the agent
+        died, not the node), a new step in the same job on it; otherwise a node from a new
+        one-node allocation (Slurm does not grow a running job), on none of the machines the
+        rest of the pool uses. Either way the rest of the pool keeps its job, which survives
+        a node's loss (``--no-kill``)."""
         slurm = _slurm(cluster)
         assert slurm.login is not None
-        # Not the lost node, nor one the pool has: one node per machine, as at launch.
-        taken = ",".join(n.step_host.name for n in cluster.nodes if isinstance(n, SlurmNode))
-        request = dataclasses.replace(
-            self._request(dataclasses.replace(cluster.spec, nodes=1)),
-            options=(*self.options, f"--exclude={taken}"),
+        lost = cluster.nodes[index]
+        if isinstance(lost, SlurmNode) and await self._still_in_job(slurm.login, lost.step_host):
+            cluster.nodes[index] = SlurmNode(index, lost.step_host)
+            return cluster.nodes[index]
+        # One node per machine, as at launch; the lost machine is not excluded: Slurm gives
+        # no node that is down or drained, and one that is back is as good as any.
+        taken = ",".join(
+            n.step_host.name
+            for i, n in enumerate(cluster.nodes)
+            if isinstance(n, SlurmNode) and i != index
         )
-        (host,) = await self._allocate(slurm, request, Progress())
+        request = self._request(dataclasses.replace(cluster.spec, nodes=1))
+        if taken:
+            request = dataclasses.replace(request, options=(*self.options, f"--exclude={taken}"))
+        (host,) = await self._allocate(slurm, request, slurm.progress or Progress(), index)
         cluster.nodes[index] = SlurmNode(index, host)
         return cluster.nodes[index]
 
+    async def _still_in_job(self, login: Login, host: StepHost) -> bool:
+        """Whether `host`'s machine is up, in its job, and the job still runs."""
+        try:
+            state, _ = commands.node_state(
+                await self._command(login, f"scontrol -o show node {shlex.quote(host.name)}")
+            )
+            if any(word in state for word in UNUSABLE):
+                return False
+            out = await self._command(login, f"squeue -h -j {host.job_id} -o '%T %N'")
+            job_state, _, nodelist = out.strip().partition(" ")
+            return job_state == "RUNNING" and host.name in await self._hostnames(login, nodelist)
+        except Exception:
+            return False
+
     async def _allocate(
-        self, cluster: SlurmCluster, request: commands.Request, progress: Progress
+        self,
+        cluster: SlurmCluster,
+        request: commands.Request,
+        progress: Progress,
+        node: int | None = None,
     ) -> list[StepHost]:
-        """One more allocation for `cluster`, held open: a host for each of its nodes."""
+        """One more allocation for `cluster`, held open: a host for each of its nodes (for
+        pool node `node` alone, or every node with None: whose console line shows the wait)."""
         login = cluster.login
         assert login is not None
+        if isinstance(login, SSHLogin):
+            request = dataclasses.replace(request, idle_seconds=login.idle_seconds)
         allocation = Allocation(await login.hold(shlex.join(request.salloc())))
         cluster.allocations.append(allocation)
-        granted = await self._granted(allocation, login, progress)
+        granted = await self._granted(allocation, login, progress, node)
         allocation.job_id = granted.job_id
         names = await self._hostnames(login, granted.nodelist)
         addresses = commands.node_addresses(
@@ -284,7 +325,7 @@ class Slurm(Provider):
         return hosts
 
     async def _granted(
-        self, allocation: Allocation, login: Login, progress: Progress
+        self, allocation: Allocation, login: Login, progress: Progress, node: int | None
     ) -> commands.Granted:
         """Wait for the holder's line; meanwhile read salloc's stderr for the job id and its
         errors, and show why the job pends."""
@@ -315,7 +356,9 @@ class Slurm(Provider):
                 if waiting.done():
                     break
                 if allocation.job_id:
-                    shown = await self._show_pending(login, allocation.job_id, progress, shown)
+                    shown = await self._show_pending(
+                        login, allocation.job_id, progress, node, shown
+                    )
                 if (
                     self.pending_timeout is not None
                     and loop.time() - started > self.pending_timeout
@@ -362,14 +405,16 @@ class Slurm(Provider):
             )
         return ProvisionError(f"Slurm refused the allocation: {text}")
 
-    async def _show_pending(self, login: Login, job_id: str, progress: Progress, shown: str) -> str:
+    async def _show_pending(
+        self, login: Login, job_id: str, progress: Progress, node: int | None, shown: str
+    ) -> str:
         with contextlib.suppress(Exception):
             out = await self._command(login, f"squeue -h -j {job_id} -o '%T %r'")
             state, _, reason = out.strip().partition(" ")
             if state == "PENDING":
                 detail = f"job {job_id} pending: {reason or 'no reason given'}"
                 if detail != shown:
-                    progress.phase(None, Phase.BOOTING, detail)
+                    progress.phase(node, Phase.BOOTING, detail)
                 return detail
         return shown
 
@@ -385,18 +430,24 @@ class Slurm(Provider):
 
     async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
         slurm = _slurm(cluster)
-        # Whether the nodes share a cache is asked beside the host check, not after it.
-        hardware, _ = await bootstrap.all_or_none(
-            bootstrap.survey_nodes(cluster, image, self.bootstrap, progress),
-            self._find_shared_cache(slurm, progress),
-        )
-        assert isinstance(hardware, Hardware)
+        # Whether the nodes see this machine's cache is read by the host check itself (the
+        # token the client writes there, in its report): a step more per node cost about a
+        # third of a pool's start (benchmarks/README.md, bench_slurm.py).
+        token = _write_client_token() if isinstance(slurm.login, LocalLogin) else None
+        hardware = await bootstrap.survey_nodes(cluster, image, self.bootstrap, progress)
+        if slurm.shared_cache is None:
+            reports = [n.checked[1] for n in bootstrap.remote_nodes(slurm) if n.checked]
+            slurm.client_shares = token is not None and all(
+                r.client_token == token for r in reports
+            )
+            await self._find_shared_cache(slurm, progress)
         return hardware
 
     async def _find_shared_cache(self, slurm: SlurmCluster, progress: Progress) -> None:
+        """Whether the nodes share one cache directory: this machine's (known from the host
+        check), or one of their own, where node 0's token is read by the others."""
         if slurm.shared_cache is not None:
             return
-        slurm.client_shares = await _shares_clients_cache(slurm)
         slurm.shared_cache = slurm.client_shares or await _shares_cache(slurm)
         if slurm.shared_cache and len(slurm.nodes) > 1:
             progress("the nodes share one cache directory: one environment serves them all")
@@ -494,7 +545,7 @@ class Slurm(Provider):
         job_state = await _settled_state(slurm.login, job_id)
         if job_state in {"PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"}:
             return NodeLoss(f"Slurm preempted job {job_id} ({job_state})", preempted=True)
-        if any(word in state for word in ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING")):
+        if any(word in state for word in UNUSABLE):
             why = f": {reason}" if reason else ""
             return NodeLoss(f"Slurm node {name} is {state}{why}")
         if job_state != "RUNNING":
@@ -544,28 +595,17 @@ def _copy_outputs(cluster: Cluster, nodes: Sequence[int]) -> None:
             shutil.copytree(source, local_outputs(cluster, index), dirs_exist_ok=True)
 
 
-async def _shares_clients_cache(cluster: SlurmCluster) -> bool:
-    """Whether every node sees this machine's cache directory as its own: a token the client
-    writes there, read by every node (only with the client on the login node itself)."""
-    if not isinstance(cluster.login, LocalLogin):
-        return False
+def _write_client_token() -> str:
+    """A fresh token in this machine's cache (`hostcheck.CLIENT_TOKEN`), for the host check to
+    read back where a node sees this very directory. Pools started at once may overwrite each
+    other's: a node then seems not to share it, and builds for itself: slower, never wrong."""
     token = secrets.token_hex(8)
-    name = f".shared-{cluster.spec.pool_id}"
-    mine = Path(cache_root()).absolute() / name
-    try:
-        mine.parent.mkdir(parents=True, exist_ok=True)
-        mine.write_text(token)
-        seen = await asyncio.gather(
-            *(
-                n.host.run(f'cat "{CACHE}/{name}" 2>/dev/null')
-                for n in bootstrap.remote_nodes(cluster)
-            )
-        )
-        return all(done.stdout.decode().strip() == token for done in seen)
-    except Exception:
-        return False
-    finally:
-        mine.unlink(missing_ok=True)
+    path = Path(cache_root()).absolute() / hostcheck.CLIENT_TOKEN
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f"{path.name}.{token}")
+    temporary.write_text(token)
+    temporary.replace(path)
+    return token
 
 
 async def _shares_cache(cluster: SlurmCluster) -> bool:

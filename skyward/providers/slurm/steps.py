@@ -9,10 +9,11 @@ srun's, so the agent's stream is the same pipe or SSH channel a Local or SSH nod
 from __future__ import annotations
 
 from skyward.providers.remote.bootstrap import RemoteNode
+from skyward.providers.remote.host import StreamedProcess
 from skyward.providers.slurm import commands
-from skyward.providers.slurm.login import Log, Login, SSHLogin
+from skyward.providers.slurm.login import Log, Login
 from skyward.transport.base import AgentStream
-from skyward.transport.sshhost import Completed, RemoteProcess
+from skyward.transport.sshhost import Completed
 
 
 class StepHost:
@@ -62,15 +63,9 @@ class SlurmNode(RemoteNode):
     async def open_agent(self, command: str) -> AgentStream:
         return await self.step_host.login.open_agent(self.step_host.agent_step(command))
 
-    async def start_process(self, command: str) -> RemoteProcess:
-        """A step whose stdio the client streams over (a data tree's push or pull): through a
-        login node reached over SSH, whose connection adopts it."""
-        login = self.step_host.login
-        if not isinstance(login, SSHLogin):
-            raise TypeError(
-                "streaming data to a Slurm node goes through an SSH login (login='user@host'); "
-                "with the Slurm commands on this machine, the nodes must share its cache"
-            )
-        return await login.host.start(
+    async def start_process(self, command: str) -> StreamedProcess:
+        """A step whose stdio the client streams over (a data tree's push or pull), started
+        through the login: srun's pipes here, or an SSH channel to the login node."""
+        return await self.step_host.login.start(
             commands.step(self.step_host.job_id, self.step_host.name, command)
         )

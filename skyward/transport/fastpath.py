@@ -9,7 +9,8 @@ against the plain behaviour it stands for.
   same way, once per broadcast rather than a ``with`` block per node (`broadcast`).
 - `settle_frames`: it settles small `Result`s straight from the chunk they came in, without
   building a message or copying the bytes into a buffer (`rtt`, `broadcast`: one reply per
-  chunk; `gather`: many). Their metadata is read by `frames.read_meta`, the format's one reader.
+  chunk; `gather`: many), reading their header and packed metadata with `frames.RESULT_FRAME`
+  in place; other frames' metadata is read by `frames.read_meta`, the format's plain reader.
 - `register_each` and `write_each`: a broadcast's call registered on every node's session, then
   written to every node's pipe, each in one Python call with all the locks taken at once
   (`broadcast`: a method call or two per node cost it about a third, in A/B runs of this
@@ -32,12 +33,23 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from skyward.transport import frames
+from skyward.transport.frames import (
+    HEADER,
+    LENGTH,
+    PACKED,
+    PACKED_RESULT,
+    RESULT,
+    RESULT_FRAME,
+    lengths_of,
+    read_meta,
+)
 from skyward.transport.messages import Message, Result, from_wire
 
 _ACQUIRE, _RELEASE = _thread.LockType.acquire, _thread.LockType.release
 # Runs an iterator to its end in C.
 _consume: Callable[[Iterable[object]], None] = collections.deque[object](maxlen=0).extend
 _loads = pickle.loads
+_PACKED_SIZE = PACKED_RESULT.size
 
 
 class all_held:
@@ -185,28 +197,40 @@ def settle_frames(
 
     FAST PATH (every reply of `rtt`, `broadcast` and `gather` comes here; commits 2330448 and
     edfef46): each frame is sliced straight from `data`, with no copy into the decoder's
-    buffer, and a small `Result` settles its call without a message being built. The metadata
-    is read by `frames.read_meta`, as on the plain path."""
+    buffer, and a small `Result` settles its call without a message being built. A small
+    `Result`'s header and packed metadata are read in place with one struct,
+    `frames.RESULT_FRAME` (the agent's loop writes them with it), and its call settled here,
+    `settle` written out; every other frame's metadata is read by `frames.read_meta`, as on
+    the plain path. Reading a small `Result` with `read_meta` and `settle` made the client run
+    4% more instructions per no-op `>>` (callgrind), which put the `>>` at 1.19x of its
+    figure before issue 26, against 1.14x: too near its 1.2x target (benchmarks/README.md,
+    "Issue 26")."""
     offset, end = 0, len(data)
-    head, read_meta, result = frames.ONE_SEGMENT, frames.read_meta, frames.RESULT
-    while end - offset >= head.size:
-        meta_len, count, first = head.unpack_from(data, offset)
-        start = offset + frames.HEADER.size + frames.LENGTH.size * count
-        if count == 1:  # a result or an exception: one segment, whose length is `first`
-            middle = start + meta_len
-            stop = middle + first
-            if stop > end:
-                break
-            offset = stop
-            meta = read_meta(data, start, meta_len)
-            if meta[0] == result and len(meta) == 2:  # (RESULT, call_id)
-                settle(pending, meta[1], (data[middle:stop],), unpicklable)
-            else:
-                on_frame(from_wire(meta), [data[middle:stop]])
-            continue
+    while end - offset >= HEADER.size:
+        if end - offset >= RESULT_FRAME.size:
+            meta_len, count, first, marker, kind, call_id = RESULT_FRAME.unpack_from(data, offset)
+            if marker == PACKED and kind == RESULT and count == 1 and meta_len == _PACKED_SIZE:
+                start = offset + RESULT_FRAME.size
+                stop = start + first
+                if stop > end:
+                    break
+                offset = stop
+                # `settle(pending, call_id, (data[start:stop],), unpicklable)`, written out
+                outcome = pending.pop(call_id, None)
+                if outcome is None:
+                    continue
+                try:
+                    value = _loads(data[start:stop])
+                except Exception as exc:
+                    unpicklable(outcome, exc)
+                    continue
+                outcome.set_result(value)
+                continue
+        meta_len, count = HEADER.unpack_from(data, offset)
+        start = offset + HEADER.size + LENGTH.size * count
         if start > end:
             break
-        lengths = frames.lengths_of(count).unpack_from(data, offset + frames.HEADER.size)
+        lengths = lengths_of(count).unpack_from(data, offset + HEADER.size)
         stop = start + meta_len + sum(lengths)
         if stop > end:
             break
@@ -217,7 +241,7 @@ def settle_frames(
             segments.append(data[position : position + size])
             position += size
         offset = stop
-        if type(message) is Result:  # a large result, its buffers out of band
+        if type(message) is Result:  # a large result, or one whose segments are several
             settle(pending, message.call_id, segments, unpicklable)
         else:
             on_frame(message, segments)

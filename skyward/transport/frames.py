@@ -32,16 +32,16 @@ PROTOCOL = 5
 # sends, which are packed: a marker byte no pickle starts with (a pickle's first byte is its
 # PROTO opcode, 0x80), the kind, then the fields as 64-bit integers. Unpacking a struct costs a
 # fraction of unpickling, on every call's way out and back. This module is the format's one
-# definition, on both sides: its writers are `encode_call` and `encode_result` (which `encode`
-# uses for those two messages), its reader `read_meta`, which the client's fast path calls too;
-# the agent's fast path reads and writes it in place with the structs defined here.
+# definition, on both sides: its structs, its writers `encode_call` and `encode_result` (which
+# `encode` uses for those two messages) and its reader `read_meta`. The two fast paths read a
+# small call's and a small result's in place, with these very structs (`RESULT_FRAME`).
 PACKED = 0x01
 PACKED_CALL = struct.Struct("!BBQQ")  # a Call without the function's bytes: call_id, fn_id
 PACKED_RESULT = struct.Struct("!BBQ")  # a Result: call_id
 CALL, RESULT = Call.KIND, Result.KIND
 # A small Result's frame up to its one segment: the header, the segment's length, the packed
-# metadata, as `encode_result` writes them (tests/test_frames.py checks the agent's fast path,
-# which packs it in place, against `encode_result`).
+# metadata, as `encode_result` writes them. The agent's fast path packs it, the client's reads
+# it (tests/test_frames.py and tests/test_fastpath.py check both against the plain path).
 RESULT_FRAME = struct.Struct(ONE_SEGMENT.format + PACKED_RESULT.format.removeprefix("!"))
 
 Buffer = bytes | bytearray | memoryview
@@ -100,13 +100,13 @@ def read_meta(data: Buffer, start: int, size: int) -> tuple[Any, ...]:
 def _frame(blob: bytes, segments: Segments) -> list[Buffer]:
     """The byte strings of a frame with metadata `blob`: its header, lengths and metadata, with
     each small segment after them copied into one first write, and each large one on its own."""
-    sizes = [nbytes(segment) for segment in segments]
-    head = bytearray(HEADER.pack(len(blob), len(sizes)))
-    for size in sizes:
-        head += LENGTH.pack(size)
+    head = bytearray(HEADER.pack(len(blob), len(segments)))
+    for segment in segments:
+        head += LENGTH.pack(segment.nbytes if type(segment) is memoryview else len(segment))
     head += blob
     chunks: list[Buffer] = [head]
-    for segment, size in zip(segments, sizes, strict=True):
+    for segment in segments:
+        size = segment.nbytes if type(segment) is memoryview else len(segment)
         if chunks[-1] is head and size < COALESCE_LIMIT:
             head += segment
         else:

@@ -100,6 +100,37 @@ def test_the_packed_reader_agrees_with_the_plain_decoder(chunk: int) -> None:
     assert isinstance(fast_other[1][1], ValueError)
 
 
+def test_after_a_frame_cut_short_the_rest_of_its_chunk_takes_the_fast_path() -> None:
+    """Small results many to a chunk, their frames cut at every chunk's end (a gather's
+    replies): the decoder finishes each cut frame with the plain decoder and reads the rest of
+    the chunk with `settle_frames`, so only the frames cut short take the plain path."""
+    from skyward.transport.reply_decoder import ReplyDecoder
+
+    stream = b"".join(
+        bytes(c) for i in range(300) for c in frames.encode_result(i, [pickle.dumps(i, 5)])
+    )
+    outcomes = {i: _Outcome() for i in range(300)}
+    plain: list[messages.Message] = []
+
+    class Calls:
+        def __init__(self) -> None:
+            self.pending: dict[int, Any] = dict(outcomes)
+
+    class Counting(ReplyDecoder):
+        def _on_message(self, message: messages.Message, segments: list[frames.Buffer]) -> None:
+            plain.append(message)
+            super()._on_message(message, segments)
+
+    calls = Calls()
+    decoder = Counting(calls, pytest.fail, pytest.fail)
+    chunk = 1000  # not a multiple of a frame's size
+    for start in range(0, len(stream), chunk):
+        decoder.feed(stream[start : start + chunk])
+    assert not calls.pending
+    assert all(outcome.value == ("value", i) for i, outcome in outcomes.items())
+    assert 0 < len(plain) <= len(stream) // chunk
+
+
 def test_a_result_that_cannot_be_unpickled_goes_to_unpicklable() -> None:
     pending: dict[int, Any] = {5: _Outcome()}
     failed: list[tuple[Any, Exception]] = []

@@ -150,7 +150,7 @@ def test_the_reply_decoder_settles_every_result_and_hands_on_the_rest() -> None:
     rng = random.Random(11)
     blob, values = _stream(60, rng)
     other = b"".join(bytes(c) for c in frames.encode(messages.Heartbeat()))
-    for chunk_size in (7, 4096, len(blob) + len(other)):
+    for chunk_size in (7, 33, 1000, 4096, len(blob) + len(other)):
         outcomes = {i: _Settled() for i in range(len(values))}
         calls = _Calls(dict(outcomes))
         by_frame: list[messages.Message] = []

@@ -114,17 +114,12 @@ def _frame(blob: bytes, segments: Segments) -> list[Buffer]:
     return chunks
 
 
-def nbytes(data: Buffer) -> int:
-    """The size of `data` in bytes (a memoryview's ``len`` counts items)."""
-    return data.nbytes if type(data) is memoryview else len(data)
-
-
 def coalesce(chunks: list[Buffer]) -> list[Buffer]:
     """Join runs of small chunks (several frames to one node), so they cost one write."""
     out: list[Buffer] = []
     small = bytearray()
     for chunk in chunks:
-        if nbytes(chunk) < COALESCE_LIMIT:
+        if (chunk.nbytes if type(chunk) is memoryview else len(chunk)) < COALESCE_LIMIT:
             small += chunk
             continue
         if small:
@@ -241,6 +236,27 @@ class FrameDecoder:
     def between_frames(self) -> bool:
         """Whether the next byte fed starts a frame (nothing is held back)."""
         return self._meta is None and not self._buf
+
+    def bytes_wanted(self) -> int:
+        """How many bytes the frame held back (begun, not whole) wants before more of it is
+        known: up to the end of its header, then of its segment lengths, then of the frame.
+        0 between frames."""
+        buf = self._buf
+        if self._meta is not None:  # its segments are coming
+            left: int = sum(self._lengths[len(self._segments) :]) - len(buf)
+            return left if self._partial is None else left - self._filled
+        if not buf:
+            return 0
+        if len(buf) < HEADER.size:
+            return HEADER.size - len(buf)
+        meta_len: int
+        count: int
+        meta_len, count = HEADER.unpack_from(buf)
+        lengths_end = HEADER.size + LENGTH.size * count
+        if len(buf) < lengths_end:
+            return lengths_end - len(buf)
+        size: int = lengths_end + meta_len + sum(lengths_of(count).unpack_from(buf, HEADER.size))
+        return size - len(buf)
 
     def feed(self, data: Buffer) -> None:
         """Decode a chunk of the stream (an empty one: the stream has ended)."""

@@ -2,8 +2,9 @@
 
 A chunk that starts at a frame's start (every reply of a small call comes as one such chunk) is
 read by the client's fast path (`fastpath.settle_frames`), which settles each small `Result`
-straight from the chunk; whatever is left of it, and every other chunk, goes through the plain
-`FrameDecoder`.
+straight from the chunk; a frame cut short at the end of a chunk, and a frame with a large
+segment, go through the plain `FrameDecoder`, and once the frame it holds is whole, the rest of
+the chunk goes back to the fast path.
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ class ReplyDecoder(frames.FrameDecoder):
         self._on_unpicklable = on_unpicklable
 
     def feed(self, data: frames.Buffer) -> None:
+        if type(data) is bytes and data and not self.between_frames:
+            # A frame cut short by the last chunk: its rest goes to the plain decoder, so that
+            # the frames after it are read by the fast path too (a gather's replies come many
+            # to a chunk, and chunks rarely end where a frame does).
+            view, taken = memoryview(data), 0
+            while 0 < (wanted := self.bytes_wanted()) < len(data) - taken:
+                super().feed(view[taken : taken + wanted])
+                taken += wanted
+            if taken:
+                data = data[taken:]
         if type(data) is bytes and data and self.between_frames:
             self.last_fed = time.monotonic()
             try:

@@ -87,3 +87,55 @@ def test_skyward_run_on_slurm_with_a_bare_jax_initialize(
         assert f"rank {rank} of 3 [3.] node" in out, out
     assert wait_for_empty_queue(login, 5) == []
     assert queue(login) == []
+
+
+JOB_SCRIPT = """\
+import os
+import subprocess
+
+out = subprocess.run(
+    ["scontrol", "-o", "show", "job", os.environ["SKYWARD_SLURM_JOB_ID"]],
+    capture_output=True, text=True, check=True,
+).stdout
+job = dict(word.split("=", 1) for word in out.split() if "=" in word)
+print("JOB", job["Partition"], job["Account"], job["TimeLimit"], job["NumNodes"])
+"""
+
+
+def test_skyward_run_takes_the_slurm_profile_and_flags(
+    login: SlurmCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A skyward.toml profile names the provider, the partition and the account; the command
+    line's flags set the nodes and the time limit and win over the profile's partition."""
+    (tmp_path / "skyward.toml").write_text(
+        "[profile.default]\n"
+        'provider = "slurm"\n'
+        'partition = "restricted"\n'  # refuses every account: the flag must win
+        'account = "lab"\n'
+        f"python = {sys.executable!r}\n"
+    )
+    (tmp_path / "job.py").write_text(JOB_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    args = ["run", "--nodes", "2", "--partition", "debug", "--time-limit", "0:07:00", "job.py"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("JOB debug lab 00:07:00 2") == 2, out
+    assert wait_for_empty_queue(login, 5) == []
+
+
+def test_skyward_status_lists_the_job_of_a_slurm_profiles_pool(
+    login: SlurmCluster,
+    running_pool: tuple[str, subprocess.Popen[str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pool_id, _ = running_pool
+    (tmp_path / "skyward.toml").write_text('[profile.hpc]\nprovider = "slurm"\n')
+    monkeypatch.chdir(tmp_path)
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert f"slurm  here  {pool_id}" in out, out

@@ -92,6 +92,40 @@ def test_a_pending_allocation_shows_slurms_reason_and_gives_up_when_asked(
 
 
 @sky.compute
+def my_job() -> dict[str, str]:
+    """The fields of the node's job as ``scontrol`` shows them (SLURM_CONF is kept for this)."""
+    import subprocess
+
+    job = os.environ["SKYWARD_SLURM_JOB_ID"]
+    out = subprocess.run(
+        ["scontrol", "-o", "show", "job", job], capture_output=True, text=True, check=True
+    ).stdout
+    return dict(word.split("=", 1) for word in out.split() if "=" in word)
+
+
+def test_the_allocation_is_what_the_provider_was_given(login: SlurmCluster) -> None:
+    provider = sky.Slurm(partition="debug", account="lab", time_limit=600, options=["--exclusive"])
+    with sky.ComputePool(provider=provider, nodes=2) as pool:
+        jobs = my_job() @ pool
+        assert len(jobs_of(pool, login)) == 1
+    job = jobs[0]
+    assert jobs[1]["JobId"] == job["JobId"]
+    assert (job["Partition"], job["Account"], job["TimeLimit"]) == ("debug", "lab", "00:10:00")
+    assert job["OverSubscribe"] == "NO"  # --exclusive, passed on as given
+    assert job["JobName"] == f"skyward-{pool.pool_id}"
+    assert wait_for_empty_queue(login, 5) == []
+
+
+def test_gres_no_node_has_is_a_config_error_with_nothing_queued(login: SlurmCluster) -> None:
+    began = time.monotonic()
+    with pytest.raises(sky.ConfigError, match=r"(?i)gres=.gpu:a100:9"):
+        with sky.ComputePool(provider=sky.Slurm(gres="gpu:a100:9"), nodes=1):
+            pass
+    assert time.monotonic() - began < 30
+    assert queue(login) == []
+
+
+@sky.compute
 def sleep_on(node: int, seconds: float) -> str:
     if sky.instance_info().node == node:
         print("sleeping", flush=True)

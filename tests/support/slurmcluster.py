@@ -701,8 +701,10 @@ class SlurmCluster:
             "SlurmdDebug=info",
             # Nodes claim the CPUs slurm.conf gives them, not this machine's count.
             "SlurmdParameters=config_overrides",
-            # A node that comes back (kill_node, then start_node) is usable again at once.
-            "ReturnToService=2",
+            # A node that comes back (kill_node, then start_node) is usable again at once; one
+            # an admin set down stays down until resumed (=2 would return it at its next
+            # registration, which follows the kill of its jobs within moments).
+            "ReturnToService=1",
             # Short timeouts: a lost node or an unanswered message shows within seconds.
             f"SlurmdTimeout={self.slurmd_timeout}",
             "MessageTimeout=5",

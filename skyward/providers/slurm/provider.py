@@ -539,11 +539,16 @@ class Slurm(Provider):
         if slurm.login is None or slurm.login.closed or not isinstance(node, SlurmNode):
             return None
         name = node.step_host.name
-        out = await self._command(slurm.login, f"scontrol -o show node {shlex.quote(name)}")
-        state, reason = commands.node_state(out)
         job_id = node.step_host.job_id
-        job_state = await _settled_state(slurm.login, job_id)
-        if job_state in {"PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"}:
+        # Both at once: the pool gives an explanation a few seconds (session.EXPLAIN_SECONDS),
+        # which a loaded login node's two commands in turn could overrun.
+        out, job_state = await asyncio.gather(
+            self._command(slurm.login, f"scontrol -o show node {shlex.quote(name)}"),
+            _settled_state(slurm.login, job_id),
+        )
+        state, reason = commands.node_state(out)
+        # (The pool's job is salloc's, which Slurm never requeues: preempted, it is cancelled.)
+        if job_state in {"PREEMPTED", "SUSPENDED"}:
             return NodeLoss(f"Slurm preempted job {job_id} ({job_state})", preempted=True)
         if any(word in state for word in UNUSABLE):
             why = f": {reason}" if reason else ""

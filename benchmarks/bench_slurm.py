@@ -42,7 +42,7 @@ from skyward.providers.base import Cluster
 from tests.support import slurmcluster, sshd
 from tests.support.slurmcluster import SlurmCluster
 
-SUBNET = "10.213.34.0/24"  # the test suite's Slurm clusters use 10.213.31-33
+SUBNET = "10.213.34.0/24"  # shared with tests/slurm/test_slurm_gpus.py: clusters take turns
 ECHO = "import sys\nfor line in sys.stdin:\n    sys.stdout.write(line)\n    sys.stdout.flush()\n"
 
 

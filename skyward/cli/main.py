@@ -334,7 +334,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--zone", help="gcp: the zone")
     run.add_argument("--partition", help="slurm: the partition")
     run.add_argument("--account", help="slurm: the account")
-    run.add_argument("--time-limit", help="slurm: the allocation's time limit, e.g. 2:00:00")
+    run.add_argument(
+        "--time-limit",
+        help="slurm: the allocation's time limit as Slurm writes it, e.g. 2:00:00 (a bare "
+        "number is minutes, as for sbatch)",
+    )
     run.add_argument("--login", help="slurm: a login node over SSH, user@host (default: here)")
     run.add_argument("script", help="the script, as you would give it to python")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")

@@ -65,14 +65,16 @@ def test_a_partition_that_does_not_exist_is_a_config_error_with_nothing_queued(
     with pytest.raises(sky.ConfigError, match=r"(?i)invalid partition.*nosuch"):
         with sky.ComputePool(provider=sky.Slurm(partition="nosuch"), nodes=2):
             pass
-    assert time.monotonic() - began < 30
+    assert time.monotonic() - began < 15
     assert queue(login) == []
 
 
 def test_an_account_the_partition_refuses_is_a_config_error(login: SlurmCluster) -> None:
+    began = time.monotonic()
     with pytest.raises(sky.ConfigError, match=r"(?i)account.*other"):
         with sky.ComputePool(provider=sky.Slurm(partition="restricted", account="other"), nodes=1):
             pass
+    assert time.monotonic() - began < 15
     assert queue(login) == []
 
 
@@ -121,7 +123,7 @@ def test_gres_no_node_has_is_a_config_error_with_nothing_queued(login: SlurmClus
     with pytest.raises(sky.ConfigError, match=r"(?i)gres=.gpu:a100:9"):
         with sky.ComputePool(provider=sky.Slurm(gres="gpu:a100:9"), nodes=1):
             pass
-    assert time.monotonic() - began < 30
+    assert time.monotonic() - began < 15
     assert queue(login) == []
 
 

@@ -258,7 +258,7 @@ def _ship_by_value(fn: Callable[..., Any]) -> None:
     packages (site-packages, the standard library) stay by reference.
     """
     top = (getattr(fn, "__module__", None) or "__main__").split(".")[0]
-    if top == "skyward" or top in sources.shipped:
+    if top == "skyward" or sources.is_shipped(top):
         return
     module = sys.modules.get(top)
     origin = getattr(module, "__file__", None)
@@ -268,7 +268,7 @@ def _ship_by_value(fn: Callable[..., Any]) -> None:
     if any(path.is_relative_to(root) for root in _installed_roots()):
         return
     cloudpickle.register_pickle_by_value(module)
-    sources.shipped.add(top)
+    sources.ship(top)
 
 
 def _name(fn: Callable[..., Any]) -> str:

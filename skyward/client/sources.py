@@ -4,7 +4,7 @@ cloudpickle sends the functions of ``__main__`` and of the user's own modules by
 code, not an import), and since cloudpickle 3.1.3 it names their file ``<dynamic-code>``: a
 node's traceback then gives a line number but no file and no source line. The client has both:
 `with_sources` puts the client's file name and source line back into such a traceback, finding
-each frame's code among the modules it shipped by value (`shipped`) by function name and line.
+each frame's code among the modules it shipped by value (`ship`) by function name and line.
 """
 
 from __future__ import annotations
@@ -17,11 +17,21 @@ import types
 from collections.abc import Iterator
 
 # Top-level names of the modules whose functions travel by value (``__main__`` always does).
-shipped: set[str] = {"__main__"}
+_shipped: set[str] = {"__main__"}
 
 _DYNAMIC = re.compile(
     r'^(?P<indent>\s*)File "<dynamic-code>", line (?P<line>\d+), in (?P<name>.+)$'
 )
+
+
+def ship(top: str) -> None:
+    """Record that the functions of top-level module `top` now travel by value."""
+    _shipped.add(top)
+
+
+def is_shipped(top: str) -> bool:
+    """Whether the functions of top-level module `top` travel by value."""
+    return top in _shipped
 
 
 def with_sources(traceback: str) -> str:
@@ -56,7 +66,7 @@ def _locate(name: str, line: int) -> str | None:
 
 def _shipped_code() -> Iterator[types.CodeType]:
     for module_name, module in list(sys.modules.items()):
-        if module is None or module_name.split(".")[0] not in shipped:
+        if module is None or module_name.split(".")[0] not in _shipped:
             continue
         for value in list(vars(module).values()):
             for member in [value, *_members(value)]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.aws import instance_types, resources, teardown, userdata
 from skyward.providers.base import NodeLoss
 from skyward.providers.cloud import failover
-from skyward.providers.cloud.provider import check_cidr
+from skyward.providers.cloud.provider import public_cidr
 
 GPU_AMI_PARAMETER = (
     "/aws/service/deeplearning/ami/{arch}/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
@@ -42,7 +41,6 @@ GPU_AMI_PARAMETER = (
 CPU_AMI_PARAMETER = (
     "/aws/service/canonical/ubuntu/server/24.04/stable/current/{arch}/hvm/ebs-gp3/ami-id"
 )
-CHECK_IP_URL = "https://checkip.amazonaws.com"
 _GONE_STATES = ("shutting-down", "terminated", "stopping", "stopped")
 _SPOT_CODES = ("Server.SpotInstanceTermination", "Server.SpotInstanceShutdown")
 # EC2's answers that a zone cannot take the instances now: the next zone may.
@@ -396,12 +394,4 @@ def subnets(ec2: Any, subnet_ids: Sequence[str], instance_type: str) -> list[dic
 def _client_cidr(ec2: Any, vpc_id: str, use_private_ips: bool) -> str:
     if use_private_ips:
         return str(ec2.describe_vpcs(VpcIds=[vpc_id])["Vpcs"][0]["CidrBlock"])
-    try:
-        with urllib.request.urlopen(CHECK_IP_URL, timeout=10) as answer:
-            address = answer.read().decode().strip()
-        return check_cidr(f"{address}/32")
-    except (OSError, ValueError, ConfigError) as exc:
-        raise ConfigError(
-            f"this client's public address could not be found ({CHECK_IP_URL}: {exc}); "
-            "pass sky.AWS(ssh_cidr='x.x.x.x/32') to say who may reach port 22"
-        ) from None
+    return public_cidr("AWS")

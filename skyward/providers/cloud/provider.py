@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import shutil
 import threading
+import urllib.request
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -295,3 +296,21 @@ def check_cidr(cidr: str) -> str:
         return str(ipaddress.ip_network(cidr, strict=False))
     except ValueError:
         raise ConfigError(f"ssh_cidr {cidr!r} is not a CIDR such as '203.0.113.7/32'") from None
+
+
+# Where a client asks for its public address, when no ssh_cidr says who may reach port 22.
+CHECK_IP_URL = "https://checkip.amazonaws.com"
+
+
+def public_cidr(provider: str) -> str:
+    """This client's public address as a ``/32``, for the rule that lets it reach port 22;
+    `ConfigError` naming `provider`'s ``ssh_cidr=`` when it cannot be found."""
+    try:
+        with urllib.request.urlopen(CHECK_IP_URL, timeout=10) as answer:
+            address = answer.read().decode().strip()
+        return check_cidr(f"{address}/32")
+    except (OSError, ValueError, ConfigError) as exc:
+        raise ConfigError(
+            f"this client's public address could not be found ({CHECK_IP_URL}: {exc}); "
+            f"pass sky.{provider}(ssh_cidr='x.x.x.x/32') to say who may reach port 22"
+        ) from None

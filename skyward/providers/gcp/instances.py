@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -25,15 +24,14 @@ from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
 
 from skyward.cluster import ClusterSpec
-from skyward.errors import ConfigError, ProvisionError
+from skyward.errors import ProvisionError
 from skyward.providers.base import NodeLoss
-from skyward.providers.cloud.provider import check_cidr
+from skyward.providers.cloud.provider import public_cidr
 from skyward.providers.gcp import api, resources, teardown
 from skyward.providers.gcp.machine_types import Choice
 from skyward.providers.gcp.resources import network_url, subnetwork_url
 from skyward.providers.gcp.settings import Access, Clients, MachineSettings
 
-CHECK_IP_URL = "https://checkip.amazonaws.com"
 PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
 _UP = ("PROVISIONING", "STAGING", "RUNNING")
 _GONE = ("STOPPING", "STOPPED", "SUSPENDING", "SUSPENDED", "TERMINATED")
@@ -327,15 +325,7 @@ def describe_loss(instance: Any, preempted: bool | None) -> NodeLoss | None:
 def _client_cidrs(settings: MachineSettings) -> list[str]:
     if settings.use_private_ips:
         return list(PRIVATE_RANGES)  # the client is inside the VPC or on a VPN
-    try:
-        with urllib.request.urlopen(CHECK_IP_URL, timeout=10) as answer:
-            address = answer.read().decode().strip()
-        return [check_cidr(f"{address}/32")]
-    except (OSError, ValueError, ConfigError) as exc:
-        raise ConfigError(
-            f"this client's public address could not be found ({CHECK_IP_URL}: {exc}); "
-            "pass sky.GCP(ssh_cidr='x.x.x.x/32') to say who may reach port 22"
-        ) from None
+    return [public_cidr("GCP")]
 
 
 def _launch_words(

@@ -116,15 +116,7 @@ def vms(
     """Firewall rules, then the pool's VMs in the first zone with room, one bulkInsert for all
     of them, until every one runs. `markets`: spot or not, in the order tried."""
     with _launching(pool):
-        instances.create_firewalls(
-            calls.clients,
-            calls.access,
-            calls.machine_settings,
-            pool.pool_id,
-            pool.made,
-            calls.deadline,
-            pool.check_cancel,
-        )
+        _firewalls(calls, pool)
         metadata = _metadata(calls, pool)
         attempts = failover.Attempts(f"{pool.spec.nodes} x {choice.machine_type}", pool.tell)
         read: dict[str, dict[str, quotas.Quota] | None] = {}  # region -> its quotas, once
@@ -172,15 +164,7 @@ def tpu_slice(
     answers a slice over quota as it answers one without capacity: the next zone is tried)."""
     with _launching(pool):
         metadata = _metadata(calls, pool)
-        instances.create_firewalls(
-            calls.clients,
-            calls.access,
-            calls.machine_settings,
-            pool.pool_id,
-            pool.made,
-            calls.deadline,
-            pool.check_cancel,
-        )
+        _firewalls(calls, pool)
         attempts = failover.Attempts(
             f"TPU {tpu.accelerator_type} ({count(tpu.hosts, 'host')})", pool.tell
         )
@@ -238,6 +222,19 @@ def one_more(calls: Calls, pool: GCPCluster) -> list[Host]:
     raise attempts.exhausted(
         f"Replacements stay in region {region}, the pool's network: give more of its zones "
         "(zone=[...]) to have more tried"
+    )
+
+
+def _firewalls(calls: Calls, pool: GCPCluster) -> None:
+    """The pool's firewall rules (global: made once, before the first zone is tried)."""
+    instances.create_firewalls(
+        calls.clients,
+        calls.access,
+        calls.machine_settings,
+        pool.pool_id,
+        pool.made,
+        calls.deadline,
+        pool.check_cancel,
     )
 
 

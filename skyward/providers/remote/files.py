@@ -38,10 +38,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from skyward.providers.remote.bootstrap import RemoteNode
+from skyward.providers.remote.bootstrap import RemoteNode, all_or_none
 from skyward.providers.remote.treepeer import LENGTH, Peer
 from skyward.providers.remote.treepull import forget, plan, receive_files, set_dirs
-from skyward.providers.remote.treepush import gather, offer, send_contents
+from skyward.providers.remote.treepush import offer, send_contents
 from skyward.worker.treemanifest import Entry, Manifest
 
 
@@ -106,12 +106,12 @@ async def push_tree(
             await held.enter_async_context(receiver.lock)
         peers = await _open(nodes, receivers)
         try:
-            paths = dict(await gather(*(offer(p, manifest, say) for p in peers)))
+            paths = dict(await all_or_none(*(offer(p, manifest, say) for p in peers)))
             await send_contents(Path(root), manifest, [p for p in peers if p.need])
             waiting = [p for p in peers if p.final is not None]
             for p in waiting:
                 p.write(b"E")
-            finals = await gather(*(p.final for p in waiting if p.final is not None))
+            finals = await all_or_none(*(p.final for p in waiting if p.final is not None))
             for peer, final in zip(waiting, finals, strict=True):
                 paths[peer.node.index] = str(final["done"])
         except BaseException:

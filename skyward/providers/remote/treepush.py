@@ -14,7 +14,6 @@ import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import asyncssh
 
@@ -22,18 +21,6 @@ from skyward.errors import DataError
 from skyward.providers.remote.treepeer import LENGTH, Peer
 from skyward.worker.treemanifest import Entry, Manifest, unchanged
 from skyward.worker.treestore import CHUNK
-
-
-async def gather(*aws: Any) -> list[Any]:
-    """All results, or the first failure once every other task was cancelled and awaited."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 async def offer(peer: Peer, manifest: Manifest, say: Callable[[str], None]) -> tuple[int, str]:

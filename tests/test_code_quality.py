@@ -121,7 +121,7 @@ VOCABULARY = (
     "skyward.cost",
     "skyward.version",
 )
-# Every provider but the protocol and the environment key: what the client never names.
+# Every provider but the base class and the environment key: what the client never names.
 CONCRETE_PROVIDERS = (
     "skyward.providers.local",
     "skyward.providers.ssh",

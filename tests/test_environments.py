@@ -86,7 +86,7 @@ def test_missing_apt_package_is_reported_not_installed(
 
 
 def test_one_decision_for_every_provider() -> None:
-    report = hostcheck.Report(
+    report = hostcheck.HostReport(
         python="/usr/bin/python3",
         version="3.12.3",
         uid=1000,
@@ -130,7 +130,7 @@ def test_the_host_check_runs_as_its_own_source_with_any_interpreter(tmp_path: Pa
         cwd=tmp_path,
         env=env,
     )
-    remote = hostcheck.Report.from_json(done.stdout)
+    remote = hostcheck.HostReport.from_json(done.stdout)
     assert remote.src is False and remote.env is None and remote.uv is None
     assert remote.apt_missing == ("skyward-no-such-deb",)
     assert remote.satisfied is None, "skyward is not importable there: the probe must wait"

@@ -261,7 +261,7 @@ def test_the_host_check_reports_gpus_where_skyward_cannot_be_imported(tmp_path: 
 
 def host_check(
     query: hostcheck.Query, machine: str, tmp_path: Path, visible: str | None = None
-) -> hostcheck.Report:
+) -> hostcheck.HostReport:
     """The check program's report on a host that cannot import skyward (``-I -S``), whose
     nvidia-smi replays `machine`, and whose CUDA_VISIBLE_DEVICES is `visible` (None: unset)."""
     fake = fake_nvidia_smi(machine, tmp_path / "bin")
@@ -277,7 +277,7 @@ def host_check(
         cwd=tmp_path,
         env=env,
     )
-    return hostcheck.Report.from_json(done.stdout)
+    return hostcheck.HostReport.from_json(done.stdout)
 
 
 def test_cuda_visible_devices_leaves_out_the_gpus_it_hides() -> None:

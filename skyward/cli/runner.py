@@ -33,14 +33,14 @@ from skyward.worker.script import run_script
 
 
 @dataclass(frozen=True)
-class Outcome:
+class RunEnd:
     """How a run ended: the exit status, and the line that says why when it is not 0."""
 
     status: int
     message: str | None = None
 
 
-def run(profile: Profile, script: str, args: Sequence[str]) -> Outcome:
+def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
     """Run `script` with `args` on every node of a pool made from `profile`."""
     path = Path(script)
     if not path.is_file():
@@ -60,7 +60,7 @@ def run(profile: Profile, script: str, args: Sequence[str]) -> Outcome:
         target = Data(path)  # on each node: the file's copy, run from the agent's directory
     plugins: list[Plugin] = [jax(initialize=False) if "jax" in profile.plugins else LauncherEnv()]
     node_call = compute(run_script)
-    failure: Outcome | None = None
+    failure: RunEnd | None = None
     with ComputePool(
         provider=profile.build_provider(),
         nodes=profile.nodes,
@@ -75,11 +75,11 @@ def run(profile: Profile, script: str, args: Sequence[str]) -> Outcome:
             for i in range(pool.spec.nodes)
         }
         failure = _first_failure(ranks)
-    return failure or Outcome(0)
+    return failure or RunEnd(0)
 
 
-def _first_failure(ranks: dict[Future[int], int]) -> Outcome | None:
-    """Wait for every rank; the first one to fail (in time) as an `Outcome`, or None."""
+def _first_failure(ranks: dict[Future[int], int]) -> RunEnd | None:
+    """Wait for every rank; the first one to fail (in time) as a `RunEnd`, or None."""
     pending = set(ranks)
     while pending:
         done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -88,13 +88,13 @@ def _first_failure(ranks: dict[Future[int], int]) -> Outcome | None:
             error = future.exception()
             if error is not None:
                 first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                return Outcome(1, f"rank {rank} failed: {type(error).__name__}: {first}")
+                return RunEnd(1, f"rank {rank} failed: {type(error).__name__}: {first}")
             status = future.result()
             if status > 0:
-                return Outcome(status, f"rank {rank} exited with status {status}")
+                return RunEnd(status, f"rank {rank} exited with status {status}")
             if status < 0:
                 name = _signal_name(-status)
-                return Outcome(128 - status, f"rank {rank} was killed by signal {-status} ({name})")
+                return RunEnd(128 - status, f"rank {rank} was killed by signal {-status} ({name})")
     return None
 
 

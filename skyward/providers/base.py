@@ -1,4 +1,4 @@
-"""The provider protocol: turn a `ClusterSpec` into a `Cluster` of nodes, prepare them, remove them.
+"""The provider base class: a `ClusterSpec` made into a `Cluster` of nodes, prepared, removed.
 
 A provider is one class over a handful of async verbs (a folder of plain functions behind it for
 a cloud). Every capability the pool uses is a method here; the optional ones have defaults:

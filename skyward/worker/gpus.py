@@ -114,7 +114,7 @@ class Inventory:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Inventory:
-        """The inverse of `dataclasses.asdict` (as a `hostcheck.Report` carries it)."""
+        """The inverse of `dataclasses.asdict` (as a `hostcheck.HostReport` carries it)."""
         return cls(
             gpus=tuple(Gpu(**gpu) for gpu in data["gpus"]),
             driver=data["driver"],

@@ -5,7 +5,7 @@ version, the machine's OS, architecture and C library, skyward's source, a usabl
 own copy, or one on PATH of the same minor version), an environment already built for the image,
 the setup marker, the apt packages missing, whether the interpreter satisfies the image's
 requirements, and (when asked) the machine's GPUs that its ``CUDA_VISIBLE_DEVICES`` leaves it.
-`decide` turns that `Report` into the interpreter the nodes run, or a build, by one rule. Every
+`decide` turns that `HostReport` into the interpreter the nodes run, or a build, by one rule. Every
 provider uses these two: Local calls `check` in-process; on a remote host `program()` runs with
 the host's interpreter (``python3 -c PROGRAM QUERY_JSON``), one command that prints the report.
 
@@ -61,7 +61,7 @@ CLIENT_TOKEN = ".client-token"
 
 
 @dataclass(frozen=True)
-class Report:
+class HostReport:
     """What `check` found."""
 
     python: str  # this interpreter
@@ -87,7 +87,7 @@ class Report:
     client_token: str = ""
 
     @classmethod
-    def from_json(cls, text: str) -> Report:
+    def from_json(cls, text: str) -> HostReport:
         from skyward.worker.gpus import Inventory  # on the client, where skyward is importable
 
         data = json.loads(text)
@@ -105,7 +105,7 @@ class Decision:
     setup: bool = False  # run the image's setup commands once before using `python`
 
 
-def check(query: Query, find_gpus: Callable[[], Inventory] | None = None) -> Report:
+def check(query: Query, find_gpus: Callable[[], Inventory] | None = None) -> HostReport:
     """Look at this interpreter and the cache directory for `query`; `find_gpus` lists the
     GPUs (default: `skyward.worker.gpus.find_visible`, imported)."""
     home = os.path.expanduser(query.cache)
@@ -120,7 +120,7 @@ def check(query: Query, find_gpus: Callable[[], Inventory] | None = None) -> Rep
         else:
             satisfied = probe(query.requirements)
     system = platform.system()
-    return Report(
+    return HostReport(
         python=sys.executable,
         version=platform.python_version(),
         uid=os.getuid(),
@@ -151,7 +151,7 @@ def same_python(version: str, wanted: str) -> bool:
     return version.split(".")[: len(wanted.split("."))] == wanted.split(".")
 
 
-def decide(report: Report, python_version: str | None, has_setup: bool) -> Decision:
+def decide(report: HostReport, python_version: str | None, has_setup: bool) -> Decision:
     """The interpreter for the nodes, by one rule whatever earlier runs left in the cache: the
     inspected interpreter itself when it is the image's Python and has every requirement; else
     the environment built for the image, when complete; else a build."""

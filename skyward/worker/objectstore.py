@@ -42,7 +42,7 @@ def store_root() -> Path:
     return Path(cache_root()).absolute() / "data"
 
 
-class Failure(Exception):
+class StoreError(Exception):
     """A receive that failed on the node; `path` is the tree entry involved, if any."""
 
     def __init__(self, message: str, path: str = "") -> None:
@@ -136,7 +136,7 @@ class Build:
     def receive(self, sha: str, chunks: Iterable[memoryview]) -> None:
         """Write one content, arriving as `chunks`, to incoming/<sha>."""
         if sha not in self.sizes:
-            raise Failure(f"content {sha} is not in the manifest")
+            raise StoreError(f"content {sha} is not in the manifest")
         where = self.owner[sha]
         total = 0
         try:
@@ -146,9 +146,9 @@ class Build:
                     while view:
                         view = view[out.write(view) :]
         except OSError as exc:
-            raise Failure(f"writing {where}: {exc.strerror}", where) from None
+            raise StoreError(f"writing {where}: {exc.strerror}", where) from None
         if total != self.sizes[sha]:
-            raise Failure(f"{where} arrived with {total} bytes, not {self.sizes[sha]}", where)
+            raise StoreError(f"{where} arrived with {total} bytes, not {self.sizes[sha]}", where)
         self.fresh.add(sha)
 
     def finish(self) -> Path:
@@ -169,7 +169,7 @@ class Build:
                 else:
                     self._place(e, dest)
             except OSError as exc:
-                raise Failure(f"writing {e.path}: {exc.strerror}", e.path) from None
+                raise StoreError(f"writing {e.path}: {exc.strerror}", e.path) from None
         for sha in received:
             with contextlib.suppress(FileExistsError):
                 os.link(self.incoming / sha, self.store.objects / sha)

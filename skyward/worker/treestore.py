@@ -40,7 +40,7 @@ from typing import IO, Any
 
 from skyward.errors import DataError
 from skyward.info import cache_root
-from skyward.worker.objectstore import Build, Failure, Store, store_root
+from skyward.worker.objectstore import Build, Store, StoreError, store_root
 from skyward.worker.treemanifest import (
     FILE,
     Manifest,
@@ -155,7 +155,7 @@ def _push(tag: bytes, data: Input, out: IO[bytes], store: Store) -> bool:
     """Serve one push that began with `tag`; False when it failed (and the input is spent)."""
     try:
         if tag != b"D":
-            raise Failure("protocol error: expected the tree's digest")
+            raise StoreError("protocol error: expected the tree's digest")
         digest = data.exact(32).hex()
         have = store.has(digest)
         if have is not None:
@@ -163,12 +163,12 @@ def _push(tag: bytes, data: Input, out: IO[bytes], store: Store) -> bool:
             return True
         reply(out, {"manifest": True})
         if data.exact(1) != b"M":
-            raise Failure("protocol error: expected the manifest")
+            raise StoreError("protocol error: expected the manifest")
         manifest = Manifest.decode(data.exact(struct.unpack("!Q", data.exact(8))[0]))
         manifest.check()
         if manifest.digest != digest:
-            raise Failure("the manifest does not match its digest (client and node differ)")
-    except (Failure, ValueError, OSError) as exc:
+            raise StoreError("the manifest does not match its digest (client and node differ)")
+    except (StoreError, ValueError, OSError) as exc:
         _fail(out, data, exc)
         return False
     build: Build | None = None
@@ -178,10 +178,10 @@ def _push(tag: bytes, data: Input, out: IO[bytes], store: Store) -> bool:
         while (tag := data.exact(1)) == b"C":
             build.receive(data.exact(32).hex(), data.chunks())
         if tag != b"E":
-            raise Failure("protocol error: expected content or the end")
+            raise StoreError("protocol error: expected content or the end")
         reply(out, {"done": str(build.finish())})
         return True
-    except (Failure, OSError) as exc:
+    except (StoreError, OSError) as exc:
         if build is not None:
             build.close()
         _fail(out, data, exc)
@@ -213,7 +213,7 @@ def import_tree(root: Path, manifest: Manifest, store: Store) -> Path:
 
 def _fail(out: IO[bytes], data: Input, exc: BaseException) -> None:
     """Report a failure (the temp dir is already gone), then swallow what is still coming."""
-    path = exc.path if isinstance(exc, Failure) else getattr(exc, "filename", "") or ""
+    path = exc.path if isinstance(exc, StoreError) else getattr(exc, "filename", "") or ""
     message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     with contextlib.suppress(OSError):
         reply(out, {"error": message, "path": str(path)})

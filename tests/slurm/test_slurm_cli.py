@@ -81,7 +81,7 @@ def test_skyward_run_on_slurm_with_a_bare_jax_initialize(
     profile = Profile(
         provider="slurm", options={"python": sys.executable}, nodes=3, env={"JAX_PLATFORMS": "cpu"}
     )
-    assert runner.run(profile, str(script), []) == runner.Outcome(0)
+    assert runner.run(profile, str(script), []) == runner.RunEnd(0)
     out = capsys.readouterr().out
     for rank in range(3):
         assert f"rank {rank} of 3 [3.] node" in out, out

@@ -59,13 +59,13 @@ def test_skyward_run_on_ssh_hosts_with_a_workdir(
         env={"JAX_PLATFORMS": "cpu"},
         workdir=str(work),
     )
-    assert runner.run(profile, str(work / "train.py"), ["0"]) == runner.Outcome(0)
+    assert runner.run(profile, str(work / "train.py"), ["0"]) == runner.RunEnd(0)
     out = capsys.readouterr().out
     for node in (0, 1):
         assert f"(node {node}) hello from {node} 2 [2.] ['0']" in out, out
     # rank 1 exits with 5; rank 0 with 0
     outcome = runner.run(profile, str(work / "train.py"), ["5"])
-    assert outcome == runner.Outcome(5, "rank 1 exited with status 5")
+    assert outcome == runner.RunEnd(5, "rank 1 exited with status 5")
 
 
 def test_status_lists_this_logins_agents_on_each_ssh_host(

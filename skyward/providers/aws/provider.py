@@ -216,7 +216,7 @@ class AWS(CloudProvider):
                 self._clients[key] = client
             return self._clients[key]
 
-    # -- the provider protocol -------------------------------------------------------------
+    # -- the Provider's verbs --------------------------------------------------------------
 
     def implied_accelerator(self) -> Accelerator | None:
         """The accelerator `instance_type=` carries, so plugins (JAX's wheel) can see it."""

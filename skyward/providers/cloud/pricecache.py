@@ -43,7 +43,7 @@ _MISSHAPEN = (ValueError, TypeError, KeyError, AttributeError)
 
 
 @dataclass(frozen=True)
-class Entry(Generic[T]):
+class CachedPrice(Generic[T]):
     """One answer of a price service, as its reader made it, and when it was fetched (UTC)."""
 
     value: T
@@ -71,7 +71,7 @@ def cached(
     max_age: timedelta,
     fetch: Callable[[], Any],
     read: Callable[[Any], T],
-) -> Entry[T]:
+) -> CachedPrice[T]:
     """`query` of `provider`: the stored answer if it is younger than `max_age`, else `fetch()`'s
     (a JSON value), stored. `read` makes either into what the caller uses; a stored answer it
     cannot read counts as none. What `fetch` raises is raised, and nothing is stored: a failed
@@ -82,11 +82,11 @@ def cached(
     # An entry from the future (a clock set back since) is as untrustworthy as an old one.
     if stored is not None and timedelta(0) <= now - stored[1] <= max_age:
         try:
-            return Entry(read(stored[0]), stored[1])
+            return CachedPrice(read(stored[0]), stored[1])
         except _MISSHAPEN as exc:
             logger.debug("ignoring the misshapen price cache entry %s: %r", path, exc)
     answer = fetch()
-    entry = Entry(read(answer), now)
+    entry = CachedPrice(read(answer), now)
     _write(path, provider, query, answer, now)
     return entry
 

@@ -227,7 +227,7 @@ def _priced(
     return Price(amount, f"{CATALOG}, {region}, {day}")
 
 
-def _region_rates(catalog: Any, service: str, region: str) -> pricecache.Entry[list[Rate]]:
+def _region_rates(catalog: Any, service: str, region: str) -> pricecache.CachedPrice[list[Rate]]:
     """The on-demand and preemptible SKUs of `service` sold in `region` (kept a week)."""
     from skyward.providers.gcp import api
 

@@ -199,7 +199,7 @@ class GCP(CloudProvider):
                 )
             return self._clients
 
-    # -- the provider protocol -------------------------------------------------------------
+    # -- the Provider's verbs --------------------------------------------------------------
 
     def implied_accelerator(self) -> Accelerator | None:
         """The accelerator `machine_type=` carries, so plugins (JAX's wheel) can see it."""
@@ -376,7 +376,7 @@ class GCP(CloudProvider):
     async def _connect(
         self,
         pool: GCPCluster,
-        found: list[provision.Host],
+        found: list[provision.MachineAddress],
         indexes: Sequence[int],
         progress: Progress | None = None,
     ) -> list[Reached]:

@@ -1,6 +1,7 @@
 """The cloud half of a GCP launch: the API calls that make a pool's VMs or its TPU slice, run in
-a thread, each ending with the hosts to connect to (`Host`). What they make is recorded in the
-pool's `GCPCluster` as they go, so a teardown during or after a failed launch finds it.
+a thread, each ending with the machines to connect to (`MachineAddress`). What they make is
+recorded in the pool's `GCPCluster` as they go, so a teardown during or after a failed launch
+finds it.
 
 Failover: the pool's firewall rules are made once (they are global), then the zones given are
 tried in order, each with one bulkInsert (or one TPU slice) for the whole pool, so that every
@@ -66,7 +67,7 @@ class GCPCluster(CloudCluster):
 
 
 @dataclass(frozen=True)
-class Host:
+class MachineAddress:
     """One machine to connect to: a VM, or one host (worker) of a TPU slice."""
 
     name: str
@@ -112,7 +113,7 @@ class Calls:
 
 def vms(
     calls: Calls, pool: GCPCluster, choice: machine_types.Choice, markets: Sequence[bool]
-) -> list[Host]:
+) -> list[MachineAddress]:
     """Firewall rules, then the pool's VMs in the first zone with room, one bulkInsert for all
     of them, until every one runs. `markets`: spot or not, in the order tried."""
     with _launching(pool):
@@ -157,7 +158,7 @@ def tpu_slice(
     tpu: tpu_types.TpuType,
     runtime_version: str | None,
     markets: Sequence[bool],
-) -> list[Host]:
+) -> list[MachineAddress]:
     """Firewall rules, then the slice (a node, or a queued resource for spot on v5e+) in the
     first zone with room, until every host has an address and the slice is READY; its hosts
     in worker order. TPU quotas are not read first (the TPU API counts them per zone, and
@@ -191,7 +192,7 @@ def retire(calls: Calls, lost: str, zone: str) -> None:
         logger.info("deleting lost VM %s: %s", lost, api.describe(exc))
 
 
-def one_more(calls: Calls, pool: GCPCluster) -> list[Host]:
+def one_more(calls: Calls, pool: GCPCluster) -> list[MachineAddress]:
     """One more VM, made as the pool's were (`pool.body`), once it runs: in the pool's zone,
     else in the next zone given of the same region (a zone of another region would put it on
     another subnet, away from the pool), passing zones without room as a launch does."""
@@ -240,7 +241,7 @@ def _firewalls(calls: Calls, pool: GCPCluster) -> None:
 
 def _vms_in(
     calls: Calls, pool: GCPCluster, choice: machine_types.Choice, metadata: dict[str, str]
-) -> list[Host]:
+) -> list[MachineAddress]:
     """All of the pool's VMs in `calls.access.zone`, running; `api.NoRoom` when GCE has no
     room for them there."""
     pool.zone = calls.access.zone
@@ -257,7 +258,7 @@ def _slice_in(
     tpu: tpu_types.TpuType,
     runtime_version: str | None,
     metadata: dict[str, str],
-) -> list[Host]:
+) -> list[MachineAddress]:
     """The pool's slice in `calls.access.zone`, READY; `api.NoRoom` when it has no room."""
     pool.zone = calls.access.zone
     body = tpus.node_body(
@@ -276,7 +277,7 @@ def _slice_in(
     name = tpus.node_name(pool.pool_id)
     private = calls.machine_settings.use_private_ips
     return [
-        Host(f"{name} worker {i}", tpus.address(e, private), str(e.ip_address))
+        MachineAddress(f"{name} worker {i}", tpus.address(e, private), str(e.ip_address))
         for i, e in enumerate(tpus.endpoints(node))
     ]
 
@@ -358,7 +359,7 @@ def _metadata(calls: Calls, pool: GCPCluster) -> dict[str, str]:
     )
 
 
-def _running(calls: Calls, pool: GCPCluster, count: int, exclude: set[str]) -> list[Host]:
+def _running(calls: Calls, pool: GCPCluster, count: int, exclude: set[str]) -> list[MachineAddress]:
     """Wait until `count` of the pool's VMs not in `exclude` run; record them; their hosts."""
     found = _wait(calls, pool, instances.wait_running, count, exclude)
     for instance in found:
@@ -380,7 +381,7 @@ def _wait(calls: Calls, pool: GCPCluster, wait: Callable[..., T], *what: Any) ->
     )
 
 
-def _vm_host(instance: Any, private: bool) -> Host:
+def _vm_host(instance: Any, private: bool) -> MachineAddress:
     """A VM's name and the address to reach it at (private or external)."""
     interface = instance.network_interfaces[0]
     if private:
@@ -393,4 +394,4 @@ def _vm_host(instance: Any, private: bool) -> Host:
             f"VM {instance.name} has no external address: use_private_ips=True from "
             "inside the VPC, or a network that allows external addresses"
         )
-    return Host(str(instance.name), address, str(interface.network_i_p))
+    return MachineAddress(str(instance.name), address, str(interface.network_i_p))

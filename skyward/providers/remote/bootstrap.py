@@ -74,7 +74,7 @@ class RemoteNode(Node):
         self.provider_env: dict[str, str] = {}
         self.inventory: Inventory | None = None  # the host's GPUs, once listed
         # The survey's check and the environment hash it was for: `prepare_host` reuses it.
-        self.checked: tuple[str, hostcheck.Report] | None = None
+        self.checked: tuple[str, hostcheck.HostReport] | None = None
         self.trees: set[str] = set()  # digests of the `sky.Data` trees pushed to it
         self.pulled: frozenset[str] = frozenset()  # what the last pull of its outputs listed
         self.agent_env: dict[str, str] = {}  # the pool's env= and the image's, once started
@@ -230,7 +230,7 @@ async def prepare_host(
     if report.apt_missing:
         await hoststeps.apt_install(node, bootstrap, report.apt_missing, report.uid, host_log)
     if report.satisfied is None:  # skyward (the probe) was not there: it is now
-        report = hostcheck.Report.from_json(
+        report = hostcheck.HostReport.from_json(
             await hoststeps.json_step(
                 node,
                 bootstrap,
@@ -282,12 +282,12 @@ def _query(image: Image, bootstrap: Bootstrap, gpus: bool) -> hostcheck.Query:
 
 async def _check(
     node: RemoteNode, image: Image, bootstrap: Bootstrap, log: Log, gpus: bool
-) -> hostcheck.Report:
+) -> hostcheck.HostReport:
     """The one check command that reports what the host has for `image` (and its GPUs), run
     with the host's interpreter before skyward's source may be there."""
     python = bootstrap.python or "python3"
     query = _query(image, bootstrap, gpus)
-    return hostcheck.Report.from_json(
+    return hostcheck.HostReport.from_json(
         await hoststeps.json_step(
             node,
             bootstrap,

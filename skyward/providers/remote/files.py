@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from skyward.providers.remote.bootstrap import RemoteNode, all_or_none
-from skyward.providers.remote.treepeer import LENGTH, Peer
+from skyward.providers.remote.treepeer import U32, Peer
 from skyward.providers.remote.treepull import forget, plan, receive_files, set_dirs
 from skyward.providers.remote.treepush import offer, send_contents
 from skyward.worker.treemanifest import Entry, Manifest
@@ -179,7 +179,7 @@ async def pull_tree(
         stats.paths = frozenset(e.path for e in entries)
         forget(local_dir, pulled - stats.paths)
         body = json.dumps({"want": plan(local_dir, entries)}).encode()
-        peer.write(LENGTH.pack(len(body)) + body)
+        peer.write(U32.pack(len(body)) + body)
         stats.files, stats.bytes = await receive_files(peer, local_dir, entries)
         set_dirs(local_dir, entries)
     except OSError as exc:

@@ -40,7 +40,7 @@ class Host(Protocol):
         ...
 
 
-class Writer(Protocol):
+class ByteWriter(Protocol):
     """A process's stdin, as asyncssh and asyncio both give it."""
 
     def write(self, data: bytes) -> None: ...
@@ -50,7 +50,7 @@ class Writer(Protocol):
     def write_eof(self) -> None: ...
 
 
-class Reader(Protocol):
+class ByteReader(Protocol):
     """A process's stdout or stderr, as asyncssh and asyncio both give it."""
 
     async def read(self, n: int = -1) -> bytes: ...
@@ -62,13 +62,13 @@ class Reader(Protocol):
 
 class Stdio(Protocol):
     @property
-    def stdin(self) -> Writer: ...
+    def stdin(self) -> ByteWriter: ...
 
     @property
-    def stdout(self) -> Reader: ...
+    def stdout(self) -> ByteReader: ...
 
     @property
-    def stderr(self) -> Reader: ...
+    def stderr(self) -> ByteReader: ...
 
 
 class Groups(Protocol):

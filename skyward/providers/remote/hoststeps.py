@@ -65,7 +65,7 @@ class Bootstrap:
 async def install_uv(
     node: NodeOnHost,
     bootstrap: Bootstrap,
-    report: hostcheck.Report,
+    report: hostcheck.HostReport,
     indexes: Sequence[Index],
     log: Log,
 ) -> str:

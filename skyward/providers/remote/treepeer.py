@@ -22,7 +22,8 @@ from skyward.providers.remote.bootstrap import RemoteNode, module_command
 from skyward.providers.remote.host import StreamedProcess
 
 MODULE = "skyward.worker.treestore"
-LENGTH = struct.Struct("!I")  # a reply's length, and a chunk's
+# The treestore wire's 4-byte fields: a reply's length, a chunk's, a pulled file's index.
+U32 = struct.Struct("!I")
 
 
 class Peer:
@@ -71,7 +72,7 @@ class Peer:
     async def reply(self) -> dict[str, Any]:
         """The node's next message; its error (or a broken channel) as a `DataError`."""
         try:
-            size = LENGTH.unpack(await self.proc.process.stdout.readexactly(4))[0]
+            size = U32.unpack(await self.proc.process.stdout.readexactly(U32.size))[0]
             message: dict[str, Any] = json.loads(await self.proc.process.stdout.readexactly(size))
         except asyncio.IncompleteReadError:
             raise self.error(await self.ended()) from None

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import asyncssh
 
-from skyward.providers.remote.treepeer import LENGTH, Peer
+from skyward.providers.remote.treepeer import U32, Peer
 from skyward.worker.treemanifest import DIR, FILE, LINK, Entry
 from skyward.worker.treestore import END, FAILED, GONE
 
@@ -69,7 +69,7 @@ async def receive_files(peer: Peer, local_dir: Path, entries: list[Entry]) -> tu
     read = stdout.readexactly
     files = written = 0
     try:
-        while (index := LENGTH.unpack(await read(4))[0]) != END:
+        while (index := U32.unpack(await read(U32.size))[0]) != END:
             status = (await read(1))[0]
             if status == GONE:
                 continue
@@ -108,7 +108,7 @@ def set_dirs(local_dir: Path, entries: list[Entry]) -> None:
 
 async def _copy_chunks(read: Callable[[int], Any], out: IO[bytes]) -> int:
     total = 0
-    while n := LENGTH.unpack(await read(4))[0]:
+    while n := U32.unpack(await read(U32.size))[0]:
         out.write(await read(n))
         total += n
     return total

@@ -18,7 +18,7 @@ from pathlib import Path
 import asyncssh
 
 from skyward.errors import DataError
-from skyward.providers.remote.treepeer import LENGTH, Peer
+from skyward.providers.remote.treepeer import U32, Peer
 from skyward.worker.treemanifest import Entry, Manifest, unchanged
 from skyward.worker.treestore import CHUNK
 
@@ -83,7 +83,7 @@ async def _stream_file(path: Path, entry: Entry, peers: list[Peer]) -> None:
                 break
             pending = loop.run_in_executor(None, fh.read, CHUNK)
             total += len(data)
-            frame = LENGTH.pack(len(data))
+            frame = U32.pack(len(data))
             for p in peers:
                 p.write(frame)
                 p.write(data)
@@ -101,7 +101,7 @@ async def _stream_file(path: Path, entry: Entry, peers: list[Peer]) -> None:
             path=str(path),
         )
     for p in peers:
-        p.write(LENGTH.pack(0))
+        p.write(U32.pack(0))
 
 
 async def _drain(peers: list[Peer]) -> None:

@@ -101,9 +101,6 @@ class CallHost(Protocol):
         ...
 
 
-_monotonic = time.monotonic
-
-
 class AgentWire:
     """Blocking frame I/O over two file descriptors.
 
@@ -251,13 +248,9 @@ class AgentWire:
 
     def _answer(self, host: CallHost, call_id: int, value: Any) -> None:
         """Send call `call_id`'s `Result`, after the reports queued before it."""
-        result: Segments | None
-        if type(value) in SCALARS:
-            result = [pickle.dumps(value, PROTOCOL)]
-        else:
-            result = host.dump_result(call_id, value)
-            if result is None:  # answered already, with why it cannot travel
-                return
+        result = host.dump_result(call_id, value)
+        if result is None:  # answered already, with why it cannot travel
+            return
         del value
         reports = host.reports
         if reports.queue or reports.sending.locked():
@@ -297,7 +290,7 @@ class AgentWire:
         if len(head) < ONE_SEGMENT.size:
             head = self._read_exactly(ONE_SEGMENT.size, head)
         meta_len, count, first = ONE_SEGMENT.unpack(head)
-        self.last_input = _monotonic()
+        self.last_input = time.monotonic()
         if count == 1:  # `first` is the one segment's length
             meta = self._read_exactly(meta_len)
             # a large segment is its own bytes object: an out-of-band ``bytes`` argument is then

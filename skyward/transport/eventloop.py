@@ -26,6 +26,15 @@ T = TypeVar("T")
 _MAIN_THREAD = threading.main_thread().ident
 
 
+def _runs_a_loop() -> bool:
+    """Whether this thread runs an asyncio loop (a notebook's)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class _MainDrive:
     """The main thread's run of a pool's loop, and the signal that came meanwhile."""
 
@@ -145,7 +154,7 @@ class LoopThread:
         if done():
             return True
         me = threading.get_ident()
-        if me == self._home_id or asyncio._get_running_loop() is not None:
+        if me == self._home_id or _runs_a_loop():
             return False
         if me != _MAIN_THREAD:
             return self._drive(me, done, done)

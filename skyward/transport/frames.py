@@ -97,17 +97,21 @@ def read_meta(data: Buffer, start: int, size: int) -> tuple[Any, ...]:
     raise FrameError(f"packed metadata of {size} bytes is no message")
 
 
+def nbytes(data: Buffer) -> int:
+    """`data`'s size in bytes (a memoryview's ``len`` counts its items, which may be wider)."""
+    return data.nbytes if type(data) is memoryview else len(data)
+
+
 def _frame(blob: bytes, segments: Segments) -> list[Buffer]:
     """The byte strings of a frame with metadata `blob`: its header, lengths and metadata, with
     each small segment after them copied into one first write, and each large one on its own."""
     head = bytearray(HEADER.pack(len(blob), len(segments)))
     for segment in segments:
-        head += LENGTH.pack(segment.nbytes if type(segment) is memoryview else len(segment))
+        head += LENGTH.pack(nbytes(segment))
     head += blob
     chunks: list[Buffer] = [head]
     for segment in segments:
-        size = segment.nbytes if type(segment) is memoryview else len(segment)
-        if chunks[-1] is head and size < COALESCE_LIMIT:
+        if chunks[-1] is head and nbytes(segment) < COALESCE_LIMIT:
             head += segment
         else:
             chunks.append(segment)
@@ -119,7 +123,7 @@ def coalesce(chunks: list[Buffer]) -> list[Buffer]:
     out: list[Buffer] = []
     small = bytearray()
     for chunk in chunks:
-        if (chunk.nbytes if type(chunk) is memoryview else len(chunk)) < COALESCE_LIMIT:
+        if nbytes(chunk) < COALESCE_LIMIT:
             small += chunk
             continue
         if small:
@@ -197,6 +201,9 @@ def spin_until(ready: Callable[[], bool], seconds: float) -> None:
 def write_all(fd: int, data: Buffer) -> None:
     """Write all of `data` to a blocking file descriptor."""
     # One write is the common case (a small frame); a signal or a large frame cuts it short.
+    # `nbytes(data)` written out: the agent's FAST PATH (`AgentWire.serve`) writes every small
+    # call's answer through here, and one Python call less per call on a node made the 8-node
+    # broadcast of bench_local.py about 20% faster (commit edfef46).
     written = os.write(fd, data)
     if written == (data.nbytes if type(data) is memoryview else len(data)):
         return
@@ -297,7 +304,7 @@ class FrameDecoder:
                 if len(self._buf) < HEADER.size:
                     return
                 meta_len, count = HEADER.unpack_from(self._buf)
-                need = HEADER.size + 8 * count + meta_len
+                need = HEADER.size + LENGTH.size * count + meta_len
                 if len(self._buf) < need:
                     return
                 self._lengths = list(lengths_of(count).unpack_from(self._buf, HEADER.size))

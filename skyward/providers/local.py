@@ -48,7 +48,10 @@ def cache_dir() -> Path:
     return Path(info.cache_root())
 
 
-# How long each end of a small call polls for the other's answer before it sleeps.
+# How long each end of a small call polls for the other's answer before it sleeps: several
+# times a polled no-op round trip, so back-to-back calls find the other end awake, and short
+# enough that an idle pool's last poll costs little CPU (commit c145a43, which measured it with
+# `benchmarks/bench_local.py --only rtt`; docs/concepts.md).
 LINGER_SECONDS = 0.0002
 
 

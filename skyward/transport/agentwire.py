@@ -51,7 +51,9 @@ from skyward.transport.messages import Call, Message, from_wire
 
 # How long the agent polls for the next call after answering one (see AgentWire.linger). The
 # provider sets it, and only where the agent has a core to itself: polling agents that share
-# cores would slow each other down.
+# cores would slow each other down. It lives here, beside `linger`, because both its users
+# (providers/local.py, worker/agent.py) import this module, and providers/local must not import
+# worker/agent (an import circle, commit 6495267).
 LINGER_ENV = "SKYWARD_AGENT_LINGER_US"
 
 

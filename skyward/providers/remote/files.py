@@ -5,12 +5,13 @@ and returns where; `pull_tree` mirrors a node's directory into a local one. Both
 ``python -m skyward.worker.treestore`` on the node, with the framing described in
 `skyward.worker.treestore`: a pull over an exec channel of its own, pushes over the node's
 `Receiver`, one ``receive`` process opened by the node's first push and kept for the next ones
-(an exec channel costs a login shell and an interpreter's start: 0.2-0.4 s, most of a small
-re-push). Its process group is the host's (`SSHHost.start` adopts it), so closing the host,
-which a pool's end or `replace` does, ends it. Pushes to one node take turns on its receiver;
-a push that fails closes the receivers it used (a node that reported an error discards the rest
-of its input), and the next push opens new ones. A kept receiver that died since its last push
-(killed on the host) is reopened once, transparently, when its first reply fails.
+(an exec channel costs a login shell and an interpreter's start: 0.2-0.4 s where measured,
+below, most of a small re-push). Its process group is the host's (`SSHHost.start` adopts it),
+so closing the host, which a pool's end or `replace` does, ends it. Pushes to one node take
+turns on its receiver; a push that fails closes the receivers it used (a node that reported
+an error discards the rest of its input), and the next push opens new ones. A kept receiver
+that died since its last push (killed on the host) is reopened once, transparently, when its
+first reply fails.
 
 Push, per node: the tree's digest (a node that has the tree answers at once: one small round
 trip), then the manifest, to which the node answers the contents it lacks; only those are sent
@@ -25,7 +26,8 @@ took 23.0 s by SFTP ``put`` and 22.9 s as a ``tar`` stream on an exec channel, 1
 an exec channel, 3.3 s by `pull_tree`. Bulk throughput is the same (the cipher is the cost);
 SFTP cannot carry the manifest exchange or a node's store logic, and needs a request per block
 and a round trip per file. SFTP wins only on small transfers: ``internal-sftp`` starts no login
-shell and no interpreter, which on that machine cost 0.2-0.3 s per exec channel.
+shell and no interpreter, which on that machine cost 0.2-0.4 s per exec channel
+(benchmarks/README.md, bench_data).
 """
 
 from __future__ import annotations

@@ -34,10 +34,13 @@ def holder(idle_seconds: int | None = None) -> str:
     if idle_seconds is None:
         return f"{_ANNOUNCE}; exec cat >/dev/null"
     # Each line disarms the last timer and arms a new one, which ends the holder ($$) if it
-    # fires first. A disarmed timer's `sleep` outlives it harmlessly, by at most idle_seconds.
+    # fires first. A disarmed timer's `sleep` outlives it harmlessly, by at most idle_seconds:
+    # its stdio is /dev/null, as an SSH channel stays open while any process holds its pipes
+    # (the pool's end would wait for the sleep).
     return (
-        f"{_ANNOUNCE}; while :; do (sleep {idle_seconds}; kill $$) & timer=$!; "
-        "IFS= read -r _ || exit 0; kill $timer 2>/dev/null; done"
+        f"{_ANNOUNCE}; while :; do (sleep {idle_seconds}; kill $$) </dev/null >/dev/null 2>&1 & "
+        "timer=$!; IFS= read -r _ || { kill $timer 2>/dev/null; exit 0; }; "
+        "kill $timer 2>/dev/null; done"
     )
 
 

@@ -1,11 +1,11 @@
 """Where the Slurm commands run: this machine (a login node), or a login node over SSH.
 
 A `Login` runs a command to completion (`run`), starts the agent with its stdio as the pool's
-stream (`open_agent`), and holds a long-running command whose stdin the pool keeps open
-(`hold`: the allocation), and starts a command whose stdio a data tree streams over (`start`).
-`LocalLogin` runs them as child processes, each in its own session so
-that killing its process group ends all of it; `SSHLogin` runs them on one verified SSH
-connection (`SSHHost`), whose process groups it kills on close.
+stream (`open_agent`), holds a long-running command whose stdin the pool keeps open (`hold`: the
+allocation), and starts a command whose stdio a data tree streams over (`start`). `LocalLogin`
+runs them as child processes, each in its own session so that killing its process group ends
+all of it; `SSHLogin` runs them on one verified SSH connection (`SSHHost`), whose process groups
+it kills on close.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class _LocalHeld:
     def __init__(self, process: asyncio.subprocess.Process, groups: set[int]) -> None:
         assert process.stdin and process.stdout and process.stderr
         self._process = process
-        self.groups = groups
+        self._groups = groups
 
     async def stdout_line(self) -> str:
         assert self._process.stdout
@@ -207,7 +207,7 @@ class _LocalHeld:
             _kill_group(self._process.pid)
             return await self._process.wait()
         finally:
-            self.groups.discard(self._process.pid)
+            self._groups.discard(self._process.pid)
 
 
 class SSHLogin:

@@ -436,9 +436,12 @@ class Slurm(Provider):
         token = _write_client_token() if isinstance(slurm.login, LocalLogin) else None
         hardware = await bootstrap.survey_nodes(cluster, image, self.bootstrap, progress)
         if slurm.shared_cache is None:
-            reports = [n.checked[1] for n in bootstrap.remote_nodes(slurm) if n.checked]
-            slurm.client_shares = token is not None and all(
-                r.client_token == token for r in reports
+            nodes = bootstrap.remote_nodes(slurm)
+            reports = [n.checked[1] for n in nodes if n.checked]
+            slurm.client_shares = (
+                token is not None
+                and len(reports) == len(nodes)
+                and all(r.client_token == token for r in reports)
             )
             await self._find_shared_cache(slurm, progress)
         return hardware

@@ -430,29 +430,37 @@ class Slurm(Provider):
 
     async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
         slurm = _slurm(cluster)
+        checks = bootstrap.survey_nodes(cluster, image, self.bootstrap, progress)
+        if slurm.shared_cache is not None:
+            return await checks
+        if not isinstance(slurm.login, LocalLogin):
+            # No cache of this machine's to share: node 0's token, asked beside the checks.
+            hardware, shared = await bootstrap.all_or_none(checks, _shares_cache(slurm))
+            assert isinstance(hardware, Hardware) and isinstance(shared, bool)
+            self._shared(slurm, shared, progress)
+            return hardware
         # Whether the nodes see this machine's cache is read by the host check itself (the
         # token the client writes there, in its report): a step more per node cost about a
         # third of a pool's start (benchmarks/README.md, bench_slurm.py).
-        token = _write_client_token() if isinstance(slurm.login, LocalLogin) else None
-        hardware = await bootstrap.survey_nodes(cluster, image, self.bootstrap, progress)
-        if slurm.shared_cache is None:
-            nodes = bootstrap.remote_nodes(slurm)
-            reports = [n.checked[1] for n in nodes if n.checked]
-            slurm.client_shares = (
-                token is not None
-                and len(reports) == len(nodes)
-                and all(r.client_token == token for r in reports)
-            )
-            await self._find_shared_cache(slurm, progress)
+        token = _write_client_token()
+        hardware = await checks
+        nodes = bootstrap.remote_nodes(slurm)
+        reports = [n.checked[1] for n in nodes if n.checked]
+        slurm.client_shares = len(reports) == len(nodes) and all(
+            r.client_token == token for r in reports
+        )
+        await self._find_shared_cache(slurm, progress)
         return hardware
 
     async def _find_shared_cache(self, slurm: SlurmCluster, progress: Progress) -> None:
         """Whether the nodes share one cache directory: this machine's (known from the host
         check), or one of their own, where node 0's token is read by the others."""
-        if slurm.shared_cache is not None:
-            return
-        slurm.shared_cache = slurm.client_shares or await _shares_cache(slurm)
-        if slurm.shared_cache and len(slurm.nodes) > 1:
+        if slurm.shared_cache is None:
+            self._shared(slurm, slurm.client_shares or await _shares_cache(slurm), progress)
+
+    def _shared(self, slurm: SlurmCluster, shared: bool, progress: Progress) -> None:
+        slurm.shared_cache = shared
+        if shared and len(slurm.nodes) > 1:
             progress("the nodes share one cache directory: one environment serves them all")
 
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:

@@ -6,6 +6,7 @@ network namespaces are unavailable or when Slurm cannot be installed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -136,20 +137,21 @@ CLIENT = textwrap.dedent(
     def nap():
         time.sleep(600)
 
-    with sky.ComputePool(provider=sky.Slurm(), nodes=2) as pool:
+    with sky.ComputePool(provider={provider}, nodes={nodes}) as pool:
         print("POOL", pool.pool_id, flush=True)
         nap() @ pool
     """
 )
 
 
-@pytest.fixture
-def running_pool(
-    login: SlurmCluster, tmp_path: Path
+@contextlib.contextmanager
+def client_running(
+    tmp_path: Path, provider: str = "sky.Slurm()", nodes: int = 2
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """A client in another process, its pool's call running: the pool id and the process."""
+    """A client in another process whose pool (of `provider`, Python source) runs a long call:
+    the pool id and the process, killed at the end."""
     script = tmp_path / "client.py"
-    script.write_text(CLIENT)
+    script.write_text(CLIENT.format(provider=provider, nodes=nodes))
     client = subprocess.Popen(
         [sys.executable, str(script)],
         stdout=subprocess.PIPE,
@@ -166,3 +168,12 @@ def running_pool(
     finally:
         client.kill()
         client.wait()
+
+
+@pytest.fixture
+def running_pool(
+    login: SlurmCluster, tmp_path: Path
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """A client in another process, its pool's call running: the pool id and the process."""
+    with client_running(tmp_path) as running:
+        yield running

@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
-from tests.slurm.conftest import queue, wait_for_empty_queue
+from tests.slurm.conftest import client_running, queue, wait_for_empty_queue
 from tests.support import sshd
 from tests.support.slurmcluster import SlurmCluster
 
@@ -192,47 +191,20 @@ def test_a_pool_through_a_login_node_reached_over_ssh(
     assert wait_for_empty_queue(provider_cluster, 5) == []
 
 
-SILENT_CLIENT = """
-import time
-import skyward as sky
-
-@sky.compute
-def nap():
-    time.sleep(600)
-
-provider = sky.Slurm(login={login!r}, key={key!r}, known_hosts={known_hosts!r}, keepalive=1)
-with sky.ComputePool(provider=provider, nodes=1, stream_output=False) as pool:
-    print("POOL", pool.pool_id, flush=True)
-    nap() @ pool
-"""
-
-
 def test_a_client_gone_silent_behind_an_ssh_login_lets_the_allocation_go(
     provider_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A client stopped (SIGSTOP: a laptop asleep) keeps its SSH connection open, so the login
     node sees no end; the allocation's holder, missing four keepalive lines, ends it."""
-    with ssh_login_node(provider_cluster, tmp_path, monkeypatch) as login:
-        script = tmp_path / "client.py"
-        script.write_text(SILENT_CLIENT.format(**login))
-        client = subprocess.Popen(
-            [sys.executable, str(script)],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-        )
-        try:
-            assert client.stdout is not None
-            assert client.stdout.readline().startswith("POOL ")
-            assert len(queue(provider_cluster)) == 1
-            client.send_signal(signal.SIGSTOP)
-            stopped = time.monotonic()
-            assert wait_for_empty_queue(provider_cluster, 30) == []
-            assert time.monotonic() - stopped >= 3  # not before four lines were missed
-        finally:
-            client.kill()
-            client.wait()
+    with (
+        ssh_login_node(provider_cluster, tmp_path, monkeypatch) as login,
+        client_running(tmp_path, f"sky.Slurm(**{login!r}, keepalive=1)", nodes=1) as (_, client),
+    ):
+        assert len(queue(provider_cluster)) == 1
+        client.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert wait_for_empty_queue(provider_cluster, 30) == []
+        assert time.monotonic() - stopped >= 3  # not before four lines were missed
 
 
 @sky.compute

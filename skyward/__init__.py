@@ -22,6 +22,9 @@ from skyward.version import __version__ as __version__
 
 _EXPORTS = {
     "ComputePool": "skyward.pool",
+    "submit": "skyward.detached.submit",
+    "Run": "skyward.detached.run",
+    "RunStatus": "skyward.detached.run",
     "compute": "skyward.calls",
     "gather": "skyward.calls",
     "Compute": "skyward.calls",
@@ -73,6 +76,8 @@ if TYPE_CHECKING:
     from skyward.cluster import ClusterSpec
     from skyward.cost import Cost, Price
     from skyward.data import Data, resume_from
+    from skyward.detached.run import Run, RunStatus
+    from skyward.detached.submit import submit
     from skyward.errors import (
         BootstrapError,
         BudgetExceeded,
@@ -130,6 +135,8 @@ __all__ = [
     "ProvisionError",
     "RemoteError",
     "Report",
+    "Run",
+    "RunStatus",
     "SerializationError",
     "SkywardError",
     "Slurm",
@@ -143,6 +150,7 @@ __all__ = [
     "preempting",
     "report",
     "resume_from",
+    "submit",
 ]
 
 

@@ -239,6 +239,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
     profile = profiles.with_flags(profiles.load_profile(args.profile), flags)
+    if args.detach:
+        from skyward.cli import detached
+
+        return detached.start(profile, args.script, args.args, args.name, args.restarts)
+    if args.name is not None or args.restarts:
+        raise ConfigError("--name and --restarts are for detached runs: add --detach")
     try:
         outcome = runner.run(profile, args.script, args.args)
     except KeyboardInterrupt:
@@ -259,9 +265,10 @@ PROVIDER_NAMES = (
 
 
 def _status(args: argparse.Namespace) -> int:
-    from skyward.cli import profiles, runner
+    from skyward.cli import detached, profiles, runner
 
-    found = runner.print_local_pools()
+    found = detached.print_runs()
+    found += runner.print_local_pools()
     chosen = [profiles.load_profile(args.profile)] if args.profile else profiles.all_profiles()
     seen: set[str] = set()
     for profile in chosen:
@@ -340,12 +347,39 @@ def _parser() -> argparse.ArgumentParser:
         "number is minutes, as for sbatch)",
     )
     run.add_argument("--login", help="slurm: a login node over SSH, user@host (default: here)")
+    run.add_argument(
+        "--detach",
+        "-d",
+        action="store_true",
+        help="start the run on the nodes and return once every rank has started: the run goes "
+        "on without this machine (see 'skyward logs', 'skyward status', 'skyward stop')",
+    )
+    run.add_argument("--name", help="--detach: the run's name (default: a short made-up one)")
+    run.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--detach: restart every rank, on the same nodes, up to N times when one fails",
+    )
     run.add_argument("script", help="the script, as you would give it to python")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     status = commands.add_parser(
         "status", parents=[common], help="this user's live pools on every configured provider"
     )
     status.add_argument("--profile", help="only this profile's provider (and this machine)")
+    logs = commands.add_parser(
+        "logs", parents=[common], help="a detached run's output, every rank's, from its first line"
+    )
+    logs.add_argument("name", help="the run's name (see 'skyward status')")
+    logs.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="follow until the run ends, then exit with its status (Ctrl-C stops following only)",
+    )
+    stop = commands.add_parser("stop", parents=[common], help="end a detached run on every node")
+    stop.add_argument("name", help="the run's name (see 'skyward status')")
     cache = commands.add_parser(
         "cache", parents=[common], help="node environments and sky.Data stored on this machine"
     )
@@ -386,6 +420,12 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "status":
             return _status(args)
+        if args.command in ("logs", "stop"):
+            from skyward.cli import detached
+
+            if args.command == "logs":
+                return detached.logs(args.name, args.follow)
+            return detached.stop(args.name)
         if args.command == "cache":
             where = cache_dir()
             return _cache_list(where) if args.action == "list" else _cache_clear(where)

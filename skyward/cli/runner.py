@@ -24,8 +24,7 @@ from typing import Protocol
 
 from skyward.calls import compute
 from skyward.cli.profiles import Profile
-from skyward.data import Data
-from skyward.errors import ConfigError
+from skyward.detached.submit import script_target
 from skyward.plugins.base import Plugin
 from skyward.plugins.jax_plugin import LauncherEnv, jax
 from skyward.pool import ComputePool
@@ -42,23 +41,8 @@ class RunEnd:
 
 def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
     """Run `script` with `args` on every node of a pool made from `profile`."""
-    path = Path(script)
-    if not path.is_file():
-        raise ConfigError(f"{script}: no such script")
-    target: str | Data
-    cwd: Data | None = None
-    if profile.workdir is not None:
-        workdir = Path(profile.workdir).expanduser().resolve()
-        if not workdir.is_dir():
-            raise ConfigError(f"--workdir {profile.workdir}: no such directory")
-        try:
-            target = str(path.resolve().relative_to(workdir))
-        except ValueError:
-            raise ConfigError(f"{script} is not inside --workdir {profile.workdir}") from None
-        cwd = Data(workdir)  # on each node: the directory's copy, where the script runs
-    else:
-        target = Data(path)  # on each node: the file's copy, run from the agent's directory
-    plugins: list[Plugin] = [jax(initialize=False) if "jax" in profile.plugins else LauncherEnv()]
+    target, cwd = script_target(script, profile.workdir)
+    plugins = script_plugins(profile)
     node_call = compute(run_script)
     failure: RunEnd | None = None
     with ComputePool(
@@ -76,6 +60,12 @@ def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
         }
         failure = _first_failure(ranks)
     return failure or RunEnd(0)
+
+
+def script_plugins(profile: Profile) -> list[Plugin]:
+    """The plugins a script's pool runs with: they export the launcher variables (``JAX_*``)
+    and install what ``--plugin`` names, but leave initializing to the script."""
+    return [jax(initialize=False) if "jax" in profile.plugins else LauncherEnv()]
 
 
 def _first_failure(ranks: dict[Future[int], int]) -> RunEnd | None:

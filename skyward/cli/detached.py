@@ -1,0 +1,103 @@
+"""``skyward run --detach``, ``skyward logs``, ``skyward stop`` and the detached runs in
+``skyward status``: the command line over `skyward.detached`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+from skyward.cli.profiles import Profile
+from skyward.cli.runner import describe_age, script_plugins
+from skyward.cost import dollars
+from skyward.detached import record
+from skyward.detached.run import Run, RunStatus
+from skyward.detached.submit import submit
+
+
+def start(
+    profile: Profile, script: str, args: Sequence[str], name: str | None, restarts: int
+) -> int:
+    """``skyward run --detach``: start the run, say how to follow it, exit 0 once every rank
+    has started."""
+    run = submit(
+        script,
+        args,
+        provider=profile.build_provider(),
+        nodes=profile.nodes,
+        accelerator=profile.accelerator,
+        plugins=script_plugins(profile),
+        env=profile.env,
+        workdir=profile.workdir,
+        name=name,
+        restarts=restarts,
+        max_cost=profile.max_cost,
+    )
+    status = run.status()
+    print(f"run {run.name} started on {run.record.nodes} node(s): every rank is running")
+    if status.ended:
+        print(f"it has ended already: {_state(status)}")
+    print(f"  skyward logs -f {run.name}    follow its output until it ends")
+    print("  skyward status               how it stands, and what it has cost")
+    print(f"  skyward stop {run.name}       end it on every node")
+    run.close()
+    return 0
+
+
+def logs(name: str, follow: bool) -> int:
+    run = Run(name)
+    try:
+        code = run.logs(follow=follow)
+    except KeyboardInterrupt:
+        print(f"skyward logs: stopped following; run {name} goes on", file=sys.stderr)
+        return 130
+    finally:
+        run.close()
+    if code is None:
+        return 0
+    status = run.status()
+    if code != 0:
+        print(f"skyward logs: run {name} {_state(status)}", file=sys.stderr)
+    return code
+
+
+def stop(name: str) -> int:
+    run = Run(name)
+    try:
+        status = run.stop()
+    finally:
+        run.close()
+    print(f"run {name}: {_state(status)}")
+    return 0
+
+
+def _state(status: RunStatus) -> str:
+    if status.state == "failed":
+        return f"failed: {status.reason}" if status.reason else "failed"
+    if status.state in ("lost", "stopped") and status.reason:
+        return f"{status.state} ({status.reason})"
+    return status.state
+
+
+def print_runs() -> int:
+    """`skyward status` for detached runs: one line each; how many it listed."""
+    runs = record.all_records()
+    if not runs:
+        return 0
+    print(
+        f"{'RUN':<24} {'PROVIDER':<8} {'NODES':>5}  {'STATE':<40} {'STARTED':<16} "
+        f"{'DURATION':>8} {'COST':>9}"
+    )
+    for rec in runs:
+        run = Run(rec.name)
+        try:
+            status = run.status()
+        finally:
+            run.close()
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(status.started_at))
+        cost = dollars(status.cost) if status.cost is not None else "-"
+        print(
+            f"{rec.name:<24} {rec.provider:<8} {rec.nodes:>5}  {_state(status)[:40]:<40} "
+            f"{started:<16} {describe_age(status.duration):>8} {cost:>9}"
+        )
+    return len(runs)

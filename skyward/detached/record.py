@@ -1,0 +1,167 @@
+"""A detached run's record on the client: what it takes to find the run again.
+
+One JSON file per run under ``<cache>/runs/`` (``$SKYWARD_CACHE_DIR`` or ~/.cache/skyward),
+the directory 0700 and each file 0600: it names hosts, key files and job ids. The last state
+seen of an ended run is kept in it, so listing ended runs reaches no node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skyward.errors import ConfigError
+from skyward.info import cache_root
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,47}")
+_ADJECTIVES = [
+    "amber",
+    "brave",
+    "calm",
+    "crisp",
+    "deft",
+    "eager",
+    "fair",
+    "fleet",
+    "glad",
+    "keen",
+    "lively",
+    "lucid",
+    "merry",
+    "nimble",
+    "proud",
+    "quick",
+    "quiet",
+    "rapid",
+    "sharp",
+    "steady",
+    "sunny",
+    "swift",
+    "tidy",
+    "vivid",
+    "warm",
+    "witty",
+    "bold",
+    "bright",
+]
+_NOUNS = [
+    "otter",
+    "falcon",
+    "heron",
+    "lynx",
+    "marten",
+    "osprey",
+    "puffin",
+    "raven",
+    "robin",
+    "sparrow",
+    "swift",
+    "tern",
+    "wren",
+    "badger",
+    "beaver",
+    "bison",
+    "cedar",
+    "comet",
+    "delta",
+    "ember",
+    "fjord",
+    "glacier",
+    "harbor",
+    "maple",
+    "meadow",
+    "river",
+]
+
+
+@dataclass
+class RunRecord:
+    """A detached run as the client keeps it (see the module's docstring)."""
+
+    name: str
+    provider: str  # the provider's name: local, ssh, slurm
+    kind: str  # how the client reaches the run: local, ssh, slurm
+    nodes: int
+    script: str
+    args: list[str]
+    created_at: float
+    directories: list[str]  # each node's run directory, on that node
+    price_per_hour: float | None = None  # one node's, when known
+    reach: dict[str, Any] = field(default_factory=dict)  # what `kind` needs to reach it
+    key_tags: list[str | None] = field(default_factory=list)  # each node's authorized_keys tag
+    last: dict[str, Any] = field(default_factory=dict)  # the last run state read, once final
+
+
+def runs_dir() -> Path:
+    """``<cache>/runs``, made owner-only."""
+    path = Path(cache_root()) / "runs"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def check_name(name: str) -> str:
+    """`name` if it is a valid run name, else `ConfigError`."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(
+            f"run name {name!r} is not valid: use 1-48 lowercase letters, digits and '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def new_name() -> str:
+    """A short readable name no run here has: ``swift-otter-3fa2``."""
+    while True:
+        words = f"{secrets.choice(_ADJECTIVES)}-{secrets.choice(_NOUNS)}"
+        name = f"{words}-{secrets.token_hex(2)}"
+        if not (runs_dir() / f"{name}.json").exists():
+            return name
+
+
+def save(record: RunRecord) -> None:
+    path = runs_dir() / f"{record.name}.json"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(asdict(record), handle, indent=1)
+    os.replace(tmp, path)
+
+
+def exists(name: str) -> bool:
+    return (runs_dir() / f"{name}.json").exists()
+
+
+def load(name: str) -> RunRecord:
+    """The record of run `name`; `ConfigError` listing the known runs when there is none."""
+    path = runs_dir() / f"{check_name(name)}.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        known = [r.name for r in all_records()]
+        listed = ", ".join(known) if known else "none"
+        raise ConfigError(
+            f"no detached run named {name!r} on this machine (known runs: {listed}); "
+            "`skyward status` lists them"
+        ) from None
+    return RunRecord(**data)
+
+
+def all_records() -> list[RunRecord]:
+    """Every run recorded here, oldest first."""
+    found = []
+    for path in runs_dir().glob("*.json"):
+        try:
+            found.append(RunRecord(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return sorted(found, key=lambda r: r.created_at)
+
+
+def forget(name: str) -> None:
+    (runs_dir() / f"{name}.json").unlink(missing_ok=True)

@@ -1,0 +1,252 @@
+"""`Run`: a detached run, followed from any process on the machine that started it.
+
+`Run(name)` loads the run's record; `status()`, `logs()`, `wait()` and `stop()` reach the
+nodes (`skyward.detached.reach`). A run whose nodes cannot be reached is ``lost``: that says
+nothing of how the run itself is doing, and a later look may find it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from skyward.detached import reach, record
+from skyward.worker.supervisor import FINAL
+
+# How often a follower of logs or of the state looks again.
+POLL_SECONDS = 0.5
+# How long `logs(follow=True)` and `wait()` keep trying to reach node 0 before they give up.
+UNREACHABLE_SECONDS = 60.0
+_EVERYTHING = 1 << 62  # an offset past any log: a look that reads no log
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """How a detached run stands: `state` is ``starting``, ``running``, ``succeeded``,
+    ``failed`` (`rank` and `exit_status` say which rank and how), ``stopped`` or ``lost``."""
+
+    name: str
+    provider: str
+    nodes: int
+    state: str
+    started_at: float
+    duration: float  # seconds, to its end or to now
+    cost: float | None  # dollars so far, when the price is known
+    rank: int | None = None
+    exit_status: int | None = None  # the failing rank's: -N when signal N killed it
+    reason: str = ""
+
+    @property
+    def ended(self) -> bool:
+        return self.state in FINAL
+
+    @property
+    def returncode(self) -> int:
+        """The run's status as a command's: 0, the failing rank's status (128+N for signal N),
+        1 for a lost node, 143 for a stopped run (SIGTERM's)."""
+        if self.state == "succeeded":
+            return 0
+        if self.state == "stopped":
+            return 128 + signal.SIGTERM
+        status = self.exit_status
+        if status is None or status == -1:
+            return 1
+        return 128 - status if status < 0 else status
+
+
+class Run:
+    """A detached run (see the module's docstring); ``sky.Run(name)`` re-attaches to one."""
+
+    def __init__(self, name: str) -> None:
+        self.record = record.load(name)
+        self._reach: reach.Reach | None = None
+        self._offsets = [0] * self.record.nodes
+        self._partial = [b""] * self.record.nodes
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    def __repr__(self) -> str:
+        return f"<sky.Run {self.name} on {self.record.nodes} {self.record.provider} node(s)>"
+
+    def _nodes(self) -> reach.Reach:
+        if self._reach is None:
+            rec = self.record
+            self._reach = reach.connect(rec.kind, rec.reach, rec.directories)
+        return self._reach
+
+    def close(self) -> None:
+        if self._reach is not None:
+            self._reach.close()
+            self._reach = None
+
+    # -- state
+
+    def status(self) -> RunStatus:
+        """How the run stands now (an ended run's answer is kept: no node is asked again)."""
+        if self.record.last.get("state") in FINAL:
+            return self._status(self.record.last, reachable=True)
+        views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
+        return self._judge(views)
+
+    def _judge(self, views: list[reach.NodeView | None]) -> RunStatus:
+        head = views[0]
+        if head is None:
+            return self._status({}, reachable=False)
+        run = dict(head.run)
+        if run.get("state") in FINAL:
+            self._ended(run)
+        elif run and not head.leader_alive:
+            run = {**run, "state": "lost", "reason": "the supervisor on node 0 is gone"}
+        return self._status(run, reachable=True)
+
+    def _ended(self, run: dict[str, Any]) -> None:
+        """Keep an ended run's state and remove what it left on the nodes (spec, key lines)."""
+        if self.record.last.get("state") in FINAL:
+            return
+        with contextlib.suppress(Exception):
+            self._nodes().clean(self.record.key_tags or [None] * self.record.nodes)
+        self.record.last = run
+        record.save(self.record)
+
+    def _status(self, run: dict[str, Any], reachable: bool) -> RunStatus:
+        rec = self.record
+        state = run.get("state", "starting") if reachable else "lost"
+        if state in ("running", "restarting"):
+            state = "running"
+        started = float(run.get("running_at") or run.get("started_at") or rec.created_at)
+        end = float(run.get("ended_at") or time.time())
+        duration = max(0.0, end - started)
+        cost = None
+        if rec.price_per_hour is not None:
+            cost = rec.price_per_hour * rec.nodes * duration / 3600
+        reason = str(run.get("reason", ""))
+        if not reachable:
+            reason = "its nodes cannot be reached now (the run may still be going)"
+        return RunStatus(
+            rec.name,
+            rec.provider,
+            rec.nodes,
+            state,
+            started,
+            duration,
+            cost,
+            run.get("rank"),
+            run.get("status"),
+            reason,
+        )
+
+    # -- logs
+
+    def logs(self, follow: bool = False, out: Callable[[str], None] | None = None) -> int | None:
+        """Write every line the ranks have written, ``(node i) line``, to `out` (default: this
+        process's stdout); with `follow`, keep going until the run ends and return its
+        `RunStatus.returncode`."""
+        write = out or _print
+        lost_since: float | None = None
+        while True:
+            views = self._nodes().peek(self._offsets)
+            self._emit(views, write)
+            if not follow:
+                self._flush(write)
+                return None
+            status = self._judge(views)
+            if status.state == "lost":
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > UNREACHABLE_SECONDS:
+                    self._flush(write)
+                    raise TimeoutError(
+                        f"run {self.name}: {status.reason or 'node 0 cannot be reached'} for "
+                        f"{UNREACHABLE_SECONDS:.0f} s; `skyward status` looks again later"
+                    )
+            else:
+                lost_since = None
+            if status.ended:
+                self._emit(self._nodes().peek(self._offsets), write)  # what came with the end
+                self._flush(write)
+                return status.returncode
+            time.sleep(POLL_SECONDS)
+
+    def _emit(self, views: list[reach.NodeView | None], write: Callable[[str], None]) -> None:
+        for node, view in enumerate(views):
+            if view is None or not view.data:
+                continue
+            self._offsets[node] += len(view.data)
+            text = self._partial[node] + view.data
+            *lines, self._partial[node] = text.split(b"\n")
+            for line in lines:
+                write(f"(node {node}) {line.decode(errors='replace')}")
+
+    def _flush(self, write: Callable[[str], None]) -> None:
+        for node, rest in enumerate(self._partial):
+            if rest:
+                write(f"(node {node}) {rest.decode(errors='replace')}")
+                self._partial[node] = b""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the run to end; its `RunStatus.returncode`. `TimeoutError` after
+        `timeout` seconds, or when node 0 stays out of reach."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lost_since: float | None = None
+        while True:
+            status = self.status()
+            if status.ended:
+                return status.returncode
+            if status.state == "lost":
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > UNREACHABLE_SECONDS:
+                    raise TimeoutError(f"run {self.name}: {status.reason}")
+            else:
+                lost_since = None
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.name} is still {status.state} after {timeout} s")
+            time.sleep(POLL_SECONDS)
+
+    def stop(self, timeout: float = 30.0) -> RunStatus:
+        """End the run on every node: SIGTERM to its supervisors (each rank gets SIGTERM, then
+        SIGKILL after the run's grace), SIGKILL to whatever is left after `timeout` seconds."""
+        views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
+        status = self._judge(views)
+        if status.ended:
+            return status
+        targets: list[tuple[int, int]] = []
+        head = views[0]
+        if head is not None and head.run.get("leader_pid"):
+            targets.append((0, int(head.run["leader_pid"])))
+        for node, view in enumerate(views):
+            if view is not None and view.node.get("state") == "running":
+                targets.append((node, int(view.node["follower"])))
+        self._nodes().signal(targets, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
+            status = self._judge(views)
+            running = [v for v in views if v is not None and v.node.get("state") == "running"]
+            if status.ended and not running:
+                return status
+            if not running and not (views[0] and views[0].leader_alive):
+                break
+            time.sleep(POLL_SECONDS)
+        # Whatever is left: the ranks' groups and the supervisors, killed.
+        views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
+        kills = list(targets)
+        for node, view in enumerate(views):
+            if view is not None and view.node.get("state") == "running":
+                kills.append((node, -int(view.node["pid"])))
+        self._nodes().signal(kills, signal.SIGKILL)
+        final = {"state": "stopped", "reason": "stopped by skyward stop", "ended_at": time.time()}
+        run = dict(views[0].run) if views[0] is not None else {}
+        run = {**run, **final} if run.get("state") not in FINAL else run
+        self._ended(run)
+        return self._status(run, reachable=True)
+
+
+def _print(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()

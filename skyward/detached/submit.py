@@ -1,0 +1,156 @@
+"""`submit`: start a detached run (what ``skyward run --detach`` and `sky.submit` do).
+
+The pool starts as for ``skyward run``: the environment is built, the script (or the workdir)
+reaches every node, and each agent exports the launcher variables (``JAX_*``). Then, while
+the pool is still up, every agent writes its node's spec (the script's command line and the
+agent's environment) and node 0's agent starts the leader (`skyward.worker.supervisor`) in a
+session of its own. Once every rank has started, the pool ends as usual: its agents and
+connections go, the run stays with its nodes, and the client keeps a record.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from skyward.calls import compute
+from skyward.data import Data
+from skyward.detached import record
+from skyward.detached.run import Run
+from skyward.errors import ConfigError, SkywardError
+from skyward.plugins.base import Plugin
+from skyward.plugins.jax_plugin import JaxPlugin, LauncherEnv
+from skyward.pool import ComputePool
+from skyward.providers.base import Provider
+from skyward.worker import supervisor
+
+# Node 0 waits this long for every rank to say it started.
+START_TIMEOUT = 120.0
+
+
+class DetachError(SkywardError):
+    """A detached run could not be started: every rank did not start (the pool is gone)."""
+
+
+def script_target(script: str, workdir: str | None) -> tuple[str | Data, Data | None]:
+    """What each node runs and where: the script as a `sky.Data` (or, with `workdir`, its path
+    inside the workdir's copy, which is then the working directory)."""
+    path = Path(script)
+    if not path.is_file():
+        raise ConfigError(f"{script}: no such script")
+    if workdir is None:
+        return Data(path), None  # on each node: the file's copy, run from the agent's directory
+    root = Path(workdir).expanduser().resolve()
+    if not root.is_dir():
+        raise ConfigError(f"--workdir {workdir}: no such directory")
+    try:
+        target = str(path.resolve().relative_to(root))
+    except ValueError:
+        raise ConfigError(f"{script} is not inside --workdir {workdir}") from None
+    return target, Data(root)  # on each node: the directory's copy, where the script runs
+
+
+def launcher_plugins(plugins: Sequence[Plugin]) -> list[Plugin]:
+    """`plugins` for a script that initializes its framework itself: the JAX plugin exports
+    the variables without initializing; without it, only the variables are exported."""
+    chosen: list[Plugin] = []
+    for plugin in plugins:
+        if isinstance(plugin, JaxPlugin) and plugin.initialize:
+            plugin = copy.copy(plugin)
+            plugin.initialize = False
+        chosen.append(plugin)
+    if not any("jax" in getattr(p, "ports", ()) for p in chosen):
+        chosen.insert(0, LauncherEnv())
+    return chosen
+
+
+def submit(
+    script: str,
+    args: Sequence[str] = (),
+    *,
+    provider: Provider | None = None,
+    nodes: int | None = None,
+    accelerator: str | None = None,
+    plugins: Sequence[Plugin] = (),
+    env: Mapping[str, str] | None = None,
+    workdir: str | None = None,
+    name: str | None = None,
+    restarts: int = 0,
+    grace: float = 10.0,
+    max_cost: float | None = None,
+) -> Run:
+    """Start `script` with `args` on every node of a new pool, detached: returns once every rank
+    has started, and the run goes on without this process (see docs/detach.md)."""
+    from skyward.detached import launch as reach
+    from skyward.providers.local import Local
+
+    provider = provider if provider is not None else Local()
+    kind = reach.kind_of(provider)
+    name = record.check_name(name) if name is not None else record.new_name()
+    if record.exists(name):
+        raise ConfigError(f"a detached run named {name!r} exists already; choose another --name")
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        raise ConfigError(f"restarts must be a whole number, 0 or more; got {restarts!r}")
+    if not isinstance(grace, int | float) or not 0 <= grace < float("inf"):
+        raise ConfigError(f"grace must be a number of seconds, 0 or more; got {grace!r}")
+    target, cwd = script_target(script, workdir)
+    with ComputePool(
+        provider=provider,
+        nodes=nodes,
+        accelerator=accelerator,
+        plugins=launcher_plugins(plugins),
+        env=dict(env or {}),
+        name="run",
+        max_cost=max_cost,
+    ) as pool:
+        count = pool.spec.nodes
+        keys = reach.leader_keys(kind, count)
+        prepare = compute(supervisor.prepare_node)
+        setups: list[dict[str, Any]] = [
+            pool.run(
+                prepare(name, target, list(args), cwd, float(grace), restarts, keys.public.get(i)),
+                node=i,
+            )
+            for i in range(count)
+        ]
+        launchers = reach.launchers(kind, pool, setups)
+        created = time.time()
+        price = pool.cost.price.per_hour
+        run = record.RunRecord(
+            name=name,
+            provider=pool.provider.name,
+            kind=kind,
+            nodes=count,
+            script=str(script),
+            args=list(args),
+            created_at=created,
+            directories=[s["directory"] for s in setups],
+            price_per_hour=price,
+            reach=reach.record_data(kind, pool),
+            key_tags=[s["key_tag"] for s in setups],
+        )
+        record.save(run)
+        start = compute(supervisor.start_leader)
+        state = pool.run(
+            start(
+                name,
+                launchers,
+                keys.private,
+                keys.known_hosts(pool),
+                restarts,
+                float(grace),
+                START_TIMEOUT,
+            ),
+            node=0,
+        )
+    if "running_at" not in state:
+        handle = Run(name)
+        handle.stop()
+        raise DetachError(
+            f"run {name} did not start on every node: {state.get('reason', state.get('state'))}; "
+            f"`skyward logs {name}` shows what the ranks printed"
+        )
+    return Run(name)

@@ -1,0 +1,542 @@
+"""The supervisor of a detached run (``skyward run --detach``, `sky.submit`): it holds the run on
+the nodes once the client is gone.
+
+Two roles, both ``python -m skyward.worker.supervisor ROLE DIR``, standard library only:
+
+- ``follow DIR``: one per node. It runs the node's rank (the ``argv`` of ``DIR/spec.json``, in
+  its own process group), appends everything the rank prints to ``DIR/rank.log`` in order, and
+  speaks to its leader over its own stdio: it prints ``started`` once the rank runs and
+  ``exit N`` when it ends (``-N``: signal N). When its stdin ends (the leader stopped it, or the
+  leader's node or channel is gone) it stops the rank: SIGTERM to its group, SIGKILL after the
+  spec's ``grace`` seconds. Its state is ``DIR/node.json``.
+- ``lead DIR``: one per run, on node 0 (or in the Slurm batch job). It starts one follower per
+  rank through the launcher ``DIR/leader.json`` names for it: the follower itself for its own
+  node, ``ssh`` to a key that only runs that node's follower (an SSH host, a cloud VM), or a
+  ``srun`` step (Slurm). It enforces the gang rule: one rank that fails (or whose node is lost)
+  stops the others; with restarts left and no node lost, every rank starts again. SIGTERM asks
+  it to stop the run. The run's state is ``DIR/run.json``: ``starting``, ``running``,
+  ``succeeded``, ``failed`` (with the rank and its status), ``stopped``.
+
+Nothing here listens on a port: the leader reaches the followers over sshd or Slurm, the
+client reads the files over the same SSH or Slurm paths as a live pool. Both roles also run in
+the node's agent (`prepare_node`, `start_leader`, the calls the client makes while the pool is
+up). Files are written owner-only: a spec holds the run's environment (``env=`` secrets too),
+and it is removed when the follower ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypedDict
+
+SPEC = "spec.json"
+LOG = "rank.log"
+NODE_STATE = "node.json"
+RUN_STATE = "run.json"
+LEADER = "leader.json"
+LEADER_LOG = "leader.log"
+KEYS = "keys"
+KNOWN_HOSTS = "known_hosts"
+KEY_TAG = "skyward-run"  # the comment that marks a run's line in authorized_keys
+
+FINAL = ("succeeded", "failed", "stopped")
+
+
+class RunState(TypedDict, total=False):
+    """What ``run.json`` holds (node 0's directory; every field but `state` optional)."""
+
+    state: str  # starting, running, succeeded, failed, stopped
+    rank: int  # failed: the first rank that failed
+    status: int  # failed: its exit status (-N: signal N); lost: -1 with reason
+    reason: str  # failed: in words ("exited with status 3", "node 1 was lost")
+    attempt: int  # how many restarts so far
+    started_at: float
+    running_at: float
+    ended_at: float
+    leader_pid: int
+
+
+# -- files ------------------------------------------------------------------------------------
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` owner-only, atomically (a reader never sees half of it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or {} while it is not there."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def run_root(name: str) -> Path:
+    """Where a run's directories live on this node: ``<cache>/runs/<name>``."""
+    from skyward.info import cache_root
+
+    return Path(cache_root()) / "runs" / name
+
+
+# -- the follower -------------------------------------------------------------------------------
+
+
+def follow(directory: Path) -> int:
+    """Run this node's rank (see the module's docstring); returns the rank's exit status."""
+    spec = read_json(directory / SPEC)
+    if not spec:
+        print(f"no run spec in {directory}", file=sys.stderr)
+        return 2
+    grace = float(spec.get("grace", 10.0))
+    # Each start of this node's follower is one attempt of the run; the spec stays while the
+    # leader may still start it again (a restart), and goes with the last attempt.
+    spec["starts"] = int(read_json(directory / NODE_STATE).get("starts", 0)) + 1
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    # A leader whose channel closes leaves our stdout without a reader: EPIPE, not a death.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+    def watch_stdin() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(0, 4096):
+                pass
+        stop.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    status = _run_rank(directory, spec, grace, stop)
+    with contextlib.suppress(OSError):
+        print(f"exit {status}", flush=True)
+    if spec["starts"] > int(spec.get("restarts", 0)):
+        finish_node(directory, spec.get("key_tag"))
+    return 0
+
+
+def _run_rank(directory: Path, spec: Mapping[str, Any], grace: float, stop: threading.Event) -> int:
+    env = {str(k): str(v) for k, v in dict(spec.get("env", {})).items()}
+    env["SKYWARD_RESTART"] = str(spec["starts"] - 1)  # 0, then 1 after the first restart...
+    log_fd = os.open(directory / LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        rank = subprocess.Popen(
+            list(spec["argv"]),
+            cwd=spec.get("cwd") or None,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=log_fd,
+            start_new_session=True,  # its own group: stopping it stops what it started
+        )
+    except OSError as exc:
+        os.write(log_fd, f"skyward: the rank could not start: {exc}\n".encode())
+        os.close(log_fd)
+        _node_state(directory, {"state": "exited", "status": 127, "starts": spec["starts"]})
+        return 127
+    os.close(log_fd)
+    running = {"pid": rank.pid, "follower": os.getpid(), "starts": spec["starts"]}
+    _node_state(directory, {"state": "running", **running})
+    with contextlib.suppress(OSError):
+        print("started", flush=True)
+    while rank.poll() is None and not stop.wait(0.1):
+        pass
+    if rank.poll() is None:
+        _stop_group(rank, grace)
+    status = rank.wait()
+    _node_state(directory, {"state": "exited", "status": status, "starts": spec["starts"]})
+    return status
+
+
+def _stop_group(process: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM to the process's group, SIGKILL after `grace` seconds if it is still there."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # what the rank started, too
+
+
+def _node_state(directory: Path, state: Mapping[str, Any]) -> None:
+    write_private(directory / NODE_STATE, json.dumps({**state, "at": time.time()}))
+
+
+def finish_node(directory: Path, key_tag: str | None) -> None:
+    """What the run left on this node goes, its log and state aside: the spec (it holds the
+    run's environment) and the key that let the leader start this follower."""
+    with contextlib.suppress(OSError):
+        (directory / SPEC).unlink()
+    if key_tag:
+        remove_authorized(key_tag)
+
+
+# -- authorized_keys: the leader's way in, one line per node and run --------------------------
+
+
+def _authorized_keys() -> Path:
+    return Path.home() / ".ssh" / "authorized_keys"
+
+
+def authorize(public_key: str, command: str, tag: str) -> None:
+    """Let `public_key` run `command` and nothing else here (no shell, no forwarding, no pty)."""
+    path = _authorized_keys()
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    quoted = command.replace("\\", "\\\\").replace('"', '\\"')
+    line = f'restrict,command="{quoted}" {public_key.strip()} {tag}\n'
+    with _locked(path) as handle:
+        text = handle.read()
+        if text and not text.endswith("\n"):
+            text += "\n"
+        _rewrite(handle, text + line)
+
+
+def remove_authorized(tag: str) -> None:
+    """Remove the authorized_keys lines that end with `tag` (a run's node)."""
+    path = _authorized_keys()
+    if not path.exists():
+        return
+    with _locked(path) as handle:
+        lines = handle.read().splitlines(keepends=True)
+        kept = [line for line in lines if not line.rstrip("\n").endswith(" " + tag)]
+        if len(kept) != len(lines):
+            _rewrite(handle, "".join(kept))
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Any:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "r+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield handle
+
+
+def _rewrite(handle: Any, text: str) -> None:
+    handle.seek(0)
+    handle.write(text)
+    handle.truncate()
+    handle.flush()
+
+
+# -- the leader ---------------------------------------------------------------------------------
+
+
+class _Rank:
+    """One rank's follower as the leader sees it: its launcher process and what it said."""
+
+    def __init__(self, index: int, argv: Sequence[str], events: queue.Queue[tuple[int, str]]):
+        self.index = index
+        self.argv = list(argv)
+        self.events = events
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started = False
+        self.status: int | None = None  # its rank's exit status, once reported
+
+    def start(self, log: int) -> None:
+        self.started, self.status = False, None
+        try:
+            self.process = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            os.write(log, f"rank {self.index}: its launcher could not start: {exc}\n".encode())
+            self.events.put((self.index, "lost"))
+            return
+        threading.Thread(target=self._read, args=(self.process,), daemon=True).start()
+
+    def _read(self, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        for raw in process.stdout:
+            line = raw.decode(errors="replace").strip()
+            if line == "started" or line.startswith("exit "):
+                self.events.put((self.index, line))
+        process.wait()
+        self.events.put((self.index, "gone"))
+
+    def stop(self) -> None:
+        """Close the follower's stdin: it stops its rank (SIGTERM, then SIGKILL)."""
+        if self.process is not None and self.process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def lead(directory: Path) -> int:
+    """Hold the run (see the module's docstring) until it ends; returns 0."""
+    plan = read_json(directory / LEADER)
+    launchers: list[list[str]] = plan["launchers"]
+    restarts = int(plan.get("restarts", 0))
+    grace = float(plan.get("grace", 10.0))
+    state: RunState = {"state": "starting", "attempt": 0, "started_at": time.time()}
+    state["leader_pid"] = os.getpid()
+    _run_state(directory, state)
+    stop = threading.Event()
+    events: queue.Queue[tuple[int, str]] = queue.Queue()
+
+    def stopping(*_: object) -> None:
+        stop.set()
+        events.put((-1, "stop"))
+
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, stopping)
+    log = os.open(directory / LEADER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    ranks = [_Rank(i, argv, events) for i, argv in enumerate(launchers)]
+    try:
+        while True:
+            for rank in ranks:
+                rank.start(log)
+            end = _watch(ranks, events, state, directory)
+            _stop_all(ranks, events, grace)
+            if stop.is_set():
+                end = {"state": "stopped", "reason": "stopped by skyward stop"}
+            retry = end["state"] == "failed" and not end.get("lost")
+            if retry and state["attempt"] < restarts:
+                state["attempt"] += 1
+                with contextlib.suppress(OSError):
+                    os.write(log, f"restart {state['attempt']} of {restarts}: {end}\n".encode())
+                _run_state(directory, {**state, "state": "restarting", "reason": end["reason"]})
+                continue
+            final: RunState = {**state, **end, "ended_at": time.time()}  # type: ignore[typeddict-item]
+            final.pop("lost", None)  # type: ignore[typeddict-item]
+            _run_state(directory, final)
+            return 0
+    finally:
+        for rank in ranks:
+            rank.kill()
+        import shutil
+
+        shutil.rmtree(directory / KEYS, ignore_errors=True)
+        os.close(log)
+
+
+def _watch(
+    ranks: list[_Rank], events: queue.Queue[tuple[int, str]], state: RunState, directory: Path
+) -> dict[str, Any]:
+    """Read the followers' words until the run (this attempt) ends; how it ended."""
+    done: set[int] = set()
+    while True:
+        index, word = events.get()
+        if index < 0:  # skyward stop
+            return {"state": "stopped"}
+        rank = ranks[index]
+        if word == "started":
+            rank.started = True
+            if all(r.started for r in ranks) and state["state"] != "running":
+                state["state"] = "running"
+                state.setdefault("running_at", time.time())
+                _run_state(directory, state)
+            continue
+        if word.startswith("exit "):
+            rank.status = int(word.split()[1])
+            if rank.status == 0:
+                done.add(index)
+                if len(done) == len(ranks):
+                    return {"state": "succeeded"}
+                continue
+            return {
+                "state": "failed",
+                "rank": index,
+                "status": rank.status,
+                "reason": _status_words(index, rank.status),
+            }
+        if word in ("gone", "lost") and rank.status is None:
+            # The launcher ended before its follower said how the rank ended: the node or
+            # its channel is gone (ssh's status 255, a cancelled srun step).
+            return {
+                "state": "failed",
+                "rank": index,
+                "status": -1,
+                "lost": True,
+                "reason": f"node {index} was lost (its supervisor could not be reached)",
+            }
+
+
+def _status_words(rank: int, status: int) -> str:
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = "unknown"
+        return f"rank {rank} was killed by signal {-status} ({name})"
+    return f"rank {rank} exited with status {status}"
+
+
+def _stop_all(ranks: list[_Rank], events: queue.Queue[tuple[int, str]], grace: float) -> None:
+    """Stop every follower still running and wait for them (their grace, then a kill)."""
+    for rank in ranks:
+        rank.stop()
+    deadline = time.monotonic() + grace + 5
+    for rank in ranks:
+        if rank.process is None:
+            continue
+        try:
+            rank.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rank.kill()
+            rank.process.wait()
+    while not events.empty():  # what they said while stopping belongs to this attempt
+        events.get_nowait()
+
+
+def _run_state(directory: Path, state: Mapping[str, Any]) -> None:
+    write_private(directory / RUN_STATE, json.dumps(dict(state)))
+
+
+# -- what the client calls in the agents while the pool is up -----------------------------------
+
+
+def prepare_node(
+    name: str,
+    script: str,
+    args: Sequence[str],
+    cwd: str | None,
+    grace: float,
+    restarts: int,
+    leader_key: str | None,
+) -> dict[str, Any]:
+    """Write this node's spec for run `name` (in the agent, whose environment the rank gets) and,
+    with `leader_key`, let that key start this node's follower and nothing else. Returns the
+    node's directory, interpreter and login user, for the leader's launchers."""
+    import getpass
+
+    from skyward.info import instance_info
+
+    node = instance_info().node
+    directory = run_root(name) / f"node-{node}"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for parent in (directory.parent, directory.parent.parent):
+        with contextlib.suppress(OSError):
+            os.chmod(parent, 0o700)
+    tag = f"{KEY_TAG}:{name}:node-{node}"
+    spec = {
+        "name": name,
+        "rank": node,
+        "argv": [sys.executable, "-m", "skyward.worker.script", script, *args],
+        "cwd": cwd or os.getcwd(),
+        "env": {**os.environ, "PYTHONUNBUFFERED": "1"},
+        "grace": grace,
+        "restarts": restarts,
+        "key_tag": tag if leader_key else None,
+    }
+    write_private(directory / SPEC, json.dumps(spec))
+    follow_argv = follower_command(directory)
+    if leader_key:
+        authorize(leader_key, " ".join(_shell_word(w) for w in follow_argv), tag)
+    return {
+        "directory": str(directory),
+        "follow": follow_argv,
+        "user": getpass.getuser(),
+        "key_tag": tag if leader_key else None,
+    }
+
+
+def follower_command(directory: Path) -> list[str]:
+    """The command that runs this node's follower, in this interpreter with this skyward."""
+    source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return ["env", f"PYTHONPATH={source}", sys.executable, "-m", __name__, "follow", str(directory)]
+
+
+def _shell_word(word: str) -> str:
+    import shlex
+
+    return shlex.quote(word)
+
+
+def start_leader(
+    name: str,
+    launchers: Sequence[Sequence[str]],
+    keys: Mapping[int, str],
+    known_hosts: str,
+    restarts: int,
+    grace: float,
+    timeout: float,
+) -> RunState:
+    """On node 0: start the run's leader outside the agent (its own session: it outlives the
+    agent and the client) and wait until every rank has started or the run has ended."""
+    directory = run_root(name) / "node-0"
+    keydir = directory / KEYS
+    keydir.mkdir(mode=0o700, exist_ok=True)
+    argvs = [list(argv) for argv in launchers]
+    for index, key in keys.items():
+        path = keydir / f"node-{index}"
+        write_private(path, key)
+        argvs[index] = [w.replace("{key}", str(path)) for w in argvs[index]]
+    write_private(keydir / KNOWN_HOSTS, known_hosts)
+    argvs = [[w.replace("{known_hosts}", str(keydir / KNOWN_HOSTS)) for w in a] for a in argvs]
+    plan = {"launchers": argvs, "restarts": restarts, "grace": grace}
+    write_private(directory / LEADER, json.dumps(plan))
+    (directory / RUN_STATE).unlink(missing_ok=True)
+    leader = spawn_leader(directory, follower_command(directory)[:3])
+    return wait_started(directory, leader, timeout)
+
+
+def spawn_leader(directory: Path, prefix: Sequence[str]) -> subprocess.Popen[bytes]:
+    """``lead DIR`` in a session of its own, its stdio on files: nothing of the caller holds it."""
+    out = os.open(directory / LEADER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        return subprocess.Popen(
+            [*prefix, "-m", __name__, "lead", str(directory)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            close_fds=True,
+        )
+    finally:
+        os.close(out)
+
+
+def wait_started(
+    directory: Path, leader: subprocess.Popen[bytes] | None, timeout: float
+) -> RunState:
+    """Wait until ``run.json`` says every rank started (or the run ended) within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = read_json(directory / RUN_STATE)
+        if state.get("state") in ("running", *FINAL):
+            return state  # type: ignore[return-value]
+        if leader is not None and leader.poll() is not None and not state:
+            tail = _tail(directory / LEADER_LOG)
+            return {"state": "failed", "reason": f"the supervisor did not start: {tail}"}
+        time.sleep(0.05)
+    return {"state": "starting", "reason": f"not every rank had started after {timeout:.0f} s"}
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    with contextlib.suppress(OSError):
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    return "(no output)"
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) != 2 or argv[0] not in ("lead", "follow"):
+        print("usage: python -m skyward.worker.supervisor lead|follow DIR", file=sys.stderr)
+        return 2
+    directory = Path(argv[1])
+    return lead(directory) if argv[0] == "lead" else follow(directory)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1150,6 +1150,32 @@ class NetnsHosts(HostSet[NetnsHost]):
 
     # -- conveniences
 
+    CLIENT_OFFSET = 200
+
+    @contextlib.contextmanager
+    def client_namespace(self) -> Iterator[NetnsHost]:
+        """A namespace without sshd on the same bridge (address offset 200): a client machine
+        that can be taken away. On exit it is deleted with every process in it (a laptop that
+        is closed), if the body has not deleted it already (`delete_namespace`)."""
+        client = NetnsHost(
+            netns=f"{NAME_PREFIX}-{self.run_id}-c",
+            address=str(self.subnet.network_address + self.CLIENT_OFFSET),
+            veth=f"{NAME_PREFIX}{self.run_id}hc",
+        )
+        _delete_netns(client.netns)
+        try:
+            self._build_host(client)
+            yield client
+        finally:
+            self.delete_namespace(client)
+
+    @staticmethod
+    def delete_namespace(host: NetnsHost) -> None:
+        """Kill every process in `host`'s namespace and delete it and its veth."""
+        _delete_netns(host.netns)
+        if _link_exists(host.veth):
+            _run([_ip(), "link", "del", host.veth], check=False)
+
     @property
     def netns_names(self) -> list[str]:
         """Names of all namespaces."""

@@ -1,0 +1,196 @@
+"""Detached runs on SSH hosts (network namespaces): the run outlives its client.
+
+The client runs in a network namespace of its own; once ``skyward run --detach`` returns, that
+namespace is deleted with every process in it (the laptop is gone). Then `skyward logs`,
+`status` and `stop` from this machine's own namespace find the run on the hosts. The hosts
+share this machine's filesystem (see tests/ssh/conftest.py), so the run's files are read
+here to check what the nodes left; the client reads them over SSH, as from a real laptop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from skyward.cli.main import main
+from skyward.detached import record
+from tests.ssh.conftest import Hosts, processes_with, wait_until
+from tests.support import sshd
+
+pytestmark = [pytest.mark.ssh]
+
+# Each rank prints STEPS lines half a second apart; with $FAIL set, rank 1 then exits with it
+# while rank 0 would go on ten times as long.
+JOB = """\
+import os, sys, time
+rank = int(os.environ["JAX_PROCESS_ID"])
+steps = int(sys.argv[1]) * (10 if rank == 0 and os.environ.get("FAIL") else 1)
+for step in range(steps):
+    print(f"rank {rank} step {step}", flush=True)
+    time.sleep(0.5)
+if rank == 1 and os.environ.get("FAIL"):
+    sys.exit(int(os.environ["FAIL"]))
+print(f"rank {rank} done", flush=True)
+"""
+
+
+@pytest.fixture
+def project(netns_hosts: Hosts, tmp_path: Path) -> Iterator[Path]:
+    """A directory with the job and a profile for two of the hosts."""
+    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "skyward.toml").write_text(
+        textwrap.dedent(
+            f"""
+            [profile.default]
+            provider = "ssh"
+            hosts = {netns_hosts.net.addresses[:2]!r}
+            user = "root"
+            key = "{netns_hosts.key.private_path}"
+            known_hosts = "{netns_hosts.known_hosts}"
+            python = "{sys.executable}"
+            nodes = 2
+            """
+        )
+    )
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        yield tmp_path
+    finally:
+        os.chdir(cwd)
+        _remove_leftover_keys()
+
+
+def _remove_leftover_keys() -> None:
+    """A test that failed half-way may leave a run's key line in root's authorized_keys."""
+    path = Path("/root/.ssh/authorized_keys")
+    if path.exists():
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(line for line in lines if " skyward-run:" not in line))
+
+
+def _run_files(name: str) -> list[Path]:
+    return [Path(d) for d in record.load(name).directories]
+
+
+def _authorized_lines(name: str) -> list[str]:
+    path = Path("/root/.ssh/authorized_keys")
+    text = path.read_text() if path.exists() else ""
+    return [line for line in text.splitlines() if f"skyward-run:{name}:" in line]
+
+
+def _status_line(name: str, capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(name + " ")]
+    assert lines, out
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_a_detached_run_outlives_its_client(
+    netns_hosts: Hosts, project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "outlives"
+    with netns_hosts.net.client_namespace() as laptop:
+        command = ["run", "--detach", "--name", name, "job.py", "16", f"token-{name}"]
+        started = subprocess.run(
+            ["ip", "netns", "exec", laptop.netns, sys.executable, "-m", "skyward.cli", *command],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert started.returncode == 0, started.stderr
+        assert f"run {name} started on 2 node(s)" in started.stdout
+        assert f"skyward logs -f {name}" in started.stdout
+        netns_hosts.net.delete_namespace(laptop)  # the laptop is closed: nothing of it is left
+    # From this machine's own namespace: the run goes on.
+    assert "running" in _status_line(name, capsys)
+    assert wait_until(lambda: len(processes_with(f"token-{name}")) >= 2, 10)
+    time.sleep(1.5)
+    assert main(["logs", name]) == 0
+    mid = capsys.readouterr().out
+    assert "(node 0) rank 0 step 0" in mid and "(node 1) rank 1 step 0" in mid, mid
+    assert "done" not in mid
+    assert main(["logs", "-f", name]) == 0
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        lines = [line for line in out.splitlines() if line.startswith(f"(node {rank}) ")]
+        expected = [f"(node {rank}) rank {rank} step {s}" for s in range(16)]
+        assert lines == [*expected, f"(node {rank}) rank {rank} done"], out
+    assert "succeeded" in _status_line(name, capsys)
+    # Nothing of the run is left on the hosts but its logs and state.
+    assert wait_until(lambda: not processes_with(f"runs/{name}/"), 10)
+    assert not processes_with(f"token-{name}")
+    assert _authorized_lines(name) == []
+    for directory in _run_files(name):
+        assert not (directory / "spec.json").exists()
+        assert (directory / "rank.log").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_the_others_and_fails_the_run(
+    netns_hosts: Hosts, project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "fails"
+    assert main(["run", "--detach", "--name", name, "--env", "FAIL=3", "job.py", "4"]) == 0
+    capsys.readouterr()
+    begun = time.monotonic()
+    assert main(["logs", "-f", name]) == 3
+    assert time.monotonic() - begun < 10  # four half-second steps, then seconds at most
+    captured = capsys.readouterr()
+    assert "rank 1 exited with status 3" in captured.err
+    assert "(node 1) rank 1 step 3" in captured.out
+    assert "failed: rank 1 exited with status 3" in _status_line(name, capsys)
+    node0 = record.load(name).directories[0]
+    assert wait_until(lambda: not processes_with(f"runs/{name}/"), 10)
+    # rank 0 was stopped (SIGTERM from its follower), not left to run on
+    assert '"status": -15' in (Path(node0) / "node.json").read_text()
+
+
+@pytest.mark.slow
+def test_stop_ends_a_detached_run_on_every_node(
+    netns_hosts: Hosts, project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "stopped"
+    assert main(["run", "--detach", "--name", name, "job.py", "600", f"token-{name}"]) == 0
+    assert len(processes_with(f"token-{name}")) == 2
+    begun = time.monotonic()
+    assert main(["stop", name]) == 0
+    assert time.monotonic() - begun < 20
+    assert "stopped" in capsys.readouterr().out
+    assert not processes_with(f"token-{name}")
+    assert wait_until(lambda: not processes_with(f"runs/{name}/"), 10)
+    assert "stopped" in _status_line(name, capsys)
+    assert _authorized_lines(name) == []
+    assert main(["logs", "-f", name]) == 128 + signal.SIGTERM
+
+
+@pytest.mark.slow
+def test_a_node_lost_mid_run_fails_the_run_and_ends_it(
+    netns_hosts: Hosts, project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "lost"
+    assert main(["run", "--detach", "--name", name, "job.py", "600", f"token-{name}"]) == 0
+    # Node 1 dies: every process of its namespace but the sshd that the other tests share.
+    host = netns_hosts.net.hosts[1]
+    listener = host.server.pid if host.server is not None else None
+    out = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True)
+    for pid in (int(p) for p in out.stdout.split()):
+        if pid != listener:
+            os.kill(pid, signal.SIGKILL)
+    assert main(["logs", "-f", name]) == 1
+    assert "node 1 was lost" in capsys.readouterr().err
+    assert "failed: node 1 was lost" in _status_line(name, capsys)
+    assert wait_until(lambda: not processes_with(f"token-{name}"), 15)
+    assert wait_until(lambda: not processes_with(f"runs/{name}/"), 10)
+    assert sshd.pid_alive(listener or 0)

@@ -3,6 +3,8 @@ records to reach the run later.
 
 - ``local``: the nodes are processes on this machine (`sky.Local`): the leader starts every
   follower itself.
+- ``slurm``: the run is a batch job (`skyward.detached.batch`): its leader starts each
+  follower as an ``srun`` step.
 - ``ssh``: the nodes are SSH hosts (`sky.SSH`). The leader on node 0 starts node i's follower
   with ``ssh`` and a key made for this run and node, which node i's authorized_keys lets run
   that follower and nothing else (``restrict,command=...``); node 0 trusts only the host keys
@@ -26,15 +28,26 @@ if TYPE_CHECKING:  # asyncssh, which an SSH node needs, is an extra: loaded wher
 def kind_of(provider: Provider) -> str:
     """How the run's nodes are reached, or `ConfigError` for a provider without detached runs."""
     from skyward.providers.local import Local
-    from skyward.providers.ssh import SSH
 
     if isinstance(provider, Local):
         return "local"
+    # Not before: these need asyncssh, an extra that a provider of theirs had to have.
+    from skyward.providers.slurm.provider import Slurm
+    from skyward.providers.ssh import SSH
+
     if isinstance(provider, SSH):
         return "ssh"
+    if isinstance(provider, Slurm):
+        if provider.login is not None:
+            raise ConfigError(
+                "a detached Slurm run is submitted from the login node itself: run "
+                "`skyward run --detach` there (without --login)"
+            )
+        return "slurm"
     raise ConfigError(
         f"the {provider.name} provider cannot run detached yet: detached runs work on "
-        "sky.Local and sky.SSH (see docs/detach.md); run it attached (without --detach)"
+        "sky.Local, sky.SSH and sky.Slurm (see docs/detach.md); run it attached (without "
+        "--detach)"
     )
 
 

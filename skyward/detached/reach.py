@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import shlex
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,8 +218,39 @@ def _json(raw: bytes) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+class Batch(Local):
+    """A Slurm batch job whose directories this machine shares: the files are read here, the
+    leader is alive while the job is queued, signals go through ``scancel``."""
+
+    def __init__(self, job_id: str, directories: Sequence[str]) -> None:
+        super().__init__(directories)
+        self.job_id = job_id
+
+    def peek(self, offsets: Sequence[int]) -> list[NodeView | None]:
+        from skyward.detached.batch import job_state
+
+        views = super().peek(offsets)
+        if views[0] is not None:
+            views[0].leader_alive = job_state(self.job_id) is not None
+        return views
+
+    def signal(self, pids: Sequence[tuple[int, int]], signum: int) -> None:
+        import subprocess
+
+        # SIGTERM: to the batch script (the leader) and every step (the followers), which stop
+        # their ranks; SIGKILL: the job is cancelled.
+        if signum == signal.SIGKILL:
+            command = ["scancel", self.job_id]
+        else:
+            command = ["scancel", "--full", f"--signal={int(signum)}", self.job_id]
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(command, capture_output=True, timeout=30)
+
+
 def connect(kind: str, reach: dict[str, Any], directories: Sequence[str]) -> Reach:
     """The `Reach` for a record's `kind` and `reach` data."""
     if kind == "ssh":
         return Remote(reach, directories)
+    if kind == "slurm":
+        return Batch(str(reach["job_id"]), directories)
     return Local(directories)

@@ -18,7 +18,7 @@ from typing import Any
 
 from skyward.calls import compute
 from skyward.data import Data
-from skyward.detached import record
+from skyward.detached import batch, launch, record
 from skyward.detached.run import Run
 from skyward.errors import ConfigError, SkywardError
 from skyward.plugins.base import Plugin
@@ -84,11 +84,10 @@ def submit(
 ) -> Run:
     """Start `script` with `args` on every node of a new pool, detached: returns once every rank
     has started, and the run goes on without this process (see docs/detach.md)."""
-    from skyward.detached import launch as reach
     from skyward.providers.local import Local
 
     provider = provider if provider is not None else Local()
-    kind = reach.kind_of(provider)
+    kind = launch.kind_of(provider)
     name = record.check_name(name) if name is not None else record.new_name()
     if record.exists(name):
         raise ConfigError(f"a detached run named {name!r} exists already; choose another --name")
@@ -96,6 +95,12 @@ def submit(
         raise ConfigError(f"restarts must be a whole number, 0 or more; got {restarts!r}")
     if not isinstance(grace, int | float) or not 0 <= grace < float("inf"):
         raise ConfigError(f"grace must be a number of seconds, 0 or more; got {grace!r}")
+    if max_cost is not None:
+        raise ConfigError(
+            "max_cost cannot be kept by a detached run: no client is there to stop it when it "
+            "is spent; bound it with the provider's own limit (sky.Slurm(time_limit=...)) or "
+            "run it attached"
+        )
     target, cwd = script_target(script, workdir)
     with ComputePool(
         provider=provider,
@@ -104,48 +109,16 @@ def submit(
         plugins=launcher_plugins(plugins),
         env=dict(env or {}),
         name="run",
-        max_cost=max_cost,
     ) as pool:
-        count = pool.spec.nodes
-        keys = reach.leader_keys(kind, count)
-        prepare = compute(supervisor.prepare_node)
-        setups: list[dict[str, Any]] = [
-            pool.run(
-                prepare(name, target, list(args), cwd, float(grace), restarts, keys.public.get(i)),
-                node=i,
+        if kind == "slurm":
+            job = batch.prepare(pool, name, target, list(args), cwd, restarts, float(grace))
+            price = pool.cost.price.per_hour
+        else:
+            state = _start_on_nodes(
+                pool, kind, name, str(script), target, list(args), cwd, restarts, grace
             )
-            for i in range(count)
-        ]
-        launchers = reach.launchers(kind, pool, setups)
-        created = time.time()
-        price = pool.cost.price.per_hour
-        run = record.RunRecord(
-            name=name,
-            provider=pool.provider.name,
-            kind=kind,
-            nodes=count,
-            script=str(script),
-            args=list(args),
-            created_at=created,
-            directories=[s["directory"] for s in setups],
-            price_per_hour=price,
-            reach=reach.record_data(kind, pool),
-            key_tags=[s["key_tag"] for s in setups],
-        )
-        record.save(run)
-        start = compute(supervisor.start_leader)
-        state = pool.run(
-            start(
-                name,
-                launchers,
-                keys.private,
-                keys.known_hosts(pool),
-                restarts,
-                float(grace),
-                START_TIMEOUT,
-            ),
-            node=0,
-        )
+    if kind == "slurm":
+        state = _start_batch(job, name, str(script), list(args), price)
     if "running_at" not in state:
         handle = Run(name)
         handle.stop()
@@ -154,3 +127,78 @@ def submit(
             f"`skyward logs {name}` shows what the ranks printed"
         )
     return Run(name)
+
+
+def _start_on_nodes(
+    pool: ComputePool,
+    kind: str,
+    name: str,
+    script: str,
+    target: Any,
+    args: list[str],
+    cwd: Any,
+    restarts: int,
+    grace: float,
+) -> supervisor.RunState:
+    """While the pool is up: each node's spec, node 0's leader, the record; the run's state
+    once every rank has started."""
+    count = pool.spec.nodes
+    keys = launch.leader_keys(kind, count)
+    prepare = compute(supervisor.prepare_node)
+    setups: list[dict[str, Any]] = [
+        pool.run(
+            prepare(name, target, args, cwd, float(grace), restarts, keys.public.get(i)), node=i
+        )
+        for i in range(count)
+    ]
+    record.save(
+        record.RunRecord(
+            name=name,
+            provider=pool.provider.name,
+            kind=kind,
+            nodes=count,
+            script=script,
+            args=args,
+            created_at=time.time(),
+            directories=[s["directory"] for s in setups],
+            price_per_hour=pool.cost.price.per_hour,
+            reach=launch.record_data(kind, pool),
+            key_tags=[s["key_tag"] for s in setups],
+        )
+    )
+    start = compute(supervisor.start_leader)
+    return pool.run(
+        start(
+            name,
+            launch.launchers(kind, pool, setups),
+            keys.private,
+            keys.known_hosts(pool),
+            restarts,
+            float(grace),
+            START_TIMEOUT,
+        ),
+        node=0,
+    )
+
+
+def _start_batch(
+    job: batch.BatchJob, name: str, script: str, args: list[str], price: float | None
+) -> supervisor.RunState:
+    """Queue the batch job, keep the record, wait for every rank to start."""
+    job_id = batch.submit(job)
+    record.save(
+        record.RunRecord(
+            name=name,
+            provider="slurm",
+            kind="slurm",
+            nodes=job.nodes,
+            script=script,
+            args=args,
+            created_at=time.time(),
+            directories=batch.directories(job),
+            price_per_hour=price,
+            reach={"job_id": job_id},
+            key_tags=[None] * job.nodes,
+        )
+    )
+    return batch.wait_started(job, job_id, lambda line: print(f"[skyward] run {name}: {line}"))

@@ -51,6 +51,8 @@ KNOWN_HOSTS = "known_hosts"
 KEY_TAG = "skyward-run"  # the comment that marks a run's line in authorized_keys
 
 FINAL = ("succeeded", "failed", "stopped")
+# This module by name: run as ``-m`` it is ``__main__``, and its commands must name it.
+MODULE = "skyward.worker.supervisor"
 
 
 class RunState(TypedDict, total=False):
@@ -130,7 +132,9 @@ def follow(directory: Path) -> int:
 
 
 def _run_rank(directory: Path, spec: Mapping[str, Any], grace: float, stop: threading.Event) -> int:
-    env = {str(k): str(v) for k, v in dict(spec.get("env", {})).items()}
+    # The spec's environment over the follower's own: what the node gives this process (a
+    # Slurm step's SLURM_* and CUDA_VISIBLE_DEVICES) stays where the spec does not say.
+    env = {**os.environ, **{str(k): str(v) for k, v in dict(spec.get("env", {})).items()}}
     env["SKYWARD_RESTART"] = str(spec["starts"] - 1)  # 0, then 1 after the first restart...
     log_fd = os.open(directory / LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
@@ -455,7 +459,7 @@ def prepare_node(
 def follower_command(directory: Path) -> list[str]:
     """The command that runs this node's follower, in this interpreter with this skyward."""
     source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return ["env", f"PYTHONPATH={source}", sys.executable, "-m", __name__, "follow", str(directory)]
+    return ["env", f"PYTHONPATH={source}", sys.executable, "-m", MODULE, "follow", str(directory)]
 
 
 def _shell_word(word: str) -> str:
@@ -497,7 +501,7 @@ def spawn_leader(directory: Path, prefix: Sequence[str]) -> subprocess.Popen[byt
     out = os.open(directory / LEADER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         return subprocess.Popen(
-            [*prefix, "-m", __name__, "lead", str(directory)],
+            [*prefix, "-m", MODULE, "lead", str(directory)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=out,
@@ -530,12 +534,90 @@ def _tail(path: Path, lines: int = 5) -> str:
     return "(no output)"
 
 
+# -- Slurm: the run is a batch job --------------------------------------------------------------
+
+SLURM_PLAN = "slurm.json"
+# What a rank's environment must not take from the pool's agent: its node's identity, and
+# the pool job's Slurm world (the batch job has its own).
+_NODE_OWN = ("SKYWARD_INSTANCE_INFO", "JAX_", "SLURM_", "CUDA_VISIBLE_DEVICES", "SKYWARD_AGENT")
+
+
+def node_environment(script: str, cwd: str | None) -> dict[str, Any]:
+    """In node 0's agent: what every rank of a batch job starts from: the environment, the
+    interpreter with this skyward (`prefix`), the script's path and the working directory."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_NODE_OWN)}
+    return {
+        "env": {**env, "PYTHONUNBUFFERED": "1"},
+        "python": sys.executable,
+        "prefix": follower_command(Path("."))[:3],
+        "script": script,
+        "cwd": cwd or os.getcwd(),
+    }
+
+
+def lead_batch(root: Path) -> int:
+    """The batch job of a detached Slurm run: learn the job's nodes, write each rank's spec
+    (its JAX_* variables for a coordinator on this node), then lead the run with one
+    ``srun`` step per rank as its launcher."""
+    plan = read_json(root / SLURM_PLAN)
+    hosts = _slurm_out(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]]).split()
+    head = _node_address(hosts[0])
+    port = _free_port(head)
+    launchers = []
+    for rank, host in enumerate(hosts):
+        directory = root / f"node-{rank}"
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        env = {
+            **plan["env"],
+            "JAX_COORDINATOR_ADDRESS": f"{head}:{port}",
+            "JAX_NUM_PROCESSES": str(len(hosts)),
+            "JAX_PROCESS_ID": str(rank),
+        }
+        spec = {
+            "name": plan["name"],
+            "rank": rank,
+            "argv": [plan["python"], "-m", "skyward.worker.script", *plan["argv"]],
+            "cwd": plan["cwd"],
+            "env": env,
+            "grace": plan["grace"],
+            "restarts": plan["restarts"],
+            "key_tag": None,
+        }
+        write_private(directory / SPEC, json.dumps(spec))
+        step = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}"]
+        launchers.append([*step, *follower_command(directory)])
+    leader = {"launchers": launchers, "restarts": plan["restarts"], "grace": plan["grace"]}
+    write_private(root / "node-0" / LEADER, json.dumps(leader))
+    return lead(root / "node-0")
+
+
+def _slurm_out(argv: Sequence[str]) -> str:
+    return subprocess.run(list(argv), capture_output=True, text=True, check=True).stdout
+
+
+def _node_address(name: str) -> str:
+    """The address Slurm reaches node `name` at (``NodeAddr``), as its peers should."""
+    for word in _slurm_out(["scontrol", "show", "node", name]).split():
+        if word.startswith("NodeAddr="):
+            return word.split("=", 1)[1]
+    return name
+
+
+def _free_port(address: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 def main(argv: Sequence[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("lead", "follow"):
-        print("usage: python -m skyward.worker.supervisor lead|follow DIR", file=sys.stderr)
+    roles = {"lead": lead, "follow": follow, "batch": lead_batch}
+    if len(argv) != 2 or argv[0] not in roles:
+        print("usage: python -m skyward.worker.supervisor lead|follow|batch DIR", file=sys.stderr)
         return 2
-    directory = Path(argv[1])
-    return lead(directory) if argv[0] == "lead" else follow(directory)
+    return roles[argv[0]](Path(argv[1]))
 
 
 if __name__ == "__main__":

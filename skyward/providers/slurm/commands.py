@@ -84,7 +84,18 @@ class Request:
         """The ``salloc`` command line that holds the allocation for the pool's life."""
         # --no-kill: a node that fails leaves the job (by default Slurm ends the whole job,
         # and with it every survivor's step), so the pool can replace just that node.
-        args = ["salloc", f"--nodes={self.nodes}", "--ntasks-per-node=1", "--no-kill"]
+        size, rest = self._settings()[:2], self._settings()[2:]
+        args = ["salloc", *size, "--no-kill", *rest]
+        return [*args, "/bin/sh", "-c", holder(self.idle_seconds)]
+
+    def sbatch(self, script: str, output: str) -> list[str]:
+        """The ``sbatch`` command line of a detached run: the same request as a batch job whose
+        script is `script`, its own output to `output`. A lost node ends the job (Slurm's
+        default): a detached run has no client to replace it."""
+        return ["sbatch", "--parsable", *self._settings(), f"--output={output}", script]
+
+    def _settings(self) -> list[str]:
+        args = [f"--nodes={self.nodes}", "--ntasks-per-node=1"]
         args += [f"--job-name={self.job_name}", f"--comment={self.comment}"]
         for flag, value in (
             ("--partition", self.partition),
@@ -95,8 +106,7 @@ class Request:
         ):
             if value:
                 args.append(f"{flag}={value}")
-        args += list(self.options)
-        return [*args, "/bin/sh", "-c", holder(self.idle_seconds)]
+        return args + list(self.options)
 
 
 def gres_for(accelerator: Accelerator | None, typed: bool = True) -> str | None:

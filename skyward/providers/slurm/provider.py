@@ -205,6 +205,16 @@ class Slurm(Provider):
             options=self.options,
         )
 
+    def batch_command(self, spec: ClusterSpec, run: str, script: str, output: str) -> list[str]:
+        """The ``sbatch`` command line of detached run `run` on the pool `spec` described (the
+        same partition, account, time limit, GRES and options), its job named for the run."""
+        request = dataclasses.replace(
+            self._request(spec),
+            job_name=f"{jobs.JOB_PREFIX}run-{run}",
+            comment=f"skyward detached run {run}",
+        )
+        return request.sbatch(script, output)
+
     def _gres(self, accelerator: Accelerator | None) -> str | None:
         """The GRES per node: `gres` as the user wrote it; else the form `_find_gres` found
         that the site has for the accelerator; else the typed one (``gpu:a100:4``)."""

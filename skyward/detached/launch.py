@@ -87,11 +87,11 @@ def leader_keys(kind: str, nodes: int) -> LeaderKeys:
 def launchers(kind: str, pool: ComputePool, setups: Sequence[dict[str, Any]]) -> list[list[str]]:
     """The command line node 0's leader starts each rank's follower with. ``{key}`` and
     ``{known_hosts}`` are filled in on node 0, where those files are written."""
-    if kind != "ssh":
-        return [list(setup["follow"]) for setup in setups]
+    if kind != "ssh":  # every node is this machine: the leader follows each rank itself
+        return [list(setup["here"]) for setup in setups]
     from skyward.providers.remote.bootstrap import ssh_host
 
-    found = [list(setups[0]["follow"])]
+    found = [list(setups[0]["here"])]
     for node in range(1, len(setups)):
         endpoint = ssh_host(_nodes(pool)[node]).endpoint
         found.append(

@@ -145,12 +145,13 @@ def _start_on_nodes(
     count = pool.spec.nodes
     keys = launch.leader_keys(kind, count)
     prepare = compute(supervisor.prepare_node)
-    setups: list[dict[str, Any]] = [
-        pool.run(
+    asked = [
+        pool.submit(
             prepare(name, target, args, cwd, float(grace), restarts, keys.public.get(i)), node=i
         )
         for i in range(count)
     ]
+    setups: list[dict[str, Any]] = [future.result() for future in asked]
     record.save(
         record.RunRecord(
             name=name,

@@ -51,6 +51,8 @@ KNOWN_HOSTS = "known_hosts"
 KEY_TAG = "skyward-run"  # the comment that marks a run's line in authorized_keys
 
 FINAL = ("succeeded", "failed", "stopped")
+# A launcher that is this word and a node's directory: the leader follows that rank itself.
+IN_PROCESS = "@here"
 # This module by name: run as ``-m`` it is ``__main__``, and its commands must name it.
 MODULE = "skyward.worker.supervisor"
 
@@ -101,15 +103,7 @@ def run_root(name: str) -> Path:
 
 
 def follow(directory: Path) -> int:
-    """Run this node's rank (see the module's docstring); returns the rank's exit status."""
-    spec = read_json(directory / SPEC)
-    if not spec:
-        print(f"no run spec in {directory}", file=sys.stderr)
-        return 2
-    grace = float(spec.get("grace", 10.0))
-    # Each start of this node's follower is one attempt of the run; the spec stays while the
-    # leader may still start it again (a restart), and goes with the last attempt.
-    spec["starts"] = int(read_json(directory / NODE_STATE).get("starts", 0)) + 1
+    """Run this node's rank as a process of its own (see the module's docstring)."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -122,16 +116,35 @@ def follow(directory: Path) -> int:
                 pass
         stop.set()
 
+    def say(word: str) -> None:
+        with contextlib.suppress(OSError):
+            print(word, flush=True)
+
     threading.Thread(target=watch_stdin, daemon=True).start()
-    status = _run_rank(directory, spec, grace, stop)
-    with contextlib.suppress(OSError):
-        print(f"exit {status}", flush=True)
+    return 0 if run_node(directory, stop, say) is not None else 2
+
+
+def run_node(directory: Path, stop: threading.Event, say: Any) -> int | None:
+    """One attempt of this node's rank: `say` hears ``started`` and ``exit N``; `stop` set
+    stops it. Returns its status, or None when the node has no spec."""
+    spec = read_json(directory / SPEC)
+    if not spec:
+        say(f"no run spec in {directory}")
+        return None
+    grace = float(spec.get("grace", 10.0))
+    # Each start of this node's follower is one attempt of the run; the spec stays while the
+    # leader may still start it again (a restart), and goes with the last attempt.
+    spec["starts"] = int(read_json(directory / NODE_STATE).get("starts", 0)) + 1
+    status = _run_rank(directory, spec, grace, stop, say)
+    say(f"exit {status}")
     if spec["starts"] > int(spec.get("restarts", 0)):
         finish_node(directory, spec.get("key_tag"))
-    return 0
+    return status
 
 
-def _run_rank(directory: Path, spec: Mapping[str, Any], grace: float, stop: threading.Event) -> int:
+def _run_rank(
+    directory: Path, spec: Mapping[str, Any], grace: float, stop: threading.Event, say: Any
+) -> int:
     # The spec's environment over the follower's own: what the node gives this process (a
     # Slurm step's SLURM_* and CUDA_VISIBLE_DEVICES) stays where the spec does not say.
     env = {**os.environ, **{str(k): str(v) for k, v in dict(spec.get("env", {})).items()}}
@@ -155,8 +168,7 @@ def _run_rank(directory: Path, spec: Mapping[str, Any], grace: float, stop: thre
     os.close(log_fd)
     running = {"pid": rank.pid, "follower": os.getpid(), "starts": spec["starts"]}
     _node_state(directory, {"state": "running", **running})
-    with contextlib.suppress(OSError):
-        print("started", flush=True)
+    say("started")
     while rank.poll() is None and not stop.wait(0.1):
         pass
     if rank.poll() is None:
@@ -247,11 +259,16 @@ class _Rank:
         self.argv = list(argv)
         self.events = events
         self.process: subprocess.Popen[bytes] | None = None
+        self.here: threading.Event | None = None  # an in-process follower's stop
+        self.thread: threading.Thread | None = None
         self.started = False
         self.status: int | None = None  # its rank's exit status, once reported
 
     def start(self, log: int) -> None:
         self.started, self.status = False, None
+        if self.argv[0] == IN_PROCESS:
+            self._start_here(Path(self.argv[1]))
+            return
         try:
             self.process = subprocess.Popen(
                 self.argv,
@@ -266,6 +283,17 @@ class _Rank:
             return
         threading.Thread(target=self._read, args=(self.process,), daemon=True).start()
 
+    def _start_here(self, directory: Path) -> None:
+        """This node's rank, followed by a thread of the leader: no process more in between."""
+        here = self.here = threading.Event()
+
+        def follow_here() -> None:
+            run_node(directory, here, lambda word: self.events.put((self.index, word)))
+            self.events.put((self.index, "gone"))
+
+        self.thread = threading.Thread(target=follow_here, daemon=True)
+        self.thread.start()
+
     def _read(self, process: subprocess.Popen[bytes]) -> None:
         assert process.stdout is not None
         for raw in process.stdout:
@@ -277,6 +305,8 @@ class _Rank:
 
     def stop(self) -> None:
         """Close the follower's stdin: it stops its rank (SIGTERM, then SIGKILL)."""
+        if self.here is not None:
+            self.here.set()
         if self.process is not None and self.process.stdin is not None:
             with contextlib.suppress(OSError):
                 self.process.stdin.close()
@@ -393,6 +423,8 @@ def _stop_all(ranks: list[_Rank], events: queue.Queue[tuple[int, str]], grace: f
         rank.stop()
     deadline = time.monotonic() + grace + 5
     for rank in ranks:
+        if rank.thread is not None:
+            rank.thread.join(max(0.0, deadline - time.monotonic()))
         if rank.process is None:
             continue
         try:
@@ -451,15 +483,22 @@ def prepare_node(
     return {
         "directory": str(directory),
         "follow": follow_argv,
+        "here": [IN_PROCESS, str(directory)],
         "user": getpass.getuser(),
         "key_tag": tag if leader_key else None,
     }
 
 
-def follower_command(directory: Path) -> list[str]:
-    """The command that runs this node's follower, in this interpreter with this skyward."""
+def interpreter() -> list[str]:
+    """The command line prefix that runs this interpreter with this skyward and without the
+    site packages: the supervisor needs the standard library only, and starts sooner."""
     source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return ["env", f"PYTHONPATH={source}", sys.executable, "-m", MODULE, "follow", str(directory)]
+    return ["env", f"PYTHONPATH={source}", sys.executable, "-S"]
+
+
+def follower_command(directory: Path) -> list[str]:
+    """The command that runs this node's follower as a process of its own."""
+    return [*interpreter(), "-m", MODULE, "follow", str(directory)]
 
 
 def _shell_word(word: str) -> str:
@@ -492,7 +531,7 @@ def start_leader(
     plan = {"launchers": argvs, "restarts": restarts, "grace": grace}
     write_private(directory / LEADER, json.dumps(plan))
     (directory / RUN_STATE).unlink(missing_ok=True)
-    leader = spawn_leader(directory, follower_command(directory)[:3])
+    leader = spawn_leader(directory, interpreter())
     return wait_started(directory, leader, timeout)
 
 
@@ -524,7 +563,7 @@ def wait_started(
         if leader is not None and leader.poll() is not None and not state:
             tail = _tail(directory / LEADER_LOG)
             return {"state": "failed", "reason": f"the supervisor did not start: {tail}"}
-        time.sleep(0.05)
+        time.sleep(0.01)
     return {"state": "starting", "reason": f"not every rank had started after {timeout:.0f} s"}
 
 
@@ -549,7 +588,7 @@ def node_environment(script: str, cwd: str | None) -> dict[str, Any]:
     return {
         "env": {**env, "PYTHONUNBUFFERED": "1"},
         "python": sys.executable,
-        "prefix": follower_command(Path("."))[:3],
+        "prefix": interpreter(),
         "script": script,
         "cwd": cwd or os.getcwd(),
     }
@@ -585,7 +624,8 @@ def lead_batch(root: Path) -> int:
         }
         write_private(directory / SPEC, json.dumps(spec))
         step = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}"]
-        launchers.append([*step, *follower_command(directory)])
+        here = [IN_PROCESS, str(directory)]  # the batch script runs on the job's first node
+        launchers.append(here if rank == 0 else [*step, *follower_command(directory)])
     leader = {"launchers": launchers, "restarts": plan["restarts"], "grace": plan["grace"]}
     write_private(root / "node-0" / LEADER, json.dumps(leader))
     return lead(root / "node-0")

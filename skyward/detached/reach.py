@@ -97,7 +97,9 @@ def _alive(pid: int) -> bool:
 _PEEK = (
     'D={dir}; cat "$D/{run}" 2>/dev/null; echo; cat "$D/{node}" 2>/dev/null; echo; '
     'p=$(sed -n \'s/.*"leader_pid": \\([0-9]*\\).*/\\1/p\' "$D/{run}" 2>/dev/null); '
-    'if [ -n "$p" ] && kill -0 "$p" 2>/dev/null; then echo alive; else echo dead; fi; '
+    # alive: the process is there and not a zombie (an orphan's reaper may be slow to come)
+    's=$([ -n "$p" ] && sed "s/.*) //" "/proc/$p/stat" 2>/dev/null | cut -c1); '
+    'if [ -n "$s" ] && [ "$s" != Z ]; then echo alive; else echo dead; fi; '
     'tail -c +{start} "$D/{log}" 2>/dev/null; true'
 )
 

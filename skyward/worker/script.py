@@ -32,7 +32,7 @@ def run_script(
     (``-N`` when signal N killed it). On the node, a `sky.Data` argument is already a path."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its output streams as it is printed
     command = [sys.executable, "-m", "skyward.worker.script", os.fspath(script), *args]
-    child = subprocess.Popen(command, cwd=cwd, env=env, preexec_fn=_die_with_parent)
+    child = subprocess.Popen(command, cwd=cwd, env=env, preexec_fn=die_with_parent)
     try:
         return child.wait()
     finally:
@@ -41,7 +41,7 @@ def run_script(
             child.wait()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: SIGKILL when the agent dies, however it dies (Linux only)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     with contextlib.suppress(Exception):

@@ -40,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
+from skyward.worker.script import die_with_parent
+
 SPEC = "spec.json"
 LOG = "rank.log"
 NODE_STATE = "node.json"
@@ -102,9 +104,17 @@ def run_root(name: str) -> Path:
 # -- the follower -------------------------------------------------------------------------------
 
 
+# The leader writes a newline to every follower this often; a follower that hears nothing for
+# LEADER_SILENT seconds takes its leader (node 0, or the channel to it) as gone and stops its
+# rank: a node that powers off closes no connection.
+HEARTBEAT_SECONDS = 5.0
+LEADER_SILENT = 30.0
+
+
 def follow(directory: Path) -> int:
     """Run this node's rank as a process of its own (see the module's docstring)."""
     stop = threading.Event()
+    heard = [time.monotonic()]
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     # A leader whose channel closes leaves our stdout without a reader: EPIPE, not a death.
@@ -113,14 +123,20 @@ def follow(directory: Path) -> int:
     def watch_stdin() -> None:
         with contextlib.suppress(OSError):
             while os.read(0, 4096):
-                pass
+                heard[0] = time.monotonic()
         stop.set()
+
+    def watch_silence() -> None:
+        while not stop.wait(1.0):
+            if time.monotonic() - heard[0] > LEADER_SILENT:
+                stop.set()
 
     def say(word: str) -> None:
         with contextlib.suppress(OSError):
             print(word, flush=True)
 
     threading.Thread(target=watch_stdin, daemon=True).start()
+    threading.Thread(target=watch_silence, daemon=True).start()
     return 0 if run_node(directory, stop, say) is not None else 2
 
 
@@ -276,6 +292,9 @@ class _Rank:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 start_new_session=True,
+                # A leader that dies takes its launchers along: the followers' channels close
+                # and they stop their ranks at once.
+                preexec_fn=die_with_parent,
             )
         except OSError as exc:
             os.write(log, f"rank {self.index}: its launcher could not start: {exc}\n".encode())
@@ -302,6 +321,13 @@ class _Rank:
                 self.events.put((self.index, line))
         process.wait()
         self.events.put((self.index, "gone"))
+
+    def beat(self) -> None:
+        process = self.process
+        if process is not None and process.stdin is not None and not process.stdin.closed:
+            with contextlib.suppress(OSError, ValueError):
+                process.stdin.write(b"\n")
+                process.stdin.flush()
 
     def stop(self) -> None:
         """Close the follower's stdin: it stops its rank (SIGTERM, then SIGKILL)."""
@@ -337,6 +363,7 @@ def lead(directory: Path) -> int:
         signal.signal(signum, stopping)
     log = os.open(directory / LEADER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     ranks = [_Rank(i, argv, events) for i, argv in enumerate(launchers)]
+    threading.Thread(target=_heartbeat, args=(ranks, stop), daemon=True).start()
     try:
         while True:
             for rank in ranks:
@@ -363,6 +390,13 @@ def lead(directory: Path) -> int:
 
         shutil.rmtree(directory / KEYS, ignore_errors=True)
         os.close(log)
+
+
+def _heartbeat(ranks: list[_Rank], stop: threading.Event) -> None:
+    """A newline to every follower process every few seconds: each knows its leader lives."""
+    while not stop.wait(HEARTBEAT_SECONDS):
+        for rank in ranks:
+            rank.beat()
 
 
 def _watch(

@@ -9,6 +9,7 @@ here to check what the nodes left; the client reads them over SSH, as from a rea
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -194,3 +195,21 @@ def test_a_node_lost_mid_run_fails_the_run_and_ends_it(
     assert wait_until(lambda: not processes_with(f"token-{name}"), 15)
     assert wait_until(lambda: not processes_with(f"runs/{name}/"), 10)
     assert sshd.pid_alive(listener or 0)
+
+
+@pytest.mark.slow
+def test_a_leader_that_dies_takes_the_run_down_and_says_lost(
+    netns_hosts: Hosts, project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 0's supervisor killed (its node failing): node 1's rank stops too, and the run is
+    `lost`, not `running` for ever."""
+    name = "headless"
+    assert main(["run", "--detach", "--name", name, "job.py", "600", f"token-{name}"]) == 0
+    capsys.readouterr()
+    node0 = Path(record.load(name).directories[0])
+    os.kill(json.loads((node0 / "run.json").read_text())["leader_pid"], signal.SIGKILL)
+    os.killpg(json.loads((node0 / "node.json").read_text())["pid"], signal.SIGKILL)  # its rank
+    assert wait_until(lambda: not processes_with(f"token-{name}"), 15)
+    assert "lost (the supervisor on node 0 is gone)" in _status_line(name, capsys)
+    assert main(["stop", name]) == 0  # what is left of it (its files) is cleaned
+    assert _authorized_lines(name) == []

@@ -147,10 +147,18 @@ FORBIDDEN = {
         )
         for name in VOCABULARY
     },
-    "skyward.calls": ("skyward.pool", "skyward.providers", "skyward.console", "skyward.cli"),
-    "skyward.pool": ("skyward.cli",),
+    "skyward.calls": (
+        "skyward.pool",
+        "skyward.providers",
+        "skyward.console",
+        "skyward.cli",
+        "skyward.detached",
+    ),
+    "skyward.pool": ("skyward.cli", "skyward.detached"),
+    "skyward.detached": ("skyward.cli",),
     "skyward.transport": (
         "skyward.client",
+        "skyward.detached",
         "skyward.providers",
         "skyward.console",
         "skyward.cli",
@@ -162,6 +170,7 @@ FORBIDDEN = {
     ),
     "skyward.worker": (
         "skyward.client",
+        "skyward.detached",
         "skyward.providers",
         "skyward.console",
         "skyward.cli",
@@ -177,6 +186,7 @@ FORBIDDEN = {
     ),
     "skyward.console": (
         "skyward.client",
+        "skyward.detached",
         "skyward.providers",
         "skyward.cli",
         "skyward.pool",
@@ -184,9 +194,16 @@ FORBIDDEN = {
         "skyward.transport",
         "skyward.plugins",
     ),
-    "skyward.client": ("skyward.pool", "skyward.calls", "skyward.cli", *CONCRETE_PROVIDERS),
+    "skyward.client": (
+        "skyward.pool",
+        "skyward.calls",
+        "skyward.cli",
+        "skyward.detached",
+        *CONCRETE_PROVIDERS,
+    ),
     "skyward.providers": (
         "skyward.client",
+        "skyward.detached",
         "skyward.pool",
         "skyward.calls",
         "skyward.cli",
@@ -198,6 +215,7 @@ FORBIDDEN = {
     ),
     "skyward.plugins": (
         "skyward.client",
+        "skyward.detached",
         "skyward.providers",
         "skyward.console",
         "skyward.transport",

@@ -212,19 +212,22 @@ class ComputePool:
                 raise self._over_budget from exc
             raise
 
-    def close(self, graceful: bool = True) -> None:
-        """Stop every agent and remove every node; safe to call again and from any state."""
-        self._close(graceful, None)
+    def close(self, graceful: bool = True, keep_nodes: bool = False) -> None:
+        """Stop every agent and remove every node; safe to call again and from any state.
+        With `keep_nodes` the nodes stay up (`Provider.release`): a detached run holds them."""
+        self._close(graceful, None, keep_nodes)
 
-    def _close(self, graceful: bool, failure: BaseException | None) -> None:
+    def _close(
+        self, graceful: bool, failure: BaseException | None, keep_nodes: bool = False
+    ) -> None:
         """`close`; `failure` is what ended the pool, if anything did (see `teardown`)."""
         with self._closing:
             if self._closed:
                 return
             self._closed = True
-            self._tear_down(graceful, failure)
+            self._tear_down(graceful, failure, keep_nodes)
 
-    def _tear_down(self, graceful: bool, failure: BaseException | None) -> None:
+    def _tear_down(self, graceful: bool, failure: BaseException | None, keep_nodes: bool) -> None:
         with self.console.calling():
             try:
                 if self._loop is not None:
@@ -239,6 +242,7 @@ class ComputePool:
                         graceful=graceful,
                         failure=failure,
                         cost=self._bill.closed,
+                        keep_nodes=keep_nodes,
                     )
             finally:
                 self._lifetime.close()

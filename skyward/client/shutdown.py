@@ -37,10 +37,12 @@ def tear_down(
     graceful: bool,
     failure: BaseException | None,
     cost: Callable[[], str] = str,
+    keep_nodes: bool = False,
 ) -> None:
     """Stop every agent, collect the outputs, remove every node, then stop `loop` and say what
     was removed and what the pool cost (`cost()`, once its machines are gone); `failure` is
-    what ended the pool, if anything did."""
+    what ended the pool, if anything did. With `keep_nodes` the provider only lets the nodes
+    go (`Provider.release`): a detached run holds them."""
     began = time.monotonic()
     summary: str | None = None
     try:
@@ -52,7 +54,7 @@ def tear_down(
         collected = transfers.collect_at_close()
         summary = f"removing the pool failed after {duration(time.monotonic() - began)} s"
         try:
-            loop.run(_terminate(provider, cluster, sessions))
+            loop.run(_terminate(provider, cluster, sessions, keep_nodes))
         except SkywardError as problem:
             if failure is None:
                 raise
@@ -76,12 +78,12 @@ async def stop_agents(sessions: Sequence[NodeSession], timeout: float) -> None:
 
 
 async def _terminate(
-    provider: Provider, cluster: Cluster | None, sessions: Sequence[NodeSession]
+    provider: Provider, cluster: Cluster | None, sessions: Sequence[NodeSession], keep: bool
 ) -> None:
     for session in sessions:
         session.stream.kill()
     if cluster is not None:
-        await provider.terminate(cluster)
+        await (provider.release(cluster) if keep else provider.terminate(cluster))
 
 
 def _removed(provider: Provider, cluster: Cluster | None, seconds: float) -> str:

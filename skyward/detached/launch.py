@@ -1,14 +1,15 @@
 """How a detached run's leader reaches its followers, per kind of node, and what the client
 records to reach the run later.
 
-- ``local``: the nodes are processes on this machine (`sky.Local`): the leader starts every
-  follower itself.
+- ``local``: the nodes are processes on this machine (`sky.Local`): the leader follows every
+  rank itself.
 - ``slurm``: the run is a batch job (`skyward.detached.batch`): its leader starts each
   follower as an ``srun`` step.
-- ``ssh``: the nodes are SSH hosts (`sky.SSH`). The leader on node 0 starts node i's follower
-  with ``ssh`` and a key made for this run and node, which node i's authorized_keys lets run
-  that follower and nothing else (``restrict,command=...``); node 0 trusts only the host keys
-  the client verified. No port is opened: sshd is already there.
+- ``ssh``: the nodes are SSH hosts (`sky.SSH`, and the machines `sky.AWS` and `sky.GCP`
+  make, which the run then keeps up: see `holds_nodes`). The leader on node 0 starts node
+  i's follower with ``ssh`` and a key made for this run and node, which node i's
+  authorized_keys lets run that follower and nothing else (``restrict,command=...``); node 0
+  trusts only the host keys the client verified. No port is opened: sshd is already there.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from skyward.detached import record
 from skyward.errors import ConfigError
 from skyward.pool import ComputePool
 from skyward.providers.base import Provider
+from skyward.worker import supervisor
 
 if TYPE_CHECKING:  # asyncssh, which an SSH node needs, is an extra: loaded where one is used
     from skyward.providers.remote.bootstrap import RemoteNode
@@ -32,10 +35,11 @@ def kind_of(provider: Provider) -> str:
     if isinstance(provider, Local):
         return "local"
     # Not before: these need asyncssh, an extra that a provider of theirs had to have.
+    from skyward.providers.cloud.provider import CloudProvider
     from skyward.providers.slurm.provider import Slurm
     from skyward.providers.ssh import SSH
 
-    if isinstance(provider, SSH):
+    if isinstance(provider, SSH | CloudProvider):
         return "ssh"
     if isinstance(provider, Slurm):
         if provider.login is not None:
@@ -45,9 +49,9 @@ def kind_of(provider: Provider) -> str:
             )
         return "slurm"
     raise ConfigError(
-        f"the {provider.name} provider cannot run detached yet: detached runs work on "
-        "sky.Local, sky.SSH and sky.Slurm (see docs/detach.md); run it attached (without "
-        "--detach)"
+        f"the {provider.name} provider cannot run detached: detached runs work on sky.Local, "
+        "sky.SSH, sky.AWS, sky.GCP and sky.Slurm (see docs/detach.md); run it attached "
+        "(without --detach)"
     )
 
 
@@ -131,20 +135,47 @@ def launchers(kind: str, pool: ComputePool, setups: Sequence[dict[str, Any]]) ->
     return found
 
 
-def record_data(kind: str, pool: ComputePool) -> dict[str, Any]:
+def holds_nodes(pool: ComputePool) -> bool:
+    """Whether a run on `pool` keeps its nodes when the pool ends: machines made for the pool
+    (a cloud's), which the pool would otherwise remove."""
+    from skyward.providers.cloud.provider import CloudProvider
+
+    return isinstance(pool.provider, CloudProvider)
+
+
+def record_data(kind: str, pool: ComputePool, name: str) -> dict[str, Any]:
     """What the client keeps to reach the run's nodes later (the login options, the host keys
-    the pool verified: later connections trust those and no other)."""
+    the pool verified: later connections trust those and no other). A cloud pool's login key
+    is copied beside the run's record (it goes with the pool otherwise), and the record says
+    how to remove what the pool made once the run has ended."""
     if kind != "ssh":
         return {}
-    options = pool.provider.connect_options  # type: ignore[attr-defined]
+    from skyward.providers.cloud.provider import CloudCluster, CloudProvider
+
     hosts = _host_keys(pool)
-    return {
+    found: dict[str, Any] = {
         "endpoints": [{"host": e.host, "port": e.port, "user": e.user} for e, _ in hosts],
         "known_hosts": [f"{_host_pattern(e.host, e.port)} {key}" for e, key in hosts],
-        "key": options.key,
-        "config": list(options.config),
-        "timeout": options.timeout,
     }
+    provider, cluster = pool.provider, pool.cluster
+    if isinstance(provider, CloudProvider) and isinstance(cluster, CloudCluster):
+        key = record.runs_dir() / f"{name}.key"
+        supervisor.write_private(key, cluster.key_path.read_text())
+        cls = type(provider)
+        found.update(
+            key=str(key),
+            config=[],  # as the pool logged in: no ~/.ssh/config rule may redirect it
+            timeout=provider.connect_timeout,
+            cloud={
+                "provider": f"{cls.__module__}:{cls.__qualname__}",
+                "arguments": provider.locate(cluster),
+                "pool_id": cluster.pool_id,
+            },
+        )
+        return found
+    options = provider.connect_options  # type: ignore[attr-defined]
+    found.update(key=options.key, config=list(options.config), timeout=options.timeout)
+    return found
 
 
 def _host_keys(pool: ComputePool) -> list[tuple[Any, str]]:

@@ -8,6 +8,7 @@ nothing of how the run itself is doing, and a later look may find it again.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyward.detached import reach, record
+from skyward.worker import supervisor
 from skyward.worker.supervisor import FINAL
 
 # How often a follower of logs or of the state looks again.
@@ -78,7 +80,11 @@ class Run:
     def _nodes(self) -> reach.Reach:
         if self._reach is None:
             rec = self.record
-            self._reach = reach.connect(rec.kind, rec.reach, rec.directories)
+            saved = rec.reach.get("saved")
+            if saved and rec.last.get("state") in FINAL:  # a cloud run's nodes are gone
+                self._reach = reach.Local(saved)
+            else:
+                self._reach = reach.connect(rec.kind, rec.reach, rec.directories)
         return self._reach
 
     def close(self) -> None:
@@ -96,6 +102,8 @@ class Run:
         return self._judge(views)
 
     def _judge(self, views: list[reach.NodeView | None]) -> RunStatus:
+        if self.record.last.get("state") in FINAL:
+            return self._status(self.record.last, reachable=True)
         head = views[0]
         if head is None:
             return self._status({}, reachable=False)
@@ -107,13 +115,37 @@ class Run:
         return self._status(run, reachable=True)
 
     def _ended(self, run: dict[str, Any]) -> None:
-        """Keep an ended run's state and remove what it left on the nodes (spec, key lines)."""
+        """Keep an ended run's state and remove what it left on the nodes (spec, key lines).
+        A cloud run's logs are copied here first; then what its pool made is removed (its
+        machines power themselves off, but its rules and keys stay until someone removes
+        them)."""
         if self.record.last.get("state") in FINAL:
             return
         with contextlib.suppress(Exception):
             self._nodes().clean(self.record.key_tags or [None] * self.record.nodes)
+        cloud = self.record.reach.get("cloud")
+        if cloud and "saved" not in self.record.reach:
+            self.record.reach["saved"] = self._keep_logs()
+            self.record.reach["removed"] = _remove_cloud_pool(cloud)
+            with contextlib.suppress(OSError):
+                os.unlink(self.record.reach["key"])
+            self.close()
         self.record.last = run
         record.save(self.record)
+
+    def _keep_logs(self) -> list[str]:
+        """Every rank's log, copied under ``<cache>/runs/NAME.logs/``: where `logs` reads them
+        once the nodes are gone."""
+        views = self._nodes().peek([0] * self.record.nodes)
+        root = record.runs_dir() / f"{self.name}.logs"
+        kept = []
+        for node, view in enumerate(views):
+            directory = root / f"node-{node}"
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            text = view.data if view is not None else b""
+            supervisor.write_private(directory / supervisor.LOG, text.decode(errors="replace"))
+            kept.append(str(directory))
+        return kept
 
     def _status(self, run: dict[str, Any], reachable: bool) -> RunStatus:
         rec = self.record
@@ -245,6 +277,20 @@ class Run:
         run = {**run, **final} if run.get("state") not in FINAL else run
         self._ended(run)
         return self._status(run, reachable=True)
+
+
+def _remove_cloud_pool(cloud: dict[str, Any]) -> list[str]:
+    """Remove what a cloud run's pool made (its machines, if still up, its rules and keys)
+    with the provider the record names; what was removed, or why it could not be."""
+    import importlib
+
+    module, _, name = str(cloud["provider"]).partition(":")
+    try:
+        provider = getattr(importlib.import_module(module), name)(**cloud["arguments"])
+        removed: list[str] = provider.remove_pool(cloud["pool_id"])
+    except Exception as exc:
+        return [f"not removed ({exc}); `skyward down {cloud['pool_id']}` removes it"]
+    return removed
 
 
 def _print(line: str) -> None:

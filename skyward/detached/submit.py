@@ -102,14 +102,17 @@ def submit(
             "run it attached"
         )
     target, cwd = script_target(script, workdir)
-    with ComputePool(
+    pool = ComputePool(
         provider=provider,
         nodes=nodes,
         accelerator=accelerator,
         plugins=launcher_plugins(plugins),
         env=dict(env or {}),
         name="run",
-    ) as pool:
+    )
+    pool.start()
+    held = False  # whether the run holds the pool's nodes once the pool ends (a cloud's)
+    try:
         if kind == "slurm":
             job = batch.prepare(pool, name, target, list(args), cwd, restarts, float(grace))
             price = pool.cost.price.per_hour
@@ -117,6 +120,11 @@ def submit(
             state = _start_on_nodes(
                 pool, kind, name, str(script), target, list(args), cwd, restarts, grace
             )
+            held = launch.holds_nodes(pool) and "running_at" in state
+    except BaseException:
+        pool.close(graceful=False)
+        raise
+    pool.close(keep_nodes=held)
     if kind == "slurm":
         state = _start_batch(job, name, str(script), list(args), price)
     if "running_at" not in state:
@@ -163,7 +171,7 @@ def _start_on_nodes(
             created_at=time.time(),
             directories=[s["directory"] for s in setups],
             price_per_hour=pool.cost.price.per_hour,
-            reach=launch.record_data(kind, pool),
+            reach=launch.record_data(kind, pool, name),
             key_tags=[s["key_tag"] for s in setups],
         )
     )

@@ -17,6 +17,9 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
                            pool fills in its spec with it and the plugins choose their packages;
 - `prepare(cluster, image, progress)`  builds the image's environment on every node;
 - `terminate(cluster)`     removes every node and everything made for them; idempotent;
+- `release(cluster)`       lets the client go but leaves the nodes running, for a detached run
+                           that holds them (default: `terminate`, for nodes that are not made:
+                           processes here, existing hosts, a Slurm allocation);
 - `teardown_summary(cluster)`  what `terminate` did, for the last line ("removed 4 instances");
 - `replace(cluster, index)`  a fresh node in place of a lost one (default: not supported);
 - `prestart(cluster, index)`  start that replacement ahead, on a preemption notice (default:
@@ -148,6 +151,12 @@ class Provider(ABC):
     @abstractmethod
     async def terminate(self, cluster: Cluster) -> None:
         """Remove the nodes and what was created for them; idempotent."""
+
+    async def release(self, cluster: Cluster) -> None:
+        """Let the client go but leave the nodes running: a detached run holds them, and ends
+        them itself (a cloud machine's watchdog). The default is `terminate`: processes of this
+        machine, existing hosts and a Slurm allocation are not the run's to keep."""
+        await self.terminate(cluster)
 
     def teardown_summary(self, cluster: Cluster) -> str:
         """What `terminate` did to `cluster`, in words for the pool's last line (the pool adds

@@ -326,6 +326,13 @@ class AWS(CloudProvider):
 
     # -- orphan sweep ----------------------------------------------------------------------
 
+    def locate(self, pool: CloudCluster) -> dict[str, Any]:
+        assert isinstance(pool, AWSCluster)
+        return {"region": pool.region}
+
+    def remove_pool(self, pool_id: str) -> list[str]:
+        return self.cleanup(older_than=0, pool=pool_id)
+
     def cleanup(
         self, older_than: timedelta | float = timedelta(hours=1), pool: str | None = None
     ) -> list[str]:

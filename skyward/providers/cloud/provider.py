@@ -228,6 +228,15 @@ class CloudProvider(RemoteData, Provider):
         # Shielded: if the pool's loop is cancelled, the thread still finishes the job.
         await asyncio.shield(asyncio.wrap_future(done))
 
+    async def release(self, cluster: Cluster) -> None:
+        """The machines stay up for a detached run: only the connections go. Their watchdog
+        powers them off once the run and every client are gone; `skyward down` (or the run's
+        end, seen by a later command) removes the rules and keys."""
+        cluster = self._own(cluster)
+        await close_hosts(cluster)
+        await _drop_spares(cluster)
+        shutil.rmtree(cluster.key_dir, ignore_errors=True)  # the run keeps its own copy
+
     def _remove(self, pool: CloudCluster) -> None:
         if pool.provisioning is not None:
             # Let an in-flight create call return first, so the machines it made are found too.
@@ -236,6 +245,16 @@ class CloudProvider(RemoteData, Provider):
         self.remove_resources(pool)
         pool.removed = True
         shutil.rmtree(pool.key_dir, ignore_errors=True)
+
+    @abstractmethod
+    def locate(self, pool: CloudCluster) -> dict[str, Any]:
+        """This provider's arguments that find `pool` again from a new process (its region,
+        its project and zone): a detached run's record keeps them to remove the pool later."""
+
+    @abstractmethod
+    def remove_pool(self, pool_id: str) -> list[str]:
+        """Remove everything pool `pool_id` has in the cloud, whatever its age (`skyward down
+        POOL`); what was removed."""
 
     @abstractmethod
     def remove_resources(self, pool: CloudCluster) -> None:

@@ -1,6 +1,7 @@
 #!/bin/bash
-# skyward watchdog: power this instance off when no SSH client has been connected for IDLE
-# seconds. Powering off ends the machine (EC2: InstanceInitiatedShutdownBehavior=terminate; GCE:
+# skyward watchdog: power this instance off when no SSH client has been connected, and no
+# detached run has been running, for IDLE seconds (for at most AFTER_RUN seconds once a
+# detached run has ended: its nodes go within a minute of its end, not IDLE later). Powering off ends the machine (EC2: InstanceInitiatedShutdownBehavior=terminate; GCE:
 # the VM stops, and its pool's teardown or `skyward down` deletes it): a client that died (laptop
 # closed, Ctrl-C twice, crash) costs minutes of instance time, not days. The clock starts at boot,
 # so an instance whose client never connects goes too.
@@ -19,13 +20,29 @@ connected() {
          END { exit !found }' "${files[@]}"
 }
 
+detached() {
+    # A detached run's supervisor (python -m skyward.worker.supervisor) in this network
+    # namespace: on a machine, any; in the tests' hosts, which share one PID space, their own.
+    local me pid
+    me=$(readlink /proc/$$/ns/net)
+    for pid in $(grep -las 'skyward\.worker\.supervisor' /proc/[0-9]*/cmdline | cut -d/ -f3); do
+        [ "$pid" != "$$" ] && [ "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" = "$me" ] && return 0
+    done
+    return 1
+}
+
+after_run=30
+limit=$idle
 last=$(date +%s)
 while true; do
     now=$(date +%s)
-    if connected; then
+    if detached; then
         last=$now
-    elif [ $((now - last)) -ge "$idle" ]; then
-        echo "skyward-watchdog: no SSH client for ${idle}s: powering off"
+        [ "$idle" -lt "$after_run" ] || limit=$after_run
+    elif connected; then
+        last=$now
+    elif [ $((now - last)) -ge "$limit" ]; then
+        echo "skyward-watchdog: no SSH client and no detached run for ${limit}s: powering off"
         poweroff
         exit 0
     fi

@@ -337,6 +337,13 @@ class GCP(CloudProvider):
 
     # -- orphan sweep ----------------------------------------------------------------------
 
+    def locate(self, pool: CloudCluster) -> dict[str, Any]:
+        assert isinstance(pool, GCPCluster)
+        return {"project": self.access().project, "zone": pool.zone}
+
+    def remove_pool(self, pool_id: str) -> list[str]:
+        return self.cleanup(pool=pool_id)
+
     def cleanup(self, pool: str | None = None) -> list[str]:
         """Remove skyward's resources in the project: one pool's, or every pool's. Returns what
         was removed; raises `ProvisionError` listing what could not be."""

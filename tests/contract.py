@@ -154,7 +154,7 @@ def offline_image(directory: Path, token: str) -> sky.Image:
     )
     pins = [
         wheels.requirement(n, wheels.wheel_of_installed(directory, n))
-        for n in ("cloudpickle", "packaging")
+        for n in wheels.AGENT_PACKAGES
     ]
     return sky.Image(pip=[wheels.requirement(PROBE, probe), *pins])
 

@@ -99,12 +99,21 @@ def provider_cluster(slurm_ready: None) -> Iterator[SlurmCluster]:
 
 
 def as_login(cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCluster:
-    """This process as `cluster`'s login node: only SLURM_CONF names the cluster."""
+    """This process as `cluster`'s login node: only SLURM_CONF names the cluster.
+
+    The steps inherit this process's PATH, and the nodes share this machine's files: this
+    interpreter's directory comes first on it, as in an activated venv, so a pool's default
+    ``python3`` on the nodes is this one, which has the agent's requirements. Otherwise it is
+    whatever python3 the PATH finds (the system's, run as ``.venv/bin/python -m pytest``), and
+    node 0 builds with uv from an index the cluster's namespaces cannot reach."""
     for name in list(os.environ):
         if name.startswith("SLURM"):
             monkeypatch.delenv(name)
     for name, value in cluster.env().items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv(
+        "PATH", os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+    )
     return cluster
 
 

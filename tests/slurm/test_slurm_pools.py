@@ -16,12 +16,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import skyward as sky
 from tests.slurm.conftest import client_running, queue, wait_for_empty_queue
-from tests.support import sshd
+from tests.support import sshd, wheels
 from tests.support.slurmcluster import SlurmCluster
 
 
@@ -148,9 +149,14 @@ def test_a_client_killed_with_sigkill_leaves_no_job(
 @contextlib.contextmanager
 def ssh_login_node(
     cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[dict[str, str]]:
+) -> Iterator[dict[str, Any]]:
     """A login node reached over SSH (an sshd whose sessions know `cluster` by SLURM_CONF)
-    while this process does not know the cluster: `sky.Slurm`'s login arguments for it."""
+    while this process does not know the cluster: `sky.Slurm`'s login arguments for it.
+
+    No cache of this machine's is shared with the nodes then, so where their python3 lacks the
+    agent's requirements they build an environment themselves, and they reach no index (nor
+    does anything promise a uv cache that holds them): uv installs offline from a wheelhouse of
+    this interpreter's cloudpickle and packaging, into a uv cache of the test's own."""
     for name in list(os.environ):
         if name.startswith("SLURM"):
             monkeypatch.delenv(name)
@@ -158,11 +164,14 @@ def ssh_login_node(
     server = sshd.SshdServer(
         authorized_keys=[key], extra_config=[f"SetEnv SLURM_CONF={cluster.conf_path}"]
     )
+    house = wheels.wheelhouse(tmp_path / "wheelhouse", wheels.AGENT_PACKAGES)
+    build_env = {**wheels.offline_build_env(house), "UV_CACHE_DIR": str(tmp_path / "uv-cache")}
     with server:
         yield {
             "login": f"root@127.0.0.1:{server.port}",
             "key": str(key.private_path),
             "known_hosts": str(server.write_known_hosts(tmp_path / "known_hosts")),
+            "build_env": build_env,
         }
 
 

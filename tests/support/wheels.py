@@ -22,6 +22,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 __all__ = [
+    "AGENT_PACKAGES",
     "OFFLINE_PACKAGES",
     "make_wheel",
     "offline_build_env",
@@ -30,7 +31,10 @@ __all__ = [
     "wheelhouse",
 ]
 
-OFFLINE_PACKAGES = ("uv", "cloudpickle", "packaging")
+AGENT_PACKAGES = ("cloudpickle", "packaging")
+"""The agent's own requirements: what every environment a node builds installs."""
+
+OFFLINE_PACKAGES = ("uv", *AGENT_PACKAGES)
 """What a node's bootstrap may install from an index: uv itself, then the agent's requirements."""
 
 # Written by the installer, not part of a wheel.

@@ -36,7 +36,7 @@ PROVIDERS = {
     "slurm": ("skyward.providers.slurm.provider", "Slurm"),
 }
 POOL_KEYS = ("provider", "nodes", "accelerator", "plugins", "env", "workdir", "max_cost")
-PLUGINS = ("jax",)
+PLUGINS = ("jax", "torch")
 
 
 @dataclass

@@ -27,7 +27,9 @@ from skyward.cli.profiles import Profile
 from skyward.data import Data
 from skyward.errors import ConfigError
 from skyward.plugins.base import Plugin
-from skyward.plugins.jax_plugin import LauncherEnv, jax
+from skyward.plugins.jax_plugin import jax
+from skyward.plugins.launcher import LauncherEnv
+from skyward.plugins.torch_plugin import torch
 from skyward.pool import ComputePool
 from skyward.worker.script import run_script
 
@@ -58,7 +60,12 @@ def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
         cwd = Data(workdir)  # on each node: the directory's copy, where the script runs
     else:
         target = Data(path)  # on each node: the file's copy, run from the agent's directory
-    plugins: list[Plugin] = [jax(initialize=False) if "jax" in profile.plugins else LauncherEnv()]
+    # The script initializes its framework itself: the plugins only install it.
+    plugins: list[Plugin] = [LauncherEnv()]
+    if "jax" in profile.plugins:
+        plugins.append(jax(initialize=False))
+    if "torch" in profile.plugins:
+        plugins.append(torch(initialize=False))
     node_call = compute(run_script)
     failure: RunEnd | None = None
     with ComputePool(

@@ -33,7 +33,9 @@ _DESCRIPTION = (
 )
 _RUN_EPILOG = (
     "Every node runs 'python SCRIPT ARGS' with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
-    "JAX_PROCESS_ID set, so jax.distributed.initialize() needs no arguments. Settings come from "
+    "JAX_PROCESS_ID set, so jax.distributed.initialize() needs no arguments, and torchrun's "
+    "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, so "
+    "torch.distributed.init_process_group('gloo') needs none either. Settings come from "
     "[profile.NAME] in ./skyward.toml or [tool.skyward.profile.NAME] in ./pyproject.toml "
     "(default: 'default'); flags override them."
 )
@@ -314,7 +316,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--nodes", type=int, help="how many nodes (default: the provider's)")
     run.add_argument("--accelerator", help="what each node must have, e.g. A100 or A100:8")
     run.add_argument(
-        "--plugin", action="append", default=[], help="'jax': install JAX on the nodes"
+        "--plugin",
+        action="append",
+        default=[],
+        help="'jax' or 'torch': install JAX or PyTorch on the nodes (repeatable)",
     )
     run.add_argument("--env", action="append", default=[], metavar="K=V", help="node env var")
     run.add_argument("--workdir", help="a directory to copy to every node and run the script in")

@@ -3,8 +3,10 @@ pools of this user that are alive.
 
 `run` starts a pool from a `Profile`, runs the script on every node as a child of the node's
 agent (`skyward.worker.script`), with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
-``JAX_PROCESS_ID`` set (the coordinator port picked by node 0), and streams the nodes' output.
-The script is the one that initializes JAX: the agent never does. The first rank to fail ends
+``JAX_PROCESS_ID`` set, and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (each coordinator's port picked by
+node 0; `skyward.plugins.launcher`), and streams the nodes' output. The script is the one that
+initializes JAX or torch.distributed: the agent never does. The first rank to fail ends
 the run and the pool; its status is the run's.
 """
 

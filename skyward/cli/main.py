@@ -223,6 +223,10 @@ def _run(args: argparse.Namespace) -> int:
         "env": profiles.parse_env(args.env),
         "workdir": args.workdir,
         "max_cost": args.max_cost,
+        "pip": args.pip,
+        "requirements": args.requirements,
+        "indexes": args.index,
+        "find_links": args.find_links,
         "options": {
             "hosts": args.hosts.split(",") if args.hosts else None,
             "user": args.user,
@@ -322,6 +326,36 @@ def _parser() -> argparse.ArgumentParser:
         help="'jax' or 'torch': install JAX or PyTorch on the nodes (repeatable)",
     )
     run.add_argument("--env", action="append", default=[], metavar="K=V", help="node env var")
+    run.add_argument(
+        "--pip",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a package the nodes need, as pip takes it (repeatable); the script's PEP 723 "
+        "metadata is read too",
+    )
+    run.add_argument(
+        "-r",
+        "--requirements",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a requirements file for the nodes (repeatable)",
+    )
+    run.add_argument(
+        "--index",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a PEP 503 package index for the nodes, asked before the default one (repeatable)",
+    )
+    run.add_argument(
+        "--find-links",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a page (or folder) of wheel links for the nodes (repeatable)",
+    )
     run.add_argument("--workdir", help="a directory to copy to every node and run the script in")
     run.add_argument(
         "--max-cost",

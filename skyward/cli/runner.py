@@ -12,6 +12,7 @@ the run and the pool; its status is the run's.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import signal
@@ -25,9 +26,17 @@ from pathlib import Path
 from typing import Protocol
 
 from skyward.calls import compute
+from skyward.cli.packages import (
+    Packages,
+    from_flags,
+    missing_module_hint,
+    project_dependencies,
+    script_metadata,
+    unresolved,
+)
 from skyward.cli.profiles import Profile
 from skyward.data import Data
-from skyward.errors import ConfigError
+from skyward.errors import BootstrapError, ConfigError
 from skyward.plugins.base import Plugin
 from skyward.plugins.jax_plugin import jax
 from skyward.plugins.launcher import LauncherEnv
@@ -62,6 +71,7 @@ def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
         cwd = Data(workdir)  # on each node: the directory's copy, where the script runs
     else:
         target = Data(path)  # on each node: the file's copy, run from the agent's directory
+    packages = _packages(profile, path)
     # The script initializes its framework itself: the plugins only install it.
     plugins: list[Plugin] = [LauncherEnv()]
     if "jax" in profile.plugins:
@@ -70,21 +80,40 @@ def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
         plugins.append(torch(initialize=False))
     node_call = compute(run_script)
     failure: RunEnd | None = None
-    with ComputePool(
-        provider=profile.build_provider(),
-        nodes=profile.nodes,
-        accelerator=profile.accelerator,
-        plugins=plugins,
-        env=profile.env,
-        name="run",
-        max_cost=profile.max_cost,
-    ) as pool:
+    with contextlib.ExitStack() as stack:
+        pool = ComputePool(
+            provider=profile.build_provider(),
+            nodes=profile.nodes,
+            accelerator=profile.accelerator,
+            image=packages.image(),
+            plugins=plugins,
+            env=profile.env,
+            name="run",
+            max_cost=profile.max_cost,
+        )
+        try:
+            stack.enter_context(pool)
+        except BootstrapError as exc:
+            better = unresolved(exc, packages) if packages.pip else None
+            if better is None:
+                raise
+            raise better from exc
         ranks: dict[Future[int], int] = {
             pool.submit(node_call(target, list(args), cwd), node=i): i
             for i in range(pool.spec.nodes)
         }
         failure = _first_failure(ranks)
     return failure or RunEnd(0)
+
+
+def _packages(profile: Profile, script: Path) -> Packages:
+    """What the nodes need: the profile's and the flags' packages, the script's metadata, and
+    the work directory's project dependencies."""
+    found = from_flags(profile.pip, profile.requirements, profile.indexes, profile.find_links)
+    found += script_metadata(script)
+    if profile.workdir is not None:
+        found += project_dependencies(Path(profile.workdir).expanduser())
+    return found
 
 
 def _first_failure(ranks: dict[Future[int], int]) -> RunEnd | None:
@@ -97,6 +126,8 @@ def _first_failure(ranks: dict[Future[int], int]) -> RunEnd | None:
             error = future.exception()
             if error is not None:
                 first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                if isinstance(error, ModuleNotFoundError) and error.name:
+                    first = f"{first}; {missing_module_hint(error.name)}"
                 return RunEnd(1, f"rank {rank} failed: {type(error).__name__}: {first}")
             status = future.result()
             if status > 0:

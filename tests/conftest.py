@@ -20,6 +20,9 @@ from typing import IO, TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from skyward.errors import SkywardError
+    from skyward.info import InstanceInfo
+    from skyward.plugins.base import Plugin
     from tests.support.typecheck import MypyReport
 
 
@@ -31,6 +34,30 @@ _SUITE_CACHE = tempfile.mkdtemp(prefix="skyward-suite-")
 atexit.register(shutil.rmtree, _SUITE_CACHE, True)
 os.environ["SKYWARD_CACHE_DIR"] = os.path.join(_SUITE_CACHE, "client")
 os.environ["SKYWARD_TEST_HOST_CACHE"] = os.path.join(_SUITE_CACHE, "hosts")
+
+
+def start_with_node_1_stuck(pid_dir: Path, plugin: Plugin) -> SkywardError:
+    """Start a 2-node Local pool whose node 1 hangs in a plugin before `plugin` (a framework's
+    coordinator: a slow download, a hung mount, ...); the error the start failed with, once
+    every agent is gone."""
+    import skyward as sky
+
+    def stall_node_1(info: InstanceInfo) -> None:  # nested: it travels by value, not by import
+        Path(pid_dir, f"node{info.node}.pid").write_text(str(os.getpid()))
+        if info.node == 1:
+            print(f"node {info.node} is stuck in the slow plugin", flush=True)
+            time.sleep(600)
+
+    slow = sky.Plugin("slow", around_app=stall_node_1)
+    plugins = [slow, plugin]
+    with (
+        pytest.raises(sky.SkywardError) as caught,
+        sky.ComputePool(provider=sky.Local(), nodes=2, plugins=plugins, startup_timeout=60),
+    ):
+        pytest.fail("the pool must not start")
+    pids = [int((pid_dir / f"node{i}.pid").read_text()) for i in range(2)]
+    assert wait_gone(pids) == [], "agent processes were left behind"
+    return caught.value
 
 
 def alive(pid: int) -> bool:

@@ -166,7 +166,8 @@ def test_skyward_run_with_the_jax_plugin_and_env(tmp_path: Path) -> None:
         """
         import os, sys
         print("seen", os.environ["GREETING"], os.environ["JAX_PROCESS_ID"],
-              os.environ["JAX_NUM_PROCESSES"], os.getcwd() == sys.argv[1])
+              os.environ["JAX_NUM_PROCESSES"], os.getcwd() == sys.argv[1],
+              os.environ["RANK"], os.environ["WORLD_SIZE"])
         """,
     )
     done = skyward_run(
@@ -174,8 +175,35 @@ def test_skyward_run_with_the_jax_plugin_and_env(tmp_path: Path) -> None:
         cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "(node 0) seen hi 0 2 True" in done.stdout
-    assert "(node 1) seen hi 1 2 True" in done.stdout
+    # torchrun's variables are there for every script too, beside JAX's
+    assert "(node 0) seen hi 0 2 True 0 2" in done.stdout
+    assert "(node 1) seen hi 1 2 True 1 2" in done.stdout
+
+
+# A plain torchrun-style script: the launcher's variables, and init_process_group with no
+# arguments but the backend.
+TORCHRUN = """import os
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+seen = [os.environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
+where = f"{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) > 0}"
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)
+print("rank", *seen, where, "sum", int(total.item()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_skyward_run_with_the_torch_plugin_runs_a_torchrun_script(tmp_path: Path) -> None:
+    write(tmp_path, "train.py", TORCHRUN)
+    done = skyward_run("--nodes", "2", "--plugin", "torch", "train.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 1):
+        assert f"(node {rank}) rank {rank} 2 0 1 127.0.0.1:True sum 3" in done.stdout, done.stdout
 
 
 PID_SCRIPT = """\
@@ -256,7 +284,7 @@ def test_cli_errors_are_one_line_and_debug_shows_the_traceback(
     for argv, says in [
         (["run", "missing.py"], "skyward run: missing.py: no such script"),
         (["run", "--env", "NOEQUALS", "x.py"], "--env takes KEY=VALUE, got 'NOEQUALS'"),
-        (["run", "--plugin", "torch", "x.py"], "unknown plugin 'torch'; use jax"),
+        (["run", "--plugin", "mxnet", "x.py"], "unknown plugin 'mxnet'; use jax, torch"),
         (["run", "--profile", "gpu", "x.py"], "no profile 'gpu' in skyward.toml"),
         (["run", "--nodes", "0", "x.py"], "--nodes must be at least 1"),
         (["run", "--provider", "ssh", "x.py"], "needs hosts: pass --hosts or set hosts"),

@@ -6,13 +6,16 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+from skyward.cli.packages import unresolved
 from skyward.cli.profiles import Profile
-from skyward.cli.runner import describe_age, script_plugins
+from skyward.cli.runner import describe_age, script_packages, script_plugins
 from skyward.cost import dollars
 from skyward.detached import record
 from skyward.detached.run import Run, RunStatus
 from skyward.detached.submit import submit
+from skyward.errors import BootstrapError
 
 
 def start(
@@ -20,19 +23,27 @@ def start(
 ) -> int:
     """``skyward run --detach``: start the run, say how to follow it, exit 0 once every rank
     has started."""
-    run = submit(
-        script,
-        args,
-        provider=profile.build_provider(),
-        nodes=profile.nodes,
-        accelerator=profile.accelerator,
-        plugins=script_plugins(profile),
-        env=profile.env,
-        workdir=profile.workdir,
-        name=name,
-        restarts=restarts,
-        max_cost=profile.max_cost,
-    )
+    packages = script_packages(profile, Path(script))
+    try:
+        run = submit(
+            script,
+            args,
+            provider=profile.build_provider(),
+            nodes=profile.nodes,
+            accelerator=profile.accelerator,
+            image=packages.image(),
+            plugins=script_plugins(profile),
+            env=profile.env,
+            workdir=profile.workdir,
+            name=name,
+            restarts=restarts,
+            max_cost=profile.max_cost,
+        )
+    except BootstrapError as exc:
+        better = unresolved(exc, packages) if packages.pip else None
+        if better is None:
+            raise
+        raise better from exc
     status = run.status()
     print(f"run {run.name} started on {run.record.nodes} node(s): every rank is running")
     if status.ended:

@@ -33,7 +33,9 @@ _DESCRIPTION = (
 )
 _RUN_EPILOG = (
     "Every node runs 'python SCRIPT ARGS' with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
-    "JAX_PROCESS_ID set, so jax.distributed.initialize() needs no arguments. Settings come from "
+    "JAX_PROCESS_ID set, so jax.distributed.initialize() needs no arguments, and torchrun's "
+    "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, so "
+    "torch.distributed.init_process_group('gloo') needs none either. Settings come from "
     "[profile.NAME] in ./skyward.toml or [tool.skyward.profile.NAME] in ./pyproject.toml "
     "(default: 'default'); flags override them."
 )
@@ -221,6 +223,10 @@ def _run(args: argparse.Namespace) -> int:
         "env": profiles.parse_env(args.env),
         "workdir": args.workdir,
         "max_cost": args.max_cost,
+        "pip": args.pip,
+        "requirements": args.requirements,
+        "indexes": args.index,
+        "find_links": args.find_links,
         "options": {
             "hosts": args.hosts.split(",") if args.hosts else None,
             "user": args.user,
@@ -321,9 +327,42 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--nodes", type=int, help="how many nodes (default: the provider's)")
     run.add_argument("--accelerator", help="what each node must have, e.g. A100 or A100:8")
     run.add_argument(
-        "--plugin", action="append", default=[], help="'jax': install JAX on the nodes"
+        "--plugin",
+        action="append",
+        default=[],
+        help="'jax' or 'torch': install JAX or PyTorch on the nodes (repeatable)",
     )
     run.add_argument("--env", action="append", default=[], metavar="K=V", help="node env var")
+    run.add_argument(
+        "--pip",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a package the nodes need, as pip takes it (repeatable); the script's PEP 723 "
+        "metadata is read too",
+    )
+    run.add_argument(
+        "-r",
+        "--requirements",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a requirements file for the nodes (repeatable)",
+    )
+    run.add_argument(
+        "--index",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a PEP 503 package index for the nodes, asked before the default one (repeatable)",
+    )
+    run.add_argument(
+        "--find-links",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a page (or folder) of wheel links for the nodes (repeatable)",
+    )
     run.add_argument("--workdir", help="a directory to copy to every node and run the script in")
     run.add_argument(
         "--max-cost",

@@ -11,6 +11,9 @@ Its keys are the pool's (`POOL_KEYS`) and the provider's constructor arguments::
     nodes = 2
     plugins = ["jax"]
     env = { WANDB_MODE = "offline" }
+    pip = ["optax", "datasets>=2"]    # the nodes' packages (see skyward.cli.packages)
+    requirements = ["requirements.txt"]
+    indexes = ["https://mirror.example/simple/"]
 
 Flags override the file's keys; a flag naming another provider drops the file's provider
 arguments.
@@ -36,7 +39,8 @@ PROVIDERS = {
     "slurm": ("skyward.providers.slurm.provider", "Slurm"),
 }
 POOL_KEYS = ("provider", "nodes", "accelerator", "plugins", "env", "workdir", "max_cost")
-PLUGINS = ("jax",)
+PACKAGE_KEYS = ("pip", "requirements", "indexes", "find_links")
+PLUGINS = ("jax", "torch")
 
 
 @dataclass
@@ -52,6 +56,12 @@ class Profile:
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
     max_cost: float | None = None  # the pool's budget in US dollars (`ComputePool(max_cost=)`)
+    # The nodes' packages (`skyward.cli.packages.from_flags`): specs, requirements files, PEP
+    # 503 indexes and find-links pages.
+    pip: tuple[str, ...] = ()
+    requirements: tuple[str, ...] = ()
+    indexes: tuple[str, ...] = ()
+    find_links: tuple[str, ...] = ()
     source: str = "flags"  # where it was read: a file's name, or "flags"
 
     def build_provider(self) -> Provider:
@@ -159,7 +169,7 @@ def parse_profile(name: str, table: Any, source: str) -> Profile:
     where = f"profile {name!r} ({source})"
     if not isinstance(table, dict):
         raise ConfigError(f"{where} must be a table of keys")
-    options = {k: v for k, v in table.items() if k not in POOL_KEYS}
+    options = {k: v for k, v in table.items() if k not in (*POOL_KEYS, *PACKAGE_KEYS)}
     provider = table.get("provider", "local")
     if provider not in PROVIDERS:
         raise ConfigError(f"{where}: unknown provider {provider!r}; use {', '.join(PROVIDERS)}")
@@ -192,7 +202,21 @@ def parse_profile(name: str, table: Any, source: str) -> Profile:
         workdir=str(workdir) if workdir is not None else None,
         max_cost=float(max_cost) if max_cost is not None else None,
         source=source,
+        pip=_strings(table, "pip", where),
+        requirements=_strings(table, "requirements", where),
+        indexes=_strings(table, "indexes", where),
+        find_links=_strings(table, "find_links", where),
     )
+
+
+def _strings(table: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    """The profile's list of strings under `key` (one string is a list of one)."""
+    value = table.get(key, [])
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where}: {key} must be a list of strings")
+    return tuple(value)
 
 
 def check_plugins(names: Any, where: str) -> tuple[str, ...]:
@@ -237,4 +261,13 @@ def with_flags(profile: Profile, flags: Mapping[str, Any]) -> Profile:
         workdir=flags.get("workdir") or profile.workdir,
         max_cost=profile.max_cost if flags.get("max_cost") is None else flags["max_cost"],
         source=profile.source,
+        pip=_joined(profile.pip, flags.get("pip", ())),
+        requirements=_joined(profile.requirements, flags.get("requirements", ())),
+        indexes=_joined(profile.indexes, flags.get("indexes", ())),
+        find_links=_joined(profile.find_links, flags.get("find_links", ())),
     )
+
+
+def _joined(mine: tuple[str, ...], flags: Any) -> tuple[str, ...]:
+    """A profile's list with the flags' after it, each once."""
+    return tuple(dict.fromkeys([*mine, *flags]))

@@ -3,13 +3,16 @@ pools of this user that are alive.
 
 `run` starts a pool from a `Profile`, runs the script on every node as a child of the node's
 agent (`skyward.worker.script`), with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
-``JAX_PROCESS_ID`` set (the coordinator port picked by node 0), and streams the nodes' output.
-The script is the one that initializes JAX: the agent never does. The first rank to fail ends
+``JAX_PROCESS_ID`` set, and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (each coordinator's port picked by
+node 0; `skyward.plugins.launcher`), and streams the nodes' output. The script is the one that
+initializes JAX or torch.distributed: the agent never does. The first rank to fail ends
 the run and the pool; its status is the run's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import signal
@@ -23,10 +26,21 @@ from pathlib import Path
 from typing import Protocol
 
 from skyward.calls import compute
+from skyward.cli.packages import (
+    Packages,
+    from_flags,
+    missing_module_hint,
+    project_dependencies,
+    script_metadata,
+    unresolved,
+)
 from skyward.cli.profiles import Profile
 from skyward.detached.submit import script_target
+from skyward.errors import BootstrapError
 from skyward.plugins.base import Plugin
-from skyward.plugins.jax_plugin import LauncherEnv, jax
+from skyward.plugins.jax_plugin import jax
+from skyward.plugins.launcher import LauncherEnv
+from skyward.plugins.torch_plugin import torch
 from skyward.pool import ComputePool
 from skyward.worker.script import run_script
 
@@ -42,18 +56,28 @@ class RunEnd:
 def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
     """Run `script` with `args` on every node of a pool made from `profile`."""
     target, cwd = script_target(script, profile.workdir)
+    packages = script_packages(profile, Path(script))
     plugins = script_plugins(profile)
     node_call = compute(run_script)
     failure: RunEnd | None = None
-    with ComputePool(
-        provider=profile.build_provider(),
-        nodes=profile.nodes,
-        accelerator=profile.accelerator,
-        plugins=plugins,
-        env=profile.env,
-        name="run",
-        max_cost=profile.max_cost,
-    ) as pool:
+    with contextlib.ExitStack() as stack:
+        pool = ComputePool(
+            provider=profile.build_provider(),
+            nodes=profile.nodes,
+            accelerator=profile.accelerator,
+            image=packages.image(),
+            plugins=plugins,
+            env=profile.env,
+            name="run",
+            max_cost=profile.max_cost,
+        )
+        try:
+            stack.enter_context(pool)
+        except BootstrapError as exc:
+            better = unresolved(exc, packages) if packages.pip else None
+            if better is None:
+                raise
+            raise better from exc
         ranks: dict[Future[int], int] = {
             pool.submit(node_call(target, list(args), cwd), node=i): i
             for i in range(pool.spec.nodes)
@@ -63,9 +87,25 @@ def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
 
 
 def script_plugins(profile: Profile) -> list[Plugin]:
-    """The plugins a script's pool runs with: they export the launcher variables (``JAX_*``)
-    and install what ``--plugin`` names, but leave initializing to the script."""
-    return [jax(initialize=False) if "jax" in profile.plugins else LauncherEnv()]
+    """The plugins a script's pool runs with: every launcher's variables (``JAX_*``,
+    torchrun's), and the frameworks ``--plugin`` names installed but left for the script to
+    initialize."""
+    plugins: list[Plugin] = [LauncherEnv()]
+    if "jax" in profile.plugins:
+        plugins.append(jax(initialize=False))
+    if "torch" in profile.plugins:
+        plugins.append(torch(initialize=False))
+    return plugins
+
+
+def script_packages(profile: Profile, script: Path) -> Packages:
+    """What the nodes need: the profile's and the flags' packages, the script's metadata, and
+    the work directory's project dependencies."""
+    found = from_flags(profile.pip, profile.requirements, profile.indexes, profile.find_links)
+    found += script_metadata(script)
+    if profile.workdir is not None:
+        found += project_dependencies(Path(profile.workdir).expanduser())
+    return found
 
 
 def _first_failure(ranks: dict[Future[int], int]) -> RunEnd | None:
@@ -78,6 +118,8 @@ def _first_failure(ranks: dict[Future[int], int]) -> RunEnd | None:
             error = future.exception()
             if error is not None:
                 first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                if isinstance(error, ModuleNotFoundError) and error.name:
+                    first = f"{first}; {missing_module_hint(error.name)}"
                 return RunEnd(1, f"rank {rank} failed: {type(error).__name__}: {first}")
             status = future.result()
             if status > 0:

@@ -21,8 +21,11 @@ from skyward.data import Data
 from skyward.detached import batch, launch, record
 from skyward.detached.run import Run
 from skyward.errors import ConfigError, SkywardError
+from skyward.image import Image
 from skyward.plugins.base import Plugin
-from skyward.plugins.jax_plugin import JaxPlugin, LauncherEnv
+from skyward.plugins.jax_plugin import JaxPlugin
+from skyward.plugins.launcher import LauncherEnv
+from skyward.plugins.torch_plugin import TorchPlugin
 from skyward.pool import ComputePool
 from skyward.providers.base import Provider
 from skyward.worker import supervisor
@@ -54,16 +57,17 @@ def script_target(script: str, workdir: str | None) -> tuple[str | Data, Data | 
 
 
 def launcher_plugins(plugins: Sequence[Plugin]) -> list[Plugin]:
-    """`plugins` for a script that initializes its framework itself: the JAX plugin exports
-    the variables without initializing; without it, only the variables are exported."""
-    chosen: list[Plugin] = []
+    """`plugins` for a script that initializes its framework itself, as ``skyward run`` has
+    them: every launcher's variables first, and the JAX and torch plugins installing their
+    framework without initializing it."""
+    chosen: list[Plugin] = [LauncherEnv()]
     for plugin in plugins:
-        if isinstance(plugin, JaxPlugin) and plugin.initialize:
+        if isinstance(plugin, LauncherEnv):
+            continue
+        if isinstance(plugin, JaxPlugin | TorchPlugin) and plugin.initialize:
             plugin = copy.copy(plugin)
             plugin.initialize = False
         chosen.append(plugin)
-    if not any("jax" in getattr(p, "ports", ()) for p in chosen):
-        chosen.insert(0, LauncherEnv())
     return chosen
 
 
@@ -74,6 +78,7 @@ def submit(
     provider: Provider | None = None,
     nodes: int | None = None,
     accelerator: str | None = None,
+    image: Image | None = None,
     plugins: Sequence[Plugin] = (),
     env: Mapping[str, str] | None = None,
     workdir: str | None = None,
@@ -106,6 +111,7 @@ def submit(
         provider=provider,
         nodes=nodes,
         accelerator=accelerator,
+        image=image,
         plugins=launcher_plugins(plugins),
         env=dict(env or {}),
         name="run",

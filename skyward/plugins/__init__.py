@@ -1,8 +1,9 @@
 """Plugins: hooks that shape a pool's image and wrap its nodes' and client's lifetimes.
 
-``sky.plugins.jax()`` and ``sky.plugins.keras()`` are the built-in ones; `Plugin` is the base.
-Each name is imported on first use: an agent imports `skyward.plugins.hooks` (the hook runner),
-which runs this file, and must not load the JAX and Keras plugins, the image and packaging with it.
+``sky.plugins.jax()``, ``sky.plugins.torch()`` and ``sky.plugins.keras()`` are the built-in
+ones; `Plugin` is the base. Each name is imported on first use: an agent imports
+`skyward.plugins.hooks` (the hook runner), which runs this file, and must not load the JAX,
+PyTorch and Keras plugins, the image and packaging with it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from skyward.plugins.base import Plugin
     from skyward.plugins.jax_plugin import JaxPlugin, jax
     from skyward.plugins.keras_plugin import KerasPlugin, keras
+    from skyward.plugins.torch_plugin import TorchPlugin, torch
 
 _HOMES = {
     "Plugin": "skyward.plugins.base",
@@ -21,9 +23,11 @@ _HOMES = {
     "jax": "skyward.plugins.jax_plugin",
     "KerasPlugin": "skyward.plugins.keras_plugin",
     "keras": "skyward.plugins.keras_plugin",
+    "TorchPlugin": "skyward.plugins.torch_plugin",
+    "torch": "skyward.plugins.torch_plugin",
 }
 
-__all__ = ["JaxPlugin", "KerasPlugin", "Plugin", "jax", "keras"]
+__all__ = ["JaxPlugin", "KerasPlugin", "Plugin", "TorchPlugin", "jax", "keras", "torch"]
 
 
 def __getattr__(name: str) -> Any:

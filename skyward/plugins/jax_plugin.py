@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from skyward.errors import ConfigError
 from skyward.plugins.base import Plugin
+from skyward.plugins.wheels import driver_cuda, names_a_mirror
 from skyward.worker import jaxenv
 
 if TYPE_CHECKING:
@@ -96,8 +97,7 @@ class JaxPlugin(Plugin):
             return "cpu"
         if accelerator.is_tpu:
             return "tpu"
-        major = int(cluster.cuda.split(".")[0]) if cluster.cuda else 12
-        return "cuda13" if major >= 13 else "cuda12"
+        return "cuda13" if driver_cuda(cluster) >= (13, 0) else "cuda12"
 
     def transform(self, image: Image, cluster: ClusterSpec) -> Image:
         from skyward.image import Index  # on the client only (see the imports above)
@@ -105,11 +105,8 @@ class JaxPlugin(Plugin):
         flavour = self.flavour(cluster)
         pin = f"=={self.version}" if self.version else ""
         image = image.without_packages(["jax", "jaxlib"]).with_pip(f"jax[{flavour}]{pin}")
-        if any(not index.packages for index in image.indexes):
-            # The image names an index for everything (a private network's mirror): jax comes
-            # from it too. A release index scoped to jax would be the only place uv looked for
-            # it, and such hosts cannot reach it.
-            return image
+        if names_a_mirror(image):
+            return image  # jax comes from the mirror too
         if flavour == "tpu":
             image = image.with_indexes(
                 Index(JAX_RELEASES, packages=("jax", "jaxlib"), flat=True),
@@ -146,17 +143,6 @@ class JaxPlugin(Plugin):
                 yield
         finally:
             jax.distributed.shutdown()
-
-
-class LauncherEnv(Plugin):
-    """Only exports the JAX_* variables (`export_launcher_env`): no wheel, no initialization.
-    What ``skyward run`` uses without ``--plugin jax``."""
-
-    name = "launcher-env"
-    ports = ("jax",)
-
-    def around_app(self, info: InstanceInfo) -> None:
-        export_launcher_env(info)
 
 
 def export_launcher_env(info: InstanceInfo) -> str:

@@ -1,10 +1,12 @@
 """The Keras plugin: the backend chosen before Keras is imported, and data parallelism over nodes.
 
-On several nodes it installs ``keras.distribution.DataParallel`` over every device of every node,
-so ``model.fit`` on each node trains one replicated model, each node feeding its own batches.
+With the jax backend, on several nodes it installs ``keras.distribution.DataParallel`` over
+every device of every node, so ``model.fit`` on each node trains one replicated model, each node
+feeding its own batches.
 One node with several devices (``accelerator="H100:8"``) gets the same over its own devices.
 Stacked after the JAX plugin it reuses the ``jax.distributed`` setup already done; alone, it asks
-Keras to initialize the distributed runtime itself.
+Keras to initialize the distributed runtime itself. With the torch backend (stacked after the
+PyTorch plugin) data parallelism is torch.distributed's: the plugin sets the backend and says so.
 """
 
 from __future__ import annotations
@@ -27,13 +29,19 @@ if TYPE_CHECKING:
     from skyward.info import InstanceInfo
 
 BACKENDS = ("jax", "tensorflow", "torch", "numpy")
+TORCH_DATA_PARALLEL = (
+    "keras plugin: with the torch backend, Keras's own distribution API (JAX-only) is not used; "
+    "data parallelism across nodes is torch.distributed's: stack sky.plugins.torch() first and "
+    "wrap the model in torch.nn.parallel.DistributedDataParallel"
+)
 
 
 class KerasPlugin(Plugin):
     """Sets ``KERAS_BACKEND`` on every node and, with several nodes, a data-parallel distribution.
 
     Args:
-        backend: the Keras backend (``"jax"``; others work on a single node).
+        backend: the Keras backend (``"jax"``; ``"torch"`` on several nodes with the torch plugin
+            doing the data parallelism; others work on a single node).
         distribute: install ``DataParallel`` over all devices when there are several (several
             nodes, or one node with several GPUs).
     """
@@ -69,9 +77,17 @@ class KerasPlugin(Plugin):
         if not self.distribute or (alone and self.backend != "jax"):
             yield
             return
+        if self.backend == "torch":
+            # Keras's distribution API is JAX-only; with torch, the model is a torch module
+            # and data parallelism is torch.distributed's (DDP), which the torch plugin sets up.
+            if info.is_head:
+                print(TORCH_DATA_PARALLEL, file=sys.stderr, flush=True)
+            yield
+            return
         if self.backend != "jax":
             raise ConfigError(
-                f"multi-node data parallelism needs the jax backend, not {self.backend!r}"
+                f"multi-node data parallelism needs the jax or torch backend, not "
+                f"{self.backend!r}: pass distribute=False to train each node on its own"
             )
         import keras
 

@@ -20,25 +20,40 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from skyward.worker import jaxenv
+
+# The file where the script's process names a module it could not import, for `run_script`.
+_MISSING_MODULE = "SKYWARD_SCRIPT_MISSING_MODULE"
 
 
 def run_script(
     script: str | os.PathLike[str], args: Sequence[str], cwd: str | os.PathLike[str] | None = None
 ) -> int:
     """Run `script` with `args` in `cwd` (default: the agent's) and return its exit status
-    (``-N`` when signal N killed it). On the node, a `sky.Data` argument is already a path."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its output streams as it is printed
-    command = [sys.executable, "-m", "skyward.worker.script", os.fspath(script), *args]
-    child = subprocess.Popen(command, cwd=cwd, env=env, preexec_fn=die_with_parent)
-    try:
-        return child.wait()
-    finally:
-        if child.poll() is None:  # the call was interrupted: the script goes with it
-            child.kill()
-            child.wait()
+    (``-N`` when signal N killed it). On the node, a `sky.Data` argument is already a path.
+    A script that died of a ``ModuleNotFoundError`` raises one here, naming the module (its
+    traceback is in the node's output already)."""
+    with tempfile.NamedTemporaryFile("r", prefix="skyward-script-", suffix=".missing") as missing:
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",  # its output streams as it is printed
+            _MISSING_MODULE: missing.name,
+        }
+        command = [sys.executable, "-m", "skyward.worker.script", os.fspath(script), *args]
+        child = subprocess.Popen(command, cwd=cwd, env=env, preexec_fn=die_with_parent)
+        try:
+            status = child.wait()
+        finally:
+            if child.poll() is None:  # the call was interrupted: the script goes with it
+                child.kill()
+                child.wait()
+        name = missing.read().strip()
+    if status != 0 and name:
+        raise ModuleNotFoundError(f"No module named {name!r} on this node", name=name)
+    return status
 
 
 def die_with_parent() -> None:
@@ -60,7 +75,15 @@ def main(argv: Sequence[str]) -> None:
         jaxenv.teach_jax_when_imported()
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except ModuleNotFoundError as exc:
+        # The traceback is printed as ever; the agent also learns which module was missing.
+        report = os.environ.get(_MISSING_MODULE)
+        if report and exc.name:
+            with open(report, "w") as out:
+                out.write(exc.name)
+        raise
 
 
 if __name__ == "__main__":

@@ -613,12 +613,15 @@ SLURM_PLAN = "slurm.json"
 # What a rank's environment must not take from the pool's agent: its node's identity, and
 # the pool job's Slurm world (the batch job has its own).
 _NODE_OWN = ("SKYWARD_INSTANCE_INFO", "JAX_", "SLURM_", "CUDA_VISIBLE_DEVICES", "SKYWARD_AGENT")
+_TORCHRUN = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def node_environment(script: str, cwd: str | None) -> dict[str, Any]:
     """In node 0's agent: what every rank of a batch job starts from: the environment, the
     interpreter with this skyward (`prefix`), the script's path and the working directory."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_NODE_OWN)}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(_NODE_OWN) and k not in _TORCHRUN
+    }
     return {
         "env": {**env, "PYTHONUNBUFFERED": "1"},
         "python": sys.executable,
@@ -635,7 +638,7 @@ def lead_batch(root: Path) -> int:
     plan = read_json(root / SLURM_PLAN)
     hosts = _slurm_out(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]]).split()
     head = _node_address(hosts[0])
-    port = _free_port(head)
+    port, torch_port = _free_port(head), _free_port(head)
     launchers = []
     for rank, host in enumerate(hosts):
         directory = root / f"node-{rank}"
@@ -645,6 +648,13 @@ def lead_batch(root: Path) -> int:
             "JAX_COORDINATOR_ADDRESS": f"{head}:{port}",
             "JAX_NUM_PROCESSES": str(len(hosts)),
             "JAX_PROCESS_ID": str(rank),
+            # torchrun's, as `skyward run` sets them (one process per node)
+            "MASTER_ADDR": head,
+            "MASTER_PORT": str(torch_port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(hosts)),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
         }
         spec = {
             "name": plan["name"],

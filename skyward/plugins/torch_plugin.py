@@ -1,0 +1,156 @@
+"""The PyTorch plugin: the right torch wheel on every node and ``torch.distributed`` initialized.
+
+`transform` adds ``torch`` (pinned with ``version=``) and the PyTorch wheel index that fits the
+nodes, scoped to the torch packages: the CUDA build for the nodes' driver on GPU nodes, the CPU
+build elsewhere (unless the image names an index for everything, a private mirror: torch then
+comes from it, as PyPI serves it).
+`around_app` exports torchrun's variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``; one process per node), then calls
+``torch.distributed.init_process_group`` (NCCL where the node has a GPU, gloo otherwise) and
+destroys the group when the node ends. With ``initialize=False`` only the variables are
+exported, for a script that calls ``init_process_group()`` itself (``skyward run``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from skyward.errors import ConfigError
+from skyward.plugins.base import Plugin
+from skyward.plugins.wheels import driver_cuda, names_a_mirror
+
+if TYPE_CHECKING:
+    # Client-side types: an agent unpickles this plugin and must not load the image (and
+    # packaging) with it; `transform`, which runs on the client, imports `Index` itself.
+    from skyward.cluster import ClusterSpec
+    from skyward.image import Image
+    from skyward.info import InstanceInfo
+
+TORCH_WHEELS = "https://download.pytorch.org/whl"
+TORCH_PACKAGES = ("torch", "torchvision", "torchaudio")
+BACKENDS = ("gloo", "nccl")
+
+# The CUDA builds PyTorch publishes, newest first, with the lowest driver CUDA each needs.
+# CUDA's minor-version compatibility lets a build run on any driver of its major version.
+_CUDA_BUILDS = (((13, 0), "cu130"), ((12, 8), "cu128"), ((12, 6), "cu126"), ((12, 0), "cu126"))
+
+
+class TorchPlugin(Plugin):
+    """Installs PyTorch for the accelerator and joins every node to one process group.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; None: NCCL where the node has a GPU, gloo otherwise.
+        version: a torch version to pin (``"2.13.0"``); default: the image's own requirement
+            on torch if it has one, else the newest.
+        initialize: call ``init_process_group``; False only exports the variables.
+        timeout: seconds every node has to join the group (and each collective to finish).
+    """
+
+    name = "torch"
+    ports = ("torch",)
+
+    def __init__(
+        self,
+        backend: str | None = None,
+        *,
+        version: str | None = None,
+        initialize: bool = True,
+        timeout: int = 120,
+    ) -> None:
+        super().__init__()
+        if backend is not None and backend not in BACKENDS:
+            raise ConfigError(
+                f"sky.plugins.torch(backend={backend!r}) is not a torch.distributed backend "
+                f"skyward sets up; use one of {BACKENDS}, or None to choose from the node"
+            )
+        self.backend = backend
+        self.version = version
+        self.initialize = initialize
+        self.timeout = timeout
+
+    def build(self, cluster: ClusterSpec) -> str:
+        """The PyTorch build for `cluster`: ``"cpu"`` without GPUs (a TPU too: torch_xla is
+        not installed), else the newest CUDA build its nodes' driver runs (``"cu128"``)."""
+        accelerator = cluster.accelerator
+        if accelerator is None or accelerator.is_tpu:
+            return "cpu"
+        cuda = driver_cuda(cluster)
+        for lowest, tag in _CUDA_BUILDS:
+            if cuda >= lowest:
+                return tag
+        raise ConfigError(
+            f"the nodes' NVIDIA driver supports CUDA {cluster.cuda}; PyTorch's CUDA builds need "
+            "12.0 or newer: use an image with a newer driver"
+        )
+
+    def transform(self, image: Image, cluster: ClusterSpec) -> Image:
+        from skyward.image import Index  # on the client only (see the imports above)
+
+        if self.version is not None:
+            image = image.without_packages(["torch"]).with_pip(f"torch=={self.version}")
+        elif not any(r.name.lower() == "torch" for r in image.requirements()):
+            image = image.with_pip("torch")
+        if names_a_mirror(image):
+            return image
+        url = f"{TORCH_WHEELS}/{self.build(cluster)}"
+        return image.with_indexes(Index(url, packages=TORCH_PACKAGES))
+
+    def around_app(self, info: InstanceInfo) -> contextlib.AbstractContextManager[Any]:
+        return self._process_group(info)
+
+    @contextlib.contextmanager
+    def _process_group(self, info: InstanceInfo) -> Iterator[None]:
+        export_torch_env(info)
+        if not self.initialize:
+            yield
+            return
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        gpu = torch.cuda.is_available()
+        backend = self.backend or ("nccl" if gpu else "gloo")
+        if gpu:
+            torch.cuda.set_device(0)  # the node's first GPU it owns: one process per node
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=info.node,
+            world_size=info.total_nodes,
+            timeout=timedelta(seconds=self.timeout),
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def export_torch_env(info: InstanceInfo) -> None:
+    """Export what torchrun gives each process (one per node here): ``MASTER_ADDR`` and
+    ``MASTER_PORT`` (node 0's ``torch`` port), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``."""
+    os.environ.update(
+        {
+            "MASTER_ADDR": info.head_addr,
+            "MASTER_PORT": str(info.ports["torch"]),
+            "RANK": str(info.node),
+            "WORLD_SIZE": str(info.total_nodes),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+        }
+    )
+
+
+def torch(
+    backend: str | None = None,
+    *,
+    version: str | None = None,
+    initialize: bool = True,
+    timeout: int = 120,
+) -> TorchPlugin:
+    """The PyTorch plugin (see `TorchPlugin`): ``sky.plugins.torch()``."""
+    return TorchPlugin(backend, version=version, initialize=initialize, timeout=timeout)

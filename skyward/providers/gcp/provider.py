@@ -339,7 +339,10 @@ class GCP(CloudProvider):
 
     def locate(self, pool: CloudCluster) -> dict[str, Any]:
         assert isinstance(pool, GCPCluster)
-        return {"project": self.access().project, "zone": pool.zone}
+        found: dict[str, Any] = {"project": self.access().project, "zone": pool.zone}
+        if self._endpoint:  # a private endpoint the pool was made through
+            found["api_endpoint"] = self._endpoint
+        return found
 
     def remove_pool(self, pool_id: str) -> list[str]:
         return self.cleanup(pool=pool_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from skyward.cli.packages import unresolved
@@ -90,6 +91,14 @@ def _state(status: RunStatus) -> str:
     return status.state
 
 
+def _status_of(rec: record.RunRecord) -> RunStatus:
+    run = Run(rec.name)
+    try:
+        return run.status()
+    finally:
+        run.close()
+
+
 def print_runs() -> int:
     """`skyward status` for detached runs: one line each; how many it listed."""
     runs = record.all_records()
@@ -99,12 +108,10 @@ def print_runs() -> int:
         f"{'RUN':<24} {'PROVIDER':<8} {'NODES':>5}  {'STATE':<40} {'STARTED':<16} "
         f"{'DURATION':>8} {'COST':>9}"
     )
-    for rec in runs:
-        run = Run(rec.name)
-        try:
-            status = run.status()
-        finally:
-            run.close()
+    # Every run is asked at once: an unreachable one costs its timeout, not the others'.
+    with ThreadPoolExecutor(max_workers=min(8, len(runs))) as pool:
+        statuses = list(pool.map(_status_of, runs))
+    for rec, status in zip(runs, statuses, strict=True):
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(status.started_at))
         cost = dollars(status.cost) if status.cost is not None else "-"
         print(

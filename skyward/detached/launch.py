@@ -137,10 +137,8 @@ def launchers(kind: str, pool: ComputePool, setups: Sequence[dict[str, Any]]) ->
 
 def holds_nodes(pool: ComputePool) -> bool:
     """Whether a run on `pool` keeps its nodes when the pool ends: machines made for the pool
-    (a cloud's), which the pool would otherwise remove."""
-    from skyward.providers.cloud.provider import CloudProvider
-
-    return isinstance(pool.provider, CloudProvider)
+    (a cloud's), whose provider lets them go (`Provider.release`) instead of removing them."""
+    return type(pool.provider).release is not Provider.release
 
 
 def record_data(kind: str, pool: ComputePool, name: str) -> dict[str, Any]:

@@ -232,6 +232,7 @@ class SSHHost:
         self.groups: set[int] = set()  # pids (= process groups) of commands still running
         self.closed = False
         self._kills: set[asyncio.Task[None]] = set()
+        self._killing: dict[int, asyncio.Future[None]] = {}  # group -> its kill, once asked
 
     def __str__(self) -> str:
         return str(self.endpoint)
@@ -314,17 +315,30 @@ class SSHHost:
             await asyncio.wait_for(self.conn.run(command, check=False), 10)
 
     async def kill_groups(self, pids: Sequence[int]) -> None:
-        """``kill -KILL`` the process groups `pids` on the host (best effort, bounded)."""
+        """``kill -KILL`` the process groups `pids` on the host (best effort, bounded). A group
+        whose kill is already on its way waits for that one: each kill is a channel and a shell
+        on the host, and a pool's end asks for the same agent's several times (its stream, then
+        the connection's close)."""
         pids = [pid for pid in pids if pid > 1]
         if not pids:
             return
+        fresh = [pid for pid in pids if pid not in self._killing]
+        if fresh:
+            kill = asyncio.ensure_future(self._kill(fresh))
+            for pid in fresh:
+                self._killing[pid] = kill
+        pending = {id(k): k for pid in pids if (k := self._killing.get(pid)) is not None}
+        # Shielded: a caller cancelled while it waits leaves the kill to finish for the others.
+        await asyncio.gather(*(asyncio.shield(k) for k in pending.values()))
+        self.groups.difference_update(pids)
+
+    async def _kill(self, pids: Sequence[int]) -> None:
         targets = " ".join(f"-{pid}" for pid in pids)
         with contextlib.suppress(Exception):
             # Not through `start`: a kill must work even after close() began.
             await asyncio.wait_for(
                 self.conn.run(f"kill -KILL -- {targets} 2>/dev/null; true", check=False), 10
             )
-        self.groups.difference_update(pids)
 
     async def kill_all(self) -> None:
         """Kill every group this connection started, then wait for scheduled kills."""

@@ -71,7 +71,8 @@ class ComputePool:
         heartbeat_timeout: a node silent this long is declared dead.
         stall_timeout: seconds the calls may run with none finishing and no node reporting
             (`sky.report`) before the pool shows every node's stacks and fails the node(s)
-            whose stack did not move (a rank stuck in a collective); None: wait forever.
+            in a call whose stack did not move in a second (a rank stuck in a collective), or
+            that did not answer; one whose stack moved is working and goes on. None: no watch.
         restarts: how many times a broadcast that failed because a node died, was preempted
             or stalled is run again: the lost nodes replaced (the others keep their hosts),
             every agent restarted, and `sky.resume_from()` on the nodes the newest checkpoint

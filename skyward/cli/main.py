@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from skyward import checks
 from skyward.errors import ConfigError
 from skyward.providers.local import cache_dir
 from skyward.providers.source import source_hash
@@ -238,6 +239,11 @@ def _run(args: argparse.Namespace) -> int:
     }
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.max_cost is not None:  # float() takes "inf" and "nan"
+        checks.dollars(args.max_cost, "--max-cost", zero=False)
+    for flag, value in vars(args).items():
+        if isinstance(value, str) and not value.strip() and flag != "script":
+            raise ConfigError(f"--{flag.replace('_', '-')} must not be empty")
     profile = profiles.with_flags(profiles.load_profile(args.profile), flags)
     try:
         outcome = runner.run(profile, args.script, args.args)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import asyncssh
 
+from skyward import checks
 from skyward.errors import ConfigError, ProvisionError
 from skyward.transport.sshhost import (
     Endpoint,
@@ -57,6 +58,10 @@ def login_options(
 ) -> ConnectOptions:
     """`ConnectOptions` from a provider's arguments: the key file checked to exist, the known
     hosts loaded, ``config=None`` for ~/.ssh/config."""
+    timeout = checks.seconds(timeout, "connect_timeout")
+    keepalive = checks.seconds(keepalive, "keepalive")
+    if config is not None:
+        checks.texts(config, "config")
     key_file: str | None = None
     if key is not None:
         path = Path(key).expanduser()

@@ -97,7 +97,8 @@ def one_of(value: T, name: str, choices: Iterable[object]) -> T:
     """One of `choices` (compared by type too: ``1`` is not ``True``)."""
     allowed = tuple(choices)
     if not any(type(value) is type(c) and value == c for c in allowed):
-        raise ConfigError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        *others, last = map(repr, allowed)
+        raise ConfigError(f"{name} must be {', '.join(others)} or {last}, got {value!r}")
     return value
 
 

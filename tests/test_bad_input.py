@@ -95,7 +95,7 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
     ("Plugin name", lambda: sky.Plugin(""), "Plugin(name=)"),
     ("Plugin ports", lambda: sky.Plugin("p", ports="jax"), "Plugin(ports=)"),
     ("Plugin hook", lambda: sky.Plugin("p", around_app="x"), "Plugin(around_app=)"),
-    ("jax cuda", lambda: sky.plugins.jax(cuda=12), "jax(cuda=)"),
+    ("jax cuda", lambda: sky.plugins.jax(cuda=12), "jax(cuda=12)"),
     ("jax timeout", lambda: sky.plugins.jax(initialization_timeout=0), "initialization_timeout"),
     ("jax initialize", lambda: sky.plugins.jax(initialize="no"), "jax(initialize=)"),
     ("keras distribute", lambda: sky.plugins.keras(distribute=1), "keras(distribute=)"),

@@ -162,10 +162,12 @@ def parse_profile(name: str, table: Any, source: str) -> Profile:
         raise ConfigError(f"{where} must be a table of keys")
     options = {k: v for k, v in table.items() if k not in POOL_KEYS}
     provider = table.get("provider", "local")
-    if not isinstance(provider, str) or provider not in PROVIDERS:
+    if not isinstance(provider, str):
         raise ConfigError(
-            f"{where}: provider must be one name of {', '.join(PROVIDERS)}, got {provider!r}"
+            f'{where}: provider must be one name, e.g. provider = "aws", got {provider!r}'
         )
+    if provider not in PROVIDERS:
+        raise ConfigError(f"{where}: unknown provider {provider!r}; use {', '.join(PROVIDERS)}")
     nodes = table.get("nodes")
     if nodes is not None:
         checks.whole(nodes, f"{where}: nodes", minimum=1)

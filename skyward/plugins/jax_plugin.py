@@ -44,7 +44,9 @@ def normalize_cuda(value: str | None) -> str | None:
     """Map a `cuda` argument to cuda12/cuda13/tpu/cpu (None: decide from the accelerator)."""
     if value is None:
         return None
-    key = checks.text(value, "jax(cuda=)").strip().lower().replace("-", "").replace("_", "")
+    # a value of the wrong type is told what to give, as an unknown name is
+    text = value if isinstance(value, str) else ""
+    key = text.strip().lower().replace("-", "").replace("_", "")
     if key in _KNOWN:
         return key
     old = _OLD_CUDA.match(key)

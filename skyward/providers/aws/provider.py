@@ -160,7 +160,7 @@ class AWS(CloudProvider):
         )
         if ssh_cidr is not None:
             check_cidr(ssh_cidr)
-        checks.one_of(spot, "sky.AWS(spot=)", (True, False, "prefer"))
+        checks.one_of(spot, "spot", (True, False, "prefer"))
         asked = [region] if region is None or isinstance(region, str) else region
         regions = [None] if region is None else list(checks.texts(asked, "sky.AWS(region=)"))
         if not regions:

@@ -151,7 +151,7 @@ class GCP(CloudProvider):
         )
         if ssh_cidr is not None:
             ssh_cidr = check_cidr(ssh_cidr)
-        checks.one_of(spot, "sky.GCP(spot=)", (True, False, "prefer"))
+        checks.one_of(spot, "spot", (True, False, "prefer"))
         if zone is not None:
             checks.texts([zone] if isinstance(zone, str) else zone, "sky.GCP(zone=)")
         checks.optional_texts(

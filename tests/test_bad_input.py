@@ -165,6 +165,7 @@ def test_good_values_of_each_kind_still_pass() -> None:
         (["--max-cost", "nan"], "--max-cost"),
         (["--nodes", "0"], "--nodes"),
         (["--region", ""], "--region"),
+        (["--partition", " "], "--partition"),
     ],
 )
 def test_a_bad_flag_is_one_line_naming_it(
@@ -204,3 +205,8 @@ def test_a_bad_profile_setting_is_one_line_naming_it(
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and names in lines[0] and "Traceback" not in captured.err, lines
     assert "unhashable" not in captured.err
+
+
+def test_an_empty_flag_of_another_command_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls", "--region", ""]) == 1
+    assert capsys.readouterr().err == "skyward ls: --region must not be empty\n"

@@ -35,6 +35,7 @@ class Index:
 
     def __post_init__(self) -> None:
         checks.text(self.url, "Index(url=)")
+        checks.flag(self.flat, "Index(flat=)")
         packages = checks.texts(self.packages, "Index(packages=)")
         object.__setattr__(self, "packages", tuple(canonicalize_name(p) for p in packages))
 

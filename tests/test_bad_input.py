@@ -44,6 +44,7 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
     ("accelerator empty", pool(accelerator=""), "accelerator"),
     ("accelerator number", pool(accelerator=8), "accelerator"),
     ("plugins one", pool(plugins=sky.Plugin("p")), "plugins"),
+    ("plugins str", pool(plugins=""), "plugins"),
     ("provider str", lambda: sky.ComputePool(provider="local"), "provider"),
     ("nodes", lambda: sky.ComputePool(nodes=0), "nodes"),
     ("output_dir empty", pool(output_dir=""), "output_dir"),
@@ -57,6 +58,8 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
     ("Image indexes str", lambda: sky.Image(indexes="https://x"), "Image(indexes=)"),
     ("Image index empty", lambda: sky.Image(indexes=[""]), "Image(indexes=)"),
     ("Index url", lambda: Index(""), "Index(url=)"),
+    ("Index flat", lambda: Index("https://x", flat="yes"), "Index(flat=)"),  # type: ignore[arg-type]
+    ("Index packages", lambda: Index("https://x", packages="numpy"), "Index(packages=)"),
     # Data
     ("Data empty", lambda: sky.Data(""), "sky.Data"),
     ("Data number", lambda: sky.Data(5), "sky.Data"),  # type: ignore[arg-type]
@@ -70,6 +73,8 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
     ("SSH connect_timeout", lambda: sky.SSH(hosts=["a"], connect_timeout=0), "connect_timeout"),
     ("SSH keepalive", lambda: sky.SSH(hosts=["a"], keepalive=NAN), "keepalive"),
     ("SSH config", lambda: sky.SSH(hosts=["a"], config="x"), "config"),
+    ("SSH key", lambda: sky.SSH(hosts=["a"], key=5), "key"),  # type: ignore[arg-type]
+    ("SSH known_hosts", lambda: sky.SSH(hosts=["a"], known_hosts=5), "known_hosts"),  # type: ignore[arg-type]
     ("SSH uv_version", lambda: sky.SSH(hosts=["a"], uv_version=""), "uv_version"),
     ("Slurm uv_version", lambda: sky.Slurm(uv_version=" "), "uv_version"),
     ("SSH build_env", lambda: sky.SSH(hosts=["a"], build_env={"A": 1}), "build_env"),
@@ -94,6 +99,7 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
     # Plugins
     ("Plugin name", lambda: sky.Plugin(""), "Plugin(name=)"),
     ("Plugin ports", lambda: sky.Plugin("p", ports="jax"), "Plugin(ports=)"),
+    ("Plugin ports empty str", lambda: sky.Plugin("p", ports=""), "Plugin(ports=)"),
     ("Plugin hook", lambda: sky.Plugin("p", around_app="x"), "Plugin(around_app=)"),
     ("jax cuda", lambda: sky.plugins.jax(cuda=12), "jax(cuda=12)"),
     ("jax timeout", lambda: sky.plugins.jax(initialization_timeout=0), "initialization_timeout"),
@@ -117,6 +123,8 @@ CLOUD_CASES: list[tuple[str, Callable[[], object], str]] = [
     ("AWS region empty", lambda: sky.AWS(region=""), "region"),
     ("AWS region item", lambda: sky.AWS(region=["us-east-1", ""]), "region"),
     ("AWS instance_type", lambda: sky.AWS(instance_type=""), "instance_type"),
+    ("AWS subnet_id", lambda: sky.AWS(subnet_id=5), "subnet_id"),  # type: ignore[arg-type]
+    ("AWS subnet_id empty", lambda: sky.AWS(subnet_id=[]), "subnet_id"),
     ("AWS idle_timeout", lambda: sky.AWS(idle_timeout=NAN), "idle_timeout"),
     ("AWS boot_timeout", lambda: sky.AWS(boot_timeout=0), "boot_timeout"),
     ("AWS poll_interval", lambda: sky.AWS(poll_interval=-1), "poll_interval"),

@@ -35,7 +35,7 @@ def checked(
         raise ConfigError(f"nodes must be a whole number >= 1, got {nodes!r}")
     if image is not None and not isinstance(image, Image):
         raise ConfigError(f"image must be a sky.Image, got {type(image).__name__}")
-    if isinstance(plugins, Plugin) or not isinstance(plugins, Sequence):
+    if isinstance(plugins, Plugin | str) or not isinstance(plugins, Sequence):
         raise ConfigError(f"plugins must be a list of sky.Plugin objects, got {plugins!r}")
     for plugin in plugins:
         if not isinstance(plugin, Plugin):

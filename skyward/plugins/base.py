@@ -64,7 +64,7 @@ class Plugin:
     ) -> None:
         if name is not None:
             self.name = checks.text(name, "Plugin(name=)")
-        if ports:
+        if ports != ():
             self.ports = checks.texts(ports, "Plugin(ports=)")
         for hook, given in (
             ("transform", transform),

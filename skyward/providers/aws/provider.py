@@ -528,8 +528,11 @@ def _subnets_by_region(
 ) -> dict[str | None, tuple[str, ...]]:
     """`subnet_id=` as the subnets to try in each region (none: the default ones)."""
 
-    def listed(value: str | Sequence[str]) -> tuple[str, ...]:
-        return (value,) if isinstance(value, str) else tuple(value)
+    def listed(value: object) -> tuple[str, ...]:
+        found = checks.texts([value] if isinstance(value, str) else value, "sky.AWS(subnet_id=)")
+        if not found:
+            raise ConfigError("sky.AWS(subnet_id=) names no subnet: give one or more, or None")
+        return found
 
     if subnet_id is None:
         return {}

@@ -64,6 +64,8 @@ def login_options(
         checks.texts(config, "config")
     key_file: str | None = None
     if key is not None:
+        if not isinstance(key, str | os.PathLike) or not os.fspath(key):
+            raise ConfigError(f"key must be the path of a private key file, got {key!r}")
         path = Path(key).expanduser()
         if not path.is_file():
             raise ConfigError(f"SSH key file {str(path)!r} does not exist")

@@ -2,7 +2,7 @@
 
 Run ``python benchmarks/bench_local.py`` (``--quick`` for fewer iterations, ``--only NAME`` for
 one figure; NAME is one of rtt, gather, broadcast, bulk, jax, run, step, output, output-tty,
-report). It is a report, not a test: a MISS is printed, never turned into a failing exit
+report, stacks). It is a report, not a test: a MISS is printed, never turned into a failing exit
 status. See benchmarks/README.md.
 """
 
@@ -19,6 +19,7 @@ import pickle
 import platform
 import resource
 import select
+import signal
 import socket
 import statistics
 import struct
@@ -50,6 +51,7 @@ NAMES = (
     "output",
     "output-tty",
     "report",
+    "stacks",
 )
 PIPE_SIZE = 1 << 20  # the agent enlarges its control pipes to this; the floors use the same
 BULK_BYTES = 100_000_000
@@ -177,6 +179,32 @@ def time_reports(count: int, block: int) -> tuple[list[int], list[int]]:
     return reported, appended
 
 
+@compute
+def wait_on(node: int, seconds: float) -> None:
+    """Node `node` waits, as a rank stuck in a collective does; the others return."""
+    import threading
+
+    from skyward import instance_info
+
+    if instance_info().node == node:
+        threading.Event().wait(seconds)
+
+
+# The floor of `stacks`: a process whose main thread waits, with faulthandler writing every
+# thread's stack to a pipe on SIGUSR2, as an agent has it (its dump ends with the main thread,
+# whose oldest frame is the script's <module>).
+STACKS_CHILD = textwrap.dedent(
+    """
+    import faulthandler, os, signal, sys, threading
+    out = os.fdopen(int(sys.argv[1]), "w")
+    faulthandler.register(signal.SIGUSR2, out, all_threads=True)
+    out.write("ready in <module>\\n")
+    out.flush()
+    threading.Event().wait()
+    """
+)
+
+
 # The floor's child prints the same lines to a plain pipe.
 SHOUT_CHILD = "import sys\nline = 'x' * 99\nfor _ in range(int(sys.argv[1])):\n    print(line)\n"
 
@@ -258,6 +286,7 @@ class Settings:
     run_runs: int  # launches of each side for `run`
     output_lines: int  # lines of 100 bytes a node prints for `output`
     reports: int  # sky.report calls timed on the node for `report`
+    stack_asks: int  # pool.stacks() calls for `stacks`
 
 
 FULL = Settings(
@@ -271,6 +300,7 @@ FULL = Settings(
     run_runs=5,
     output_lines=2_000_000,
     reports=100_000,
+    stack_asks=40,
 )
 QUICK = Settings(
     calls=500,
@@ -283,6 +313,7 @@ QUICK = Settings(
     run_runs=2,
     output_lines=200_000,
     reports=20_000,
+    stack_asks=10,
 )
 
 
@@ -805,6 +836,76 @@ def bench_report(s: Settings) -> Row:
     )
 
 
+@contextlib.contextmanager
+def dumping_children(count: int) -> Iterator[list[tuple[subprocess.Popen[bytes], int]]]:
+    """`count` STACKS_CHILD processes, each with the read end of its dump pipe."""
+    children: list[tuple[subprocess.Popen[bytes], int]] = []
+    try:
+        for _ in range(count):
+            read, write = os.pipe()
+            proc = subprocess.Popen(
+                [sys.executable, "-c", STACKS_CHILD, str(write)], pass_fds=(write,)
+            )
+            os.close(write)
+            children.append((proc, read))
+        for _, read in children:
+            _whole_dump(read)  # the child's "ready": SIGUSR2 no longer kills it
+        yield children
+    finally:
+        for proc, read in children:
+            proc.kill()
+            proc.wait()
+            os.close(read)
+
+
+def raw_stacks(children: list[tuple[subprocess.Popen[bytes], int]]) -> Op:
+    """SIGUSR2 to every child, then each one's whole dump read back: the least `pool.stacks()`
+    can cost (no wire, no waiting to know a dump is complete)."""
+
+    def once() -> None:
+        for proc, _ in children:
+            os.kill(proc.pid, signal.SIGUSR2)
+        for _, read in children:
+            _whole_dump(read)
+
+    return once
+
+
+def _whole_dump(read: int) -> bytes:
+    dump = b""
+    while not dump.endswith(b" in <module>\n"):
+        chunk = os.read(read, 65536) if select.select([read], [], [], 10)[0] else b""
+        if not chunk:
+            raise RuntimeError(f"no whole dump in 10 s: {dump!r}")
+        dump += chunk
+    return dump
+
+
+def bench_stacks(s: Settings) -> Row:
+    """`pool.stacks()` on 2 nodes, node 1 stuck in a call (docs/failures.md cites it)."""
+    with dumping_children(2) as children, pool(2) as p:
+        stuck = p.submit(wait_on(1, 600), node=1)
+
+        def ask() -> None:
+            answers = p.stacks(timeout=5)
+            assert sorted(answers) == [0, 1] and "wait_on" in answers[1], answers
+
+        time.sleep(0.2)  # node 1 is in its call
+        pooled, raw = interleaved([ask, raw_stacks(children)], s.stack_asks, 2, blocks=5)
+        assert not stuck.done()
+    floor, figure = statistics.median(raw), statistics.median(pooled)
+    return Row(
+        "stacks: pool.stacks(), 2 nodes",
+        ms(figure),
+        f"{us(floor)} SIGUSR2 + dump, 2 procs",
+        figure / floor,
+        "(reported)",
+        None,
+        f"skyward {spread(pooled, ms)}; raw {spread(raw, us)}; n={len(pooled)} each; the agent "
+        "sends a dump once its pipe has been quiet for 50 ms, the client looks every 20 ms",
+    )
+
+
 def bench_jax(s: Settings) -> Row:
     # Warm the page cache so neither side pays for the first import of jax from disk.
     warm = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -867,6 +968,7 @@ BENCHES: dict[str, Callable[[Settings], Row]] = {
     "output": bench_output,
     "output-tty": bench_output_tty,
     "report": bench_report,
+    "stacks": bench_stacks,
 }
 
 

@@ -125,6 +125,8 @@ def location(value: object, what: str) -> str:
     if not isinstance(value, str | os.PathLike):
         raise ConfigError(f"{what} takes a path or an s3:// URI, got {value!r}")
     text = os.fspath(value)
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"{what} takes a path or an s3:// URI, got {value!r}")
     if not text.startswith(S3_SCHEME):
         return str(Path(text).expanduser().absolute())
     if not text[len(S3_SCHEME) :].split("/", 1)[0]:

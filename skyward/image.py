@@ -17,6 +17,7 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
+from skyward import checks
 from skyward.errors import ConfigError
 
 
@@ -33,11 +34,14 @@ class Index:
     flat: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "packages", tuple(canonicalize_name(p) for p in self.packages))
+        checks.text(self.url, "Index(url=)")
+        checks.flag(self.flat, "Index(flat=)")
+        packages = checks.texts(self.packages, "Index(packages=)")
+        object.__setattr__(self, "packages", tuple(canonicalize_name(p) for p in packages))
 
 
 def _as_index(value: Index | str) -> Index:
-    return value if isinstance(value, Index) else Index(value)
+    return value if isinstance(value, Index) else Index(checks.text(value, "Image(indexes=)"))
 
 
 @dataclass(frozen=True, init=False)
@@ -74,12 +78,14 @@ class Image:
         # Written out so that lists type-check too; stored as tuples (an image is hashable).
         lists = {"pip": pip, "apt": apt, "setup": setup}
         for name, value in lists.items():
-            if isinstance(value, str):
-                raise ConfigError(f"Image({name}=...) takes a list of strings, not one string")
-            object.__setattr__(self, name, tuple(value))
-        object.__setattr__(self, "python", python)
+            object.__setattr__(self, name, checks.texts(value, f"Image({name}=)"))
+        object.__setattr__(self, "python", checks.optional_text(python, "Image(python=)"))
+        if isinstance(indexes, str) or not isinstance(indexes, Iterable):
+            raise ConfigError(
+                f"Image(indexes=) must be a list of URLs or sky.Index, got {indexes!r}"
+            )
         object.__setattr__(self, "indexes", tuple(_as_index(i) for i in indexes))
-        env_items = sorted(dict(env or {}).items())
+        env_items = sorted(checks.environment(env, "Image(env=)").items())
         object.__setattr__(self, "env", MappingProxyType(dict(env_items)))
         for spec in self.pip:
             try:

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
+from skyward import checks
 from skyward.client import activity, plan, recovery, shutdown, spend
 from skyward.client.dispatch import Dispatch
 from skyward.client.handshake import handshake
@@ -71,7 +72,8 @@ class ComputePool:
         heartbeat_timeout: a node silent this long is declared dead.
         stall_timeout: seconds the calls may run with none finishing and no node reporting
             (`sky.report`) before the pool shows every node's stacks and fails the node(s)
-            whose stack did not move (a rank stuck in a collective); None: wait forever.
+            in a call whose stack did not move in a second (a rank stuck in a collective), or
+            that did not answer; one whose stack moved is working and goes on. None: no watch.
         restarts: how many times a broadcast that failed because a node died, was preempted
             or stalled is run again: the lost nodes replaced (the others keep their hosts),
             every agent restarted, and `sky.resume_from()` on the nodes the newest checkpoint
@@ -123,35 +125,38 @@ class ComputePool:
         prefer: Literal["order", "price"] = "order",
     ) -> None:
         asked = [provider] if provider is None or isinstance(provider, Provider) else provider
+        if isinstance(asked, str) or not isinstance(asked, Sequence):
+            raise ConfigError(f"provider must be e.g. sky.Local() or a list of them: {provider!r}")
         listed = [plan.checked(Local() if p is None else p, nodes, image, plugins) for p in asked]
         if not listed:
             raise ConfigError("provider=[] names no provider: give one, or a list to fail over")
-        if prefer not in ("order", "price"):
-            raise ConfigError(f"prefer must be 'order' or 'price', got {prefer!r}")
-        self._prefer = prefer
+        self._prefer = checks.one_of(prefer, "prefer", ("order", "price"))
         self.provider = listed[0]
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
-        self.env: dict[str, str] = dict(env or {})
-        self.pool_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.env = checks.environment(env, "env")
+        self.pool_id = f"{checks.text(name, 'name')}-{uuid.uuid4().hex[:8]}"
         # Where the pool may start, each with its spec; `provider`/`spec` are the one in use.
         self._candidates = plan.candidates(listed, self.pool_id, nodes, accelerator, output_dir)
         self.spec = self._candidates[0][1]
         self._asked = image or Image()  # before the plugins' transforms
         self.image: Image = self._asked
-        self.startup_timeout = startup_timeout
-        self.shutdown_timeout = shutdown_timeout
-        self.broadcast_grace = broadcast_grace
-        self.heartbeat_timeout = heartbeat_timeout
-        if stall_timeout is not None and stall_timeout <= 0:
-            raise ConfigError(
-                f"stall_timeout must be a positive number of seconds or None, got {stall_timeout}"
-            )
-        self.stall_timeout = stall_timeout
-        if restarts < 0:
-            raise ConfigError(f"restarts must be 0 or more, got {restarts}")
-        self._policy = recovery.Policy(restarts, tuple(restart_on))
+        self.startup_timeout = checks.seconds(startup_timeout, "startup_timeout")
+        self.shutdown_timeout = checks.seconds(shutdown_timeout, "shutdown_timeout", zero=True)
+        self.broadcast_grace = checks.seconds(broadcast_grace, "broadcast_grace", zero=True)
+        self.heartbeat_timeout = checks.seconds(heartbeat_timeout, "heartbeat_timeout")
+        self.stall_timeout = (
+            None if stall_timeout is None else checks.seconds(stall_timeout, "stall_timeout")
+        )
+        self._policy = recovery.Policy(
+            checks.whole(restarts, "restarts", minimum=0), _exception_types(restart_on)
+        )
         self._resume: dict[str, str] = {}  # the agents' env after a restart: what to resume
-        self.collect_timeout = collect_timeout
+        self.collect_timeout = checks.seconds(collect_timeout, "collect_timeout")
+        if max_cost is not None:
+            max_cost = checks.dollars(max_cost, "max_cost", zero=False)
+        if on_report is not None and not callable(on_report):
+            raise ConfigError(f"on_report must be a function of a sky.Report, got {on_report!r}")
+        stream_output = checks.flag(stream_output, "stream_output")
         self.console = Console(self.pool_id, self.spec.nodes, self.provider.name, stream_output)
         self._dispatch = Dispatch(broadcast_grace)
         self.console.activity = functools.partial(activity.node_activity, self._dispatch)
@@ -604,3 +609,13 @@ async def _cheapest_first(
 def _lines(error: BaseException) -> list[str]:
     """A provider's `NoCapacity` without its first line: a line per location."""
     return [line.strip() for line in str(error).splitlines()[1:] if line.startswith("  ")]
+
+
+def _exception_types(types: object) -> tuple[type[BaseException], ...]:
+    """`restart_on`: a list of exception classes (one class is not a list of them)."""
+    if isinstance(types, type) or not isinstance(types, Sequence) or isinstance(types, str):
+        raise ConfigError(f"restart_on must be a list of exception types, got {types!r}")
+    for kind in types:
+        if not (isinstance(kind, type) and issubclass(kind, BaseException)):
+            raise ConfigError(f"restart_on must hold exception types (e.g. OSError), got {kind!r}")
+    return tuple(types)

@@ -391,7 +391,7 @@ def test_a_budget_from_a_profile_or_max_cost_reaches_the_pool(
     script = write(tmp_path, "noop.py", "print('hi')\n")
     assert main(["run", "--max-cost", "0", str(script)]) == 1
     err = capsys.readouterr().err
-    assert "skyward run: max_cost must be a positive number of dollars, got 0.0" in err, err
+    assert "skyward run: --max-cost must be a positive number of US dollars" in err, err
 
 
 # -- skyward status ------------------------------------------------------------------------------

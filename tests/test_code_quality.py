@@ -112,6 +112,7 @@ def test_imports_go_one_way() -> None:
 # The vocabulary at the top: what a pool, a provider, a plugin and a node all speak.
 VOCABULARY = (
     "skyward.errors",
+    "skyward.checks",
     "skyward.image",
     "skyward.data",
     "skyward.info",

@@ -53,6 +53,11 @@ def count(steps: int, die_at: int, marker: str) -> tuple[int, int]:
     return start, total
 
 
+@sky.compute
+def agent_pid() -> int:
+    return os.getpid()
+
+
 def test_a_lost_node_is_replaced_and_the_call_resumes_from_the_last_checkpoint(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -65,15 +70,19 @@ def test_a_lost_node_is_replaced_and_the_call_resumes_from_the_last_checkpoint(
     with sky.ComputePool(
         nodes=2, restarts=1, output_dir=tmp_path / "runs", on_report=on_report
     ) as pool:
-        first = pool.nodes[0]
+        first, pids = pool.nodes[0], agent_pid() @ pool
         results = count(40, die_at=12, marker=marker) @ pool
         survivor_kept = pool.nodes[0] is first
+        pids_after = agent_pid() @ pool
     assert os.path.exists(marker), "node 1 never died: nothing was tested"
     # The same answer as a run without the failure (the steps are deterministic integers).
     assert [total for _, total in results] == [sum(range(40))] * 2
     # Both resumed from node 0's newest checkpoint before the death (steps 0-9 done).
     assert {start for start, _ in results} == {10}, results
+    # The survivor keeps its node (on Local: its slot and GPUs); its agent is a new process,
+    # as every agent is: the plugins initialize again on every rank (docs/recovery.md, step 3).
     assert survivor_kept
+    assert pids_after[0] != pids[0] and pids_after[1] != pids[1], (pids, pids_after)
     err = capfd.readouterr().err
     assert "restart 1 of 1 after WorkerError" in err and "replacing node(s) [1]" in err, err
     assert "resuming from" in err and "ckpt-10" in err, err

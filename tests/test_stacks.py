@@ -3,6 +3,8 @@ agents and (tests/ssh, tests/slurm) over SSH channels and through srun."""
 
 from __future__ import annotations
 
+import faulthandler
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -10,6 +12,7 @@ from concurrent.futures import Future
 import pytest
 
 import skyward as sky
+from skyward.worker import agent
 
 
 @sky.compute
@@ -69,6 +72,68 @@ def test_a_stalled_broadcast_fails_naming_the_stuck_node_with_its_stack(
     assert "made no progress for 2 s (stall_timeout" in message and "stuck_in_a_wait" in message
     err = capfd.readouterr().err
     assert "did not move" in err and "--- node 0:" in err and "--- node 1:" in err, err
+
+
+def test_the_calls_thread_is_cut_out_of_a_dump() -> None:
+    """The stall watch compares the stack of the thread that runs the calls only: the agent's
+    own threads move whenever it answers. A real faulthandler dump with two threads."""
+    release = threading.Event()
+    other = threading.Thread(target=release.wait, name="other")
+    other.start()
+    with tempfile.TemporaryFile("w+") as out:
+        faulthandler.dump_traceback(out, all_threads=True)
+        out.seek(0)
+        dump = out.read()
+    release.set()
+    other.join()
+    mine = agent._thread_in(dump, threading.get_ident())
+    theirs = agent._thread_in(dump, other.ident)
+    assert "test_the_calls_thread_is_cut_out_of_a_dump" in mine and mine in dump, dump
+    assert "in wait" in theirs and "test_the_calls_thread" not in theirs, dump
+    assert agent._thread_in(dump[:40], threading.get_ident()) == dump[:40]  # cut short
+
+
+@sky.compute
+def working_or_stuck(stuck: int, seconds: float) -> str:
+    """Node `stuck` waits; the others work for `seconds`, one frame deeper every 0.1 s, so
+    their stacks differ whenever they are sampled a second apart."""
+    if sky.instance_info().node == stuck:
+        threading.Event().wait(seconds)
+        return "waited"
+    return _deeper(time.monotonic(), seconds, depth=0)
+
+
+def _deeper(began: float, seconds: float, depth: int) -> str:
+    while time.monotonic() < began + seconds:
+        if time.monotonic() > began + 0.1 * (depth + 1):
+            return _deeper(began, seconds, depth + 1)
+        time.sleep(0.01)
+    return "worked"
+
+
+def test_a_stall_fails_only_the_node_whose_stack_did_not_move(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Three busy nodes, node 1 stuck, nodes 0 and 2 working without reporting: node 1 is
+    failed and named; the console says that the others' stacks moved."""
+    with sky.ComputePool(nodes=3, stall_timeout=2) as pool:
+        with pytest.raises(sky.WorkerError) as caught:
+            working_or_stuck(1, 8) @ pool
+    assert caught.value.node == 1 and not caught.value.stopped, str(caught.value)
+    assert "its stack did not move" in str(caught.value), str(caught.value)
+    err = capfd.readouterr().err
+    assert "node(s) [1] did not move" in err and "node(s) [0, 2] moved" in err, err
+    assert "failing node(s) [1]\n" in err, err
+
+
+def test_a_stall_whose_stacks_all_moved_fails_no_node(capfd: pytest.CaptureFixture[str]) -> None:
+    """Every busy node works without reporting past stall_timeout: the console says that
+    their stacks moved and none is stuck, and the calls run to their end."""
+    with sky.ComputePool(nodes=2, stall_timeout=1) as pool:
+        assert working_or_stuck(-1, 4) @ pool == ["worked", "worked"]
+    err = capfd.readouterr().err
+    assert "node(s) [0, 1] moved" in err and "no node is stuck" in err, err
+    assert "did not move" not in err, err
 
 
 def test_reports_are_progress_for_the_stall_watch() -> None:

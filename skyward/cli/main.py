@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from skyward import checks
 from skyward.errors import ConfigError
 from skyward.providers.local import cache_dir
 from skyward.providers.source import source_hash
@@ -244,6 +245,8 @@ def _run(args: argparse.Namespace) -> int:
     }
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.max_cost is not None:  # float() takes "inf" and "nan"
+        checks.dollars(args.max_cost, "--max-cost", zero=False)
     profile = profiles.with_flags(profiles.load_profile(args.profile), flags)
     if args.detach:
         from skyward.cli import detached
@@ -450,6 +453,17 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = _parser().parse_args(argv)
+    empty = [
+        flag
+        for flag, value in vars(args).items()
+        if isinstance(value, str) and not value.strip() and flag != "script"
+    ]
+    if empty:  # e.g. --region "" would otherwise mean the default
+        print(
+            f"skyward {args.command}: --{empty[0].replace('_', '-')} must not be empty",
+            file=sys.stderr,
+        )
+        return 1
     if args.command in ("ls", "down"):
         if args.cloud == "slurm":
             return _slurm_command(args)

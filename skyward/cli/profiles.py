@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from skyward import checks
 from skyward.errors import ConfigError
 from skyward.providers.base import Provider
 
@@ -171,14 +172,18 @@ def parse_profile(name: str, table: Any, source: str) -> Profile:
         raise ConfigError(f"{where} must be a table of keys")
     options = {k: v for k, v in table.items() if k not in (*POOL_KEYS, *PACKAGE_KEYS)}
     provider = table.get("provider", "local")
+    if not isinstance(provider, str):
+        raise ConfigError(
+            f'{where}: provider must be one name, e.g. provider = "aws", got {provider!r}'
+        )
     if provider not in PROVIDERS:
         raise ConfigError(f"{where}: unknown provider {provider!r}; use {', '.join(PROVIDERS)}")
     nodes = table.get("nodes")
-    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int)):
-        raise ConfigError(f"{where}: nodes must be a whole number, got {nodes!r}")
+    if nodes is not None:
+        checks.whole(nodes, f"{where}: nodes", minimum=1)
     accelerator = table.get("accelerator")
-    if accelerator is not None and not isinstance(accelerator, str):
-        raise ConfigError(f"{where}: accelerator must be a string such as 'A100:8'")
+    if accelerator is not None:
+        checks.text(accelerator, f"{where}: accelerator (e.g. 'A100:8')")
     plugins = table.get("plugins", [])
     if isinstance(plugins, str):
         plugins = [plugins]
@@ -186,11 +191,11 @@ def parse_profile(name: str, table: Any, source: str) -> Profile:
     if not isinstance(env, dict):
         raise ConfigError(f'{where}: env must be a table, e.g. env = {{ KEY = "value" }}')
     workdir = table.get("workdir")
+    if workdir is not None:
+        checks.text(workdir, f"{where}: workdir")
     max_cost = table.get("max_cost")
-    if max_cost is not None and (
-        isinstance(max_cost, bool) or not isinstance(max_cost, int | float)
-    ):
-        raise ConfigError(f"{where}: max_cost must be a number of dollars, got {max_cost!r}")
+    if max_cost is not None:
+        max_cost = checks.dollars(max_cost, f"{where}: max_cost", zero=False)
     return Profile(
         name=name,
         provider=provider,

@@ -18,6 +18,7 @@ from skyward.console.console import Console
 from skyward.console.progress import Phase
 from skyward.reports import Report
 from skyward.transport.eventloop import LoopThread
+from skyward.transport.messages import Stacks
 
 
 def node_activity(dispatch: Dispatch, node: int) -> tuple[Phase, str] | None:
@@ -57,6 +58,15 @@ def stacks(sessions: list[NodeSession], timeout: float) -> dict[int, str]:
     """Every live node's threads' stacks, as its agent's faulthandler writes them on SIGUSR2
     (from the signal handler: it answers while the main thread is stuck in a collective); a
     node that does not answer within `timeout` seconds says so instead."""
+    return {
+        node: f"(no answer within {timeout:g} s)" if answer is None else answer.text
+        for node, answer in answers(sessions, timeout).items()
+    }
+
+
+def answers(sessions: list[NodeSession], timeout: float) -> dict[int, Stacks | None]:
+    """Every live node's answer for its stacks (`stacks`); None for a node that did not
+    answer within `timeout` seconds."""
     live = [session for session in sessions if session.dead is None]
     asked = time.monotonic()
     for session in live:
@@ -65,10 +75,7 @@ def stacks(sessions: list[NodeSession], timeout: float) -> dict[int, str]:
     # The answers arrive where frames are decoded (the loop, a pipe's reader): look now and then.
     while any(s.stacks[0] < asked for s in live) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return {
-        s.node: s.stacks[1] if s.stacks[0] >= asked else f"(no answer within {timeout:g} s)"
-        for s in live
-    }
+    return {s.node: s.stacks[1] if s.stacks[0] >= asked else None for s in live}
 
 
 def drain_output(loop: LoopThread) -> None:

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import cloudpickle
 
+from skyward import checks
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.data import location
 from skyward.errors import ConfigError, SerializationError
@@ -34,6 +35,8 @@ def checked(
         raise ConfigError(f"nodes must be a whole number >= 1, got {nodes!r}")
     if image is not None and not isinstance(image, Image):
         raise ConfigError(f"image must be a sky.Image, got {type(image).__name__}")
+    if isinstance(plugins, Plugin | str) or not isinstance(plugins, Sequence):
+        raise ConfigError(f"plugins must be a list of sky.Plugin objects, got {plugins!r}")
     for plugin in plugins:
         if not isinstance(plugin, Plugin):
             raise ConfigError(
@@ -72,6 +75,8 @@ def cluster_spec(
 ) -> ClusterSpec:
     """What the pool asks `provider` for, which the provider has validated."""
     # e.g. sky.AWS(instance_type="p4d.24xlarge"): plugins must see its GPUs
+    if accelerator is not None:
+        checks.text(accelerator, "accelerator")  # "A100", "A100:8"; None for CPU
     implied = None if accelerator else provider.implied_accelerator()
     chosen = Accelerator.parse(accelerator) if accelerator else implied
     spec = ClusterSpec(

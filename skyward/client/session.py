@@ -73,7 +73,7 @@ class NodeSession:
         self.pending: dict[int, Outcome] = {}
         self.dead: WorkerError | None = None
         # The agent's last answer to SIGUSR2 (`ComputePool.stacks`): when, and its threads.
-        self.stacks: tuple[float, str] = (0.0, "")
+        self.stacks: tuple[float, messages.Stacks] = (0.0, messages.Stacks("", ""))
         self.reports_seen = 0  # how many `sky.report`s the node sent
         self.preempting: messages.Preempting | None = None  # the node's preemption notice
         self.exit_status: int | None = None
@@ -270,7 +270,7 @@ class NodeSession:
                 for time_, metrics, checkpoint in message.entries:
                     self._on_report(Report(self.node, time_, metrics, checkpoint))
         elif type(message) is messages.Stacks:
-            self.stacks = (time.monotonic(), message.text)
+            self.stacks = (time.monotonic(), message)
         elif type(message) is messages.Preempting:
             self.preempting = message
             left = message.seconds_left

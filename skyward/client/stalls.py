@@ -1,18 +1,21 @@
-"""Stalls named: calls that make no progress for `stall_timeout` seconds fail the pool, with
-every node's stacks and the node(s) whose stack did not move.
+"""Stalls named: calls that make no progress for `stall_timeout` seconds fail the nodes that
+are stuck in them, with every node's stacks and which nodes' stacks moved.
 
 Progress is a call finishing or a node reporting (`sky.report`). A rank waiting in a collective
 for a peer that hangs keeps sending heartbeats, so without this a broadcast waits forever; with
-it, the pool takes every node's stacks twice, a second apart (`activity.stacks`: the agents
+it, the pool takes every node's stacks twice, a second apart (`activity.answers`: the agents
 answer from a signal handler), shows them, and fails the nodes still in a call whose stack did
-not move between the two, so the broadcast raises `WorkerError` naming them.
+not move between the two, or that did not answer, so the broadcast raises `WorkerError` naming
+them. When every busy node's stack moved, the nodes are working without reporting: none is
+failed, the console says so, and the watch looks again after another `stall_timeout`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from skyward.client import activity
 from skyward.client.session import NodeSession
@@ -51,12 +54,12 @@ async def watch_stalls(
             continue
         if time.monotonic() - since < timeout:
             continue
-        stuck = await asyncio.to_thread(name_stall, current, timeout, tell)
-        for session, text in stuck:
+        stall = await asyncio.to_thread(name_stall, current, timeout, tell)
+        for session, why in stall.failing():
             session.mark_dead(
                 WorkerError(
                     f"node {session.node} made no progress for {timeout:g} s (stall_timeout: "
-                    "no call finished and no node reported); its stack did not move:\n" + text,
+                    f"no call finished and no node reported); {why}",
                     node=session.node,
                     output_tail=tuple(list(session.lines)[-20:]),
                 )
@@ -65,20 +68,73 @@ async def watch_stalls(
         mark, since = None, time.monotonic()
 
 
+@dataclass(frozen=True)
+class Stall:
+    """What two samples of the stacks, a second apart, say of the nodes still in a call."""
+
+    stuck: dict[NodeSession, str]  # the calls' thread's stack the same both times: that stack
+    silent: list[NodeSession]  # did not answer one of the two asks
+    moved: list[NodeSession]  # a different stack the second time: working, not stuck
+
+    def failing(self) -> list[tuple[NodeSession, str]]:
+        """The nodes to fail, each with why (a node whose stack moved is never one of them)."""
+        return [
+            (session, f"its stack did not move in {SAMPLE_GAP:g} s:\n{stack}")
+            for session, stack in self.stuck.items()
+        ] + [
+            (session, f"it did not answer when asked for its stack ({ANSWER_SECONDS:g} s, twice)")
+            for session in self.silent
+        ]
+
+
 def name_stall(
     sessions: Sequence[NodeSession], timeout: float, tell: Callable[[str], None]
-) -> list[tuple[NodeSession, str]]:
-    """Take the stacks twice, show each node's, and return the nodes still in a call whose
-    stack did not move, with it (every node in a call when none answered twice)."""
-    first = activity.stacks(list(sessions), ANSWER_SECONDS)
+) -> Stall:
+    """Take the stacks twice, show each node's, and sort the nodes still in a call into those
+    whose stack did not move, those that did not answer and those whose stack moved."""
+    first = activity.answers(list(sessions), ANSWER_SECONDS)
     time.sleep(SAMPLE_GAP)
-    second = activity.stacks(list(sessions), ANSWER_SECONDS)
+    second = activity.answers(list(sessions), ANSWER_SECONDS)
     busy = [s for s in sessions if s.dead is None and s.pending]
-    still = [s for s in busy if s.node in first and first[s.node] == second.get(s.node)]
-    tell(
-        f"no call finished and no node reported for {timeout:g} s (stall_timeout); "
-        f"node(s) {[s.node for s in still or busy]} did not move. Their stacks:"
+    # The thread that runs the calls: the agent's own threads move whenever they answer.
+    calls = {
+        s: (a.calls, b.calls)
+        for s in busy
+        if (a := first.get(s.node)) is not None and (b := second.get(s.node)) is not None
+    }
+    stall = Stall(
+        stuck={s: now for s, (then, now) in calls.items() if then == now},
+        silent=[s for s in busy if s not in calls],
+        moved=[s for s, (then, now) in calls.items() if then != now],
     )
-    for node, text in sorted(second.items()):
-        tell(f"--- node {node}:\n{text.rstrip()}")
-    return [(s, second.get(s.node, "")) for s in (still or busy)]
+    if not busy:  # the calls ended while they were sampled: that is progress
+        return stall
+    seen = [
+        f"{_nodes(group)} {what}"
+        for group, what in (
+            (stall.stuck, f"did not move in {SAMPLE_GAP:g} s"),
+            (stall.silent, "did not answer"),
+            (stall.moved, "moved"),
+        )
+        if group
+    ]
+    tell(
+        f"no call finished and no node reported for {timeout:g} s (stall_timeout); of the "
+        f"nodes in a call, {'; '.join(seen)}. Their stacks:"
+    )
+    for node, answer in sorted(second.items()):
+        shown = answer.text if answer is not None else f"(no answer within {ANSWER_SECONDS:g} s)"
+        tell(f"--- node {node}:\n{shown.rstrip()}")
+    if failing := stall.failing():
+        tell(f"failing {_nodes(session for session, _ in failing)}")
+    else:
+        tell(
+            "no node is stuck: every node in a call is working, so none is failed and the "
+            f"watch looks again in {timeout:g} s (a long loop shows progress with sky.report; "
+            "or raise stall_timeout)"
+        )
+    return stall
+
+
+def _nodes(sessions: Iterable[NodeSession]) -> str:
+    return f"node(s) {sorted(session.node for session in sessions)}"

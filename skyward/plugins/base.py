@@ -11,6 +11,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
+from skyward import checks
+from skyward.errors import ConfigError
+
 if TYPE_CHECKING:
     # For the annotations only: an agent unpickles every plugin, which imports this module,
     # and must not load the image (and packaging) or the cluster spec that only the client uses.
@@ -60,9 +63,16 @@ class Plugin:
         ports: tuple[str, ...] = (),
     ) -> None:
         if name is not None:
-            self.name = name
-        if ports:
-            self.ports = tuple(ports)
+            self.name = checks.text(name, "Plugin(name=)")
+        if ports != ():
+            self.ports = checks.texts(ports, "Plugin(ports=)")
+        for hook, given in (
+            ("transform", transform),
+            ("around_app", around_app),
+            ("around_client", around_client),
+        ):
+            if given is not None and not callable(given):
+                raise ConfigError(f"Plugin({hook}=) must be a function, got {given!r}")
         self._transform = transform
         self._around_app = around_app
         self._around_client = around_client

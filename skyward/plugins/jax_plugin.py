@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from skyward import checks
 from skyward.errors import ConfigError
 from skyward.plugins.base import Plugin
 from skyward.plugins.wheels import driver_cuda, names_a_mirror
@@ -44,7 +45,9 @@ def normalize_cuda(value: str | None) -> str | None:
     """Map a `cuda` argument to cuda12/cuda13/tpu/cpu (None: decide from the accelerator)."""
     if value is None:
         return None
-    key = value.strip().lower().replace("-", "").replace("_", "")
+    # a value of the wrong type is told what to give, as an unknown name is
+    text = value if isinstance(value, str) else ""
+    key = text.strip().lower().replace("-", "").replace("_", "")
     if key in _KNOWN:
         return key
     old = _OLD_CUDA.match(key)
@@ -82,9 +85,11 @@ class JaxPlugin(Plugin):
     ) -> None:
         super().__init__()
         self.cuda = normalize_cuda(cuda)
-        self.version = version
-        self.initialize = initialize
-        self.initialization_timeout = initialization_timeout
+        self.version = checks.optional_text(version, "jax(version=)")
+        self.initialize = checks.flag(initialize, "jax(initialize=)")
+        self.initialization_timeout = checks.whole(
+            initialization_timeout, "jax(initialization_timeout=) (seconds)", minimum=1
+        )
 
     def flavour(self, cluster: ClusterSpec) -> str:
         """The wheel family for `cluster`: the explicit `cuda`; else from its accelerator and

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from skyward import checks
 from skyward.errors import ConfigError
 from skyward.plugins.base import Plugin
 
@@ -54,7 +55,7 @@ class KerasPlugin(Plugin):
         if backend not in BACKENDS:
             raise ConfigError(f"unknown Keras backend {backend!r}; use one of {BACKENDS}")
         self.backend = backend
-        self.distribute = distribute
+        self.distribute = checks.flag(distribute, "keras(distribute=)")
 
     def transform(self, image: Image, cluster: ClusterSpec) -> Image:
         if any(r.name.lower() == "keras" for r in image.requirements()):

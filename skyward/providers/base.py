@@ -49,6 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from skyward import checks
 from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.console.progress import Progress
 from skyward.cost import Price
@@ -201,9 +202,8 @@ def given_rate(price_per_hour: float | None, owner: str) -> Price:
     gave (`price_per_hour` of `owner`, e.g. ``sky.SSH``), to count spend and keep a budget."""
     if price_per_hour is None:
         return Price.free(f"{owner} runs on machines you already have")
-    if price_per_hour < 0:
-        raise ConfigError(f"price_per_hour must be 0 or more dollars, got {price_per_hour}")
-    return Price.given(float(price_per_hour), f"{owner}(price_per_hour=)")
+    rate = checks.dollars(price_per_hour, f"{owner}(price_per_hour=)")
+    return Price.given(rate, f"{owner}(price_per_hour=)")
 
 
 def count(number: int, noun: str, plural: str | None = None) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from skyward import info
+from skyward import checks, info
 from skyward.cluster import ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
 from skyward.errors import BootstrapError
@@ -107,7 +107,7 @@ class Local(Provider):
     name = "local"
 
     def __init__(self, python: str | None = None) -> None:
-        self._base_python = python
+        self._base_python = checks.optional_text(python, "sky.Local(python=)")
 
     def validate(self, spec: ClusterSpec) -> None:
         if spec.accelerator is not None:  # a request the machine cannot serve fails here

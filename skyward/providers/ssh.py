@@ -17,6 +17,7 @@ import importlib.metadata as metadata
 import os
 from collections.abc import Mapping, Sequence
 
+from skyward import checks
 from skyward.cluster import ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
@@ -72,14 +73,19 @@ class SSH(RemoteData, Provider):
         price_per_hour: float | None = None,
     ) -> None:
         self._price = given_rate(price_per_hour, "sky.SSH")
-        if isinstance(hosts, str) or not hosts:
+        if isinstance(hosts, str) or not isinstance(hosts, Sequence) or not hosts:
             raise ConfigError("hosts must be a non-empty list of 'host' / 'user@host:port' strings")
+        checks.optional_text(user, "user")
+        if not 1 <= checks.whole(port, "port", minimum=1) <= 65535:
+            raise ConfigError(f"port must be in 1..65535, got {port!r}")
         self.endpoints = [Endpoint.parse(h, user, port) for h in hosts]
         self.connect_options = connect.login_options(
             key, known_hosts, config, connect_timeout, keepalive
         )
         self.bootstrap = hoststeps.Bootstrap(
-            python, uv_version or metadata.version("uv"), dict(build_env or {})
+            python,
+            metadata.version("uv") if uv_version is None else uv_version,
+            checks.environment(build_env, "build_env"),
         )
 
     def default_nodes(self) -> int:

@@ -154,10 +154,12 @@ class Reported:
 @dataclass(frozen=True, slots=True)
 class Stacks:
     """agent -> client: the Python stack of every thread of the agent, as faulthandler writes
-    it when the agent gets SIGUSR2 (it answers even while the main thread is stuck in C)."""
+    it when the agent gets SIGUSR2 (it answers even while the main thread is stuck in C), and
+    the part of it that is the thread that runs the calls (the stall watch compares it)."""
 
     KIND: ClassVar[int] = 18
     text: str
+    calls: str
 
 
 @dataclass(frozen=True, slots=True)

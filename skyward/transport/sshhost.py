@@ -116,9 +116,11 @@ def load_known_hosts(known_hosts: KnownHosts) -> asyncssh.SSHKnownHosts | tuple[
         if not path.is_file():
             raise ConfigError(f"known_hosts file {str(path)!r} does not exist")
         return asyncssh.read_known_hosts(str(path))
-    lines = list(known_hosts)
-    if not all(isinstance(line, str) for line in lines):
+    if not isinstance(known_hosts, list | tuple) or not all(
+        isinstance(line, str) for line in known_hosts
+    ):
         raise ConfigError("known_hosts must be a path or a list of 'host keytype base64' lines")
+    lines: list[str] = list(known_hosts)  # [] trusts no host key: every login is refused
     try:
         return asyncssh.import_known_hosts("".join(f"{line.strip()}\n" for line in lines))
     except (ValueError, asyncssh.KeyImportError) as exc:

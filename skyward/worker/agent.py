@@ -198,6 +198,7 @@ class Agent:
         `stacks` is the pipe faulthandler writes every thread's stack to on SIGUSR2 (from the
         signal handler, in C: it works while the main thread is stuck); this thread sends it.
         """
+        calls_thread = threading.main_thread().ident  # `run` serves the calls on it
         poller = select.poll()
         poller.register(self._wire.fileno_in, 0)  # 0: only hang-ups and errors wake us
         poller.register(stacks, select.POLLIN)
@@ -205,7 +206,8 @@ class Agent:
             ready = poller.poll(HEARTBEAT_SECONDS * 1000)
             if any(fd == stacks for fd, _ in ready):
                 try:
-                    self.send(messages.Stacks(_read_dump(stacks)))
+                    dump = _read_dump(stacks)
+                    self.send(messages.Stacks(dump, _thread_in(dump, calls_thread)))
                 except OSError:
                     break
             if any(fd != stacks for fd, _ in ready):
@@ -241,6 +243,16 @@ def _dump_stacks_on_sigusr2() -> int:
     os.set_blocking(write, False)
     faulthandler.register(signal.SIGUSR2, file=os.fdopen(write, "w"), all_threads=True)
     return read
+
+
+def _thread_in(dump: str, ident: int | None) -> str:
+    """Thread `ident`'s part of a faulthandler dump (a header line with its id in hex, then its
+    frames, a blank line between threads); the whole dump if it is not there (cut short)."""
+    for block in dump.split("\n\n"):
+        header = block.lstrip("\n").partition("\n")[0]
+        if " 0x" in header and int(header.split(" 0x")[1].split()[0], 16) == ident:
+            return block.strip("\n")
+    return dump
 
 
 def _read_dump(fd: int) -> str:

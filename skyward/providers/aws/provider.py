@@ -38,6 +38,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
 from botocore.parsers import ResponseParserError
 
+from skyward import checks
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
@@ -159,11 +160,21 @@ class AWS(CloudProvider):
         )
         if ssh_cidr is not None:
             check_cidr(ssh_cidr)
-        if spot not in (True, False, "prefer"):
-            raise ConfigError(f"spot must be True, False or 'prefer', got {spot!r}")
-        regions = [region] if region is None or isinstance(region, str) else list(region)
+        checks.one_of(spot, "spot", (True, False, "prefer"))
+        asked = [region] if region is None or isinstance(region, str) else region
+        regions = [None] if region is None else list(checks.texts(asked, "sky.AWS(region=)"))
         if not regions:
             raise ConfigError("region=[] names no region: give one or more, or leave it out")
+        checks.optional_texts(
+            "sky.AWS",
+            instance_type=instance_type,
+            ami=ami,
+            iam_instance_profile=iam_instance_profile,
+            profile=profile,
+        )
+        checks.text(user, "sky.AWS(user=)")
+        checks.flag(use_private_ips, "sky.AWS(use_private_ips=)")
+        checks.flag(placement_group, "sky.AWS(placement_group=)")
         if len(regions) > 1 and ami:
             raise ConfigError(
                 "ami= names one region's image: with several regions, leave it out (skyward "
@@ -524,8 +535,11 @@ def _subnets_by_region(
 ) -> dict[str | None, tuple[str, ...]]:
     """`subnet_id=` as the subnets to try in each region (none: the default ones)."""
 
-    def listed(value: str | Sequence[str]) -> tuple[str, ...]:
-        return (value,) if isinstance(value, str) else tuple(value)
+    def listed(value: object) -> tuple[str, ...]:
+        found = checks.texts([value] if isinstance(value, str) else value, "sky.AWS(subnet_id=)")
+        if not found:
+            raise ConfigError("sky.AWS(subnet_id=) names no subnet: give one or more, or None")
+        return found
 
     if subnet_id is None:
         return {}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from skyward import checks
 from skyward.cluster import Hardware
 from skyward.console.progress import Progress
 from skyward.errors import ConfigError, ProvisionError
@@ -91,16 +92,13 @@ class CloudProvider(RemoteData, Provider):
         poll_interval: float,
         teardown_timeout: float,
     ) -> None:
-        if teardown_timeout <= 0:
-            raise ConfigError(f"teardown_timeout must be > 0 seconds, got {teardown_timeout!r}")
-        if idle_timeout <= 0:
-            raise ConfigError(f"idle_timeout must be > 0 seconds, got {idle_timeout!r}")
-        self.boot_timeout = boot_timeout
-        self.connect_timeout = connect_timeout
-        self.keepalive = keepalive
-        self.bootstrap = Bootstrap(python, build_env=dict(build_env or {}))
-        self.poll_interval = poll_interval
-        self.teardown_timeout = teardown_timeout
+        checks.seconds(idle_timeout, "idle_timeout")
+        self.boot_timeout = checks.seconds(boot_timeout, "boot_timeout")
+        self.connect_timeout = checks.seconds(connect_timeout, "connect_timeout")
+        self.keepalive = checks.seconds(keepalive, "keepalive")
+        self.bootstrap = Bootstrap(python, build_env=checks.environment(build_env, "build_env"))
+        self.poll_interval = checks.seconds(poll_interval, "poll_interval")
+        self.teardown_timeout = checks.seconds(teardown_timeout, "teardown_timeout")
         self._lock = threading.Lock()  # guards the subclass's lazily made API clients
 
     async def launched(

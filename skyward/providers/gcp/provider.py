@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from skyward import checks
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
@@ -150,8 +151,23 @@ class GCP(CloudProvider):
         )
         if ssh_cidr is not None:
             ssh_cidr = check_cidr(ssh_cidr)
-        if spot not in (True, False, "prefer"):
-            raise ConfigError(f"spot must be True, False or 'prefer', got {spot!r}")
+        checks.one_of(spot, "spot", (True, False, "prefer"))
+        if zone is not None:
+            checks.texts([zone] if isinstance(zone, str) else zone, "sky.GCP(zone=)")
+        checks.optional_texts(
+            "sky.GCP",
+            project=project,
+            network=network,
+            subnetwork=subnetwork,
+            service_account=service_account,
+            machine_type=machine_type,
+            runtime_version=runtime_version,
+            image=image,
+            api_endpoint=api_endpoint,
+        )
+        checks.text(user, "sky.GCP(user=)")
+        checks.whole(disk_size_gb, "sky.GCP(disk_size_gb=)", minimum=10)
+        checks.flag(use_private_ips, "sky.GCP(use_private_ips=)")
         zones = zone_list(zone)
         if zone is not None and not zones:
             raise ConfigError("zone=[] names no zone: give one or more, or leave it out")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import asyncssh
 
+from skyward import checks
 from skyward.errors import ConfigError, ProvisionError
 from skyward.transport.sshhost import (
     Endpoint,
@@ -57,8 +58,14 @@ def login_options(
 ) -> ConnectOptions:
     """`ConnectOptions` from a provider's arguments: the key file checked to exist, the known
     hosts loaded, ``config=None`` for ~/.ssh/config."""
+    timeout = checks.seconds(timeout, "connect_timeout")
+    keepalive = checks.seconds(keepalive, "keepalive")
+    if config is not None:
+        checks.texts(config, "config")
     key_file: str | None = None
     if key is not None:
+        if not isinstance(key, str | os.PathLike) or not os.fspath(key):
+            raise ConfigError(f"key must be the path of a private key file, got {key!r}")
         path = Path(key).expanduser()
         if not path.is_file():
             raise ConfigError(f"SSH key file {str(path)!r} does not exist")

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import asyncssh
 
+from skyward import checks
 from skyward.errors import BootstrapError
 from skyward.image import Index
 from skyward.providers.base import Log
@@ -56,6 +57,11 @@ class Bootstrap:
     python: str | None = None  # default python3
     uv_version: str = field(default_factory=lambda: metadata.version("uv"))
     build_env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        checks.optional_text(self.python, "python")
+        checks.text(self.uv_version, "uv_version")
+        checks.environment(self.build_env, "build_env")
 
     @property
     def prefix(self) -> str:

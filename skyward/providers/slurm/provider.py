@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import importlib.metadata as metadata
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from skyward import checks
 from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
@@ -148,26 +150,29 @@ class Slurm(Provider):
         self._price = given_rate(price_per_hour, "sky.Slurm")
         if isinstance(options, str):
             raise ConfigError("options must be a list of strings, e.g. ['--constraint=ib']")
-        self.partition = partition
-        self.account = account
-        self.time_limit = (
-            time_limit
-            if isinstance(time_limit, str) or time_limit is None
-            else commands.duration(time_limit)
-        )
-        self.qos = qos
-        self.gres = gres
+        self.partition = checks.optional_text(partition, "sky.Slurm(partition=)")
+        self.account = checks.optional_text(account, "sky.Slurm(account=)")
+        self.time_limit = _time_limit(time_limit)
+        self.qos = checks.optional_text(qos, "sky.Slurm(qos=)")
+        self.gres = checks.optional_text(gres, "sky.Slurm(gres=)")
         # How this site's partition is asked for each accelerator (`_find_gres`).
         self._site_gres: dict[Accelerator, str] = {}
-        self.options = tuple(options)
-        self.pending_timeout = pending_timeout
+        self.options = checks.texts(options, "sky.Slurm(options=)")
+        self.pending_timeout = (
+            None
+            if pending_timeout is None
+            else checks.seconds(pending_timeout, "sky.Slurm(pending_timeout=)")
+        )
+        login = checks.optional_text(login, "sky.Slurm(login=)")
         self.login = Endpoint.parse(login, None, 22) if login else None
         self.connect_options = connect.login_options(
             key, known_hosts, config, connect_timeout, keepalive
         )
         self.keepalive = keepalive
         self.bootstrap = hoststeps.Bootstrap(
-            python, uv_version or metadata.version("uv"), dict(build_env or {})
+            python,
+            metadata.version("uv") if uv_version is None else uv_version,
+            checks.environment(build_env, "build_env"),
         )
 
     def find(self) -> dict[str, jobs.PoolJob]:
@@ -649,3 +654,23 @@ async def _shares_cache(cluster: SlurmCluster) -> bool:
         await first.run(f"rm -f {path}")
         return all(done.stdout.decode().strip() == token for done in seen)
     return False
+
+
+# What Slurm's --time takes: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds, or no limit.
+_SLURM_TIME = re.compile(r"^(?:\d+-\d+(?::\d+){0,2}|\d+(?::\d+){0,2}|UNLIMITED|INFINITE)$", re.I)
+
+
+def _time_limit(value: object) -> str | None:
+    """`time_limit` as Slurm's --time takes it: a string of Slurm's own, checked, or seconds
+    (a positive, finite number) rounded up to the minute Slurm counts in."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not _SLURM_TIME.match(value.strip()):
+            raise ConfigError(
+                f"sky.Slurm(time_limit=) {value!r} is not a Slurm time: give seconds as a "
+                "number, or Slurm's own form ('90' minutes, '2:00:00', '1-00:00:00')"
+            )
+        return value.strip()
+    return commands.duration(checks.seconds(value, "sky.Slurm(time_limit=)"))

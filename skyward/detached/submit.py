@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from skyward import checks
 from skyward.calls import compute
 from skyward.data import Data
 from skyward.detached import batch, launch, record
@@ -96,10 +97,8 @@ def submit(
     name = record.check_name(name) if name is not None else record.new_name()
     if record.exists(name):
         raise ConfigError(f"a detached run named {name!r} exists already; choose another --name")
-    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
-        raise ConfigError(f"restarts must be a whole number, 0 or more; got {restarts!r}")
-    if not isinstance(grace, int | float) or not 0 <= grace < float("inf"):
-        raise ConfigError(f"grace must be a number of seconds, 0 or more; got {grace!r}")
+    restarts = checks.whole(restarts, "restarts", minimum=0)
+    grace = checks.seconds(grace, "grace", zero=True)
     if max_cost is not None:
         raise ConfigError(
             "max_cost cannot be kept by a detached run: no client is there to stop it when it "

@@ -17,6 +17,7 @@ from skyward.detached import record
 from skyward.detached.run import Run, RunStatus
 from skyward.detached.submit import submit
 from skyward.errors import BootstrapError
+from skyward.worker.supervisor import FINAL
 
 
 def start(
@@ -45,14 +46,16 @@ def start(
         if better is None:
             raise
         raise better from exc
-    status = run.status()
+    # What the leader said once every rank had started: no node is asked again here.
     print(f"run {run.name} started on {run.record.nodes} node(s): every rank is running")
-    if status.ended:
-        print(f"it has ended already: {_state(status)}")
-    print(f"  skyward logs -f {run.name}    follow its output until it ends")
-    print("  skyward status               how it stands, and what it has cost")
-    print(f"  skyward stop {run.name}       end it on every node")
-    run.close()
+    if run.started.get("state") in FINAL:
+        print(f"it has ended already: {run.started['state']} {run.started.get('reason', '')}")
+    for command, what in (
+        (f"skyward logs -f {run.name}", "follow its output until it ends"),
+        ("skyward status", "how it stands, and what it has cost"),
+        (f"skyward stop {run.name}", "end it on every node"),
+    ):
+        print(f"  {command:<{len(run.name) + 18}}  {what}")
     return 0
 
 

@@ -69,6 +69,8 @@ class Run:
         self._reach: reach.Reach | None = None
         self._offsets = [0] * self.record.nodes
         self._partial = [b""] * self.record.nodes
+        # What the leader said once every rank had started, for a run `submit` just started.
+        self.started: dict[str, Any] = {}
 
     @property
     def name(self) -> str:

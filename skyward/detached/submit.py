@@ -139,7 +139,9 @@ def submit(
             f"run {name} did not start on every node: {state.get('reason', state.get('state'))}; "
             f"`skyward logs {name}` shows what the ranks printed"
         )
-    return Run(name)
+    run = Run(name)
+    run.started = dict(state)
+    return run
 
 
 def _start_on_nodes(

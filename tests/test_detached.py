@@ -26,6 +26,7 @@ checkpoint = pathlib.Path(sys.argv[1]) / f"rank-{rank}"
 start = int(checkpoint.read_text()) if checkpoint.exists() else 0
 print(f"rank {rank} attempt {attempt} from step {start}", flush=True)
 checkpoint.write_text(str(start + 5))
+(pathlib.Path(os.environ["SKYWARD_OUTPUT_DIR"]) / "result.txt").write_text(f"{rank}:{attempt}")
 if rank == 1 and attempt == 0 and sys.argv[2] == "fail":
     sys.exit(4)
 print(f"rank {rank} done", flush=True)
@@ -140,7 +141,7 @@ def test_run_flags_for_detached_runs_need_detach(
     job: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["run", "--name", "x", str(job)]) == 1
-    assert "--name and --restarts are for detached runs" in capsys.readouterr().err
+    assert "are for detached runs: add --detach" in capsys.readouterr().err
 
 
 def test_a_made_up_name_is_short_and_readable() -> None:
@@ -148,3 +149,21 @@ def test_a_made_up_name_is_short_and_readable() -> None:
     assert record.check_name(name) == name
     assert len(name.split("-")) == 3 and len(name) <= 24
     assert os.path.basename(name) == name
+
+
+def test_outputs_come_back_with_the_end_and_with_fetch(
+    job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    run = sky.submit(
+        str(job), [str(job.parent / "ckpt"), "ok"], nodes=2, name="outputs", output_dir=out
+    )
+    assert run.logs(follow=True, out=lambda line: None) == 0  # the end brings them
+    assert [(out / f"node-{i}" / "result.txt").read_text() for i in (0, 1)] == ["0:0", "1:0"]
+    assert main(["fetch", "outputs", "--to", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "node-1" / "result.txt").read_text() == "1:0"
+
+
+def test_a_bucket_output_dir_is_refused(job: Path) -> None:
+    with pytest.raises(sky.ConfigError, match="upload from the script itself"):
+        sky.submit(str(job), [], output_dir="s3://bucket/prefix")

@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from skyward.cli.packages import unresolved
@@ -20,9 +21,17 @@ from skyward.errors import BootstrapError
 from skyward.worker.supervisor import FINAL
 
 
-def start(
-    profile: Profile, script: str, args: Sequence[str], name: str | None, restarts: int
-) -> int:
+@dataclass(frozen=True)
+class Options:
+    """``skyward run``'s flags for a detached run."""
+
+    name: str | None = None
+    restarts: int = 0
+    output_dir: str | None = None
+    keep_for: float = 0.0
+
+
+def start(profile: Profile, script: str, args: Sequence[str], options: Options) -> int:
     """``skyward run --detach``: start the run, say how to follow it, exit 0 once every rank
     has started."""
     packages = script_packages(profile, Path(script))
@@ -37,9 +46,11 @@ def start(
             plugins=script_plugins(profile),
             env=profile.env,
             workdir=profile.workdir,
-            name=name,
-            restarts=restarts,
+            name=options.name,
+            restarts=options.restarts,
             max_cost=profile.max_cost,
+            output_dir=options.output_dir,
+            keep_for=options.keep_for,
         )
     except BootstrapError as exc:
         better = unresolved(exc, packages) if packages.pip else None
@@ -74,6 +85,17 @@ def logs(name: str, follow: bool) -> int:
     if code != 0:
         print(f"skyward logs: run {name} {_state(status)}", file=sys.stderr)
     return code
+
+
+def fetch(name: str, to: str | None) -> int:
+    run = Run(name)
+    try:
+        placed = run.fetch(to)
+    finally:
+        run.close()
+    for path in placed:
+        print(f"{path}")
+    return 0
 
 
 def stop(name: str) -> int:

@@ -251,9 +251,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.detach:
         from skyward.cli import detached
 
-        return detached.start(profile, args.script, args.args, args.name, args.restarts)
-    if args.name is not None or args.restarts:
-        raise ConfigError("--name and --restarts are for detached runs: add --detach")
+        return detached.start(
+            profile,
+            args.script,
+            args.args,
+            detached.Options(args.name, args.restarts, args.output_dir, args.keep_for),
+        )
+    if args.name is not None or args.restarts or args.output_dir or args.keep_for:
+        raise ConfigError(
+            "--name, --restarts, --output-dir and --keep-for are for detached runs: add --detach"
+        )
     try:
         outcome = runner.run(profile, args.script, args.args)
     except KeyboardInterrupt:
@@ -404,6 +411,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="--detach: restart every rank, on the same nodes, up to N times when one fails",
     )
+    run.add_argument(
+        "--output-dir",
+        metavar="DIR",
+        help="--detach: where 'skyward logs -f' and 'skyward fetch' bring every node's "
+        "sky.output_dir() (DIR/node-<i>)",
+    )
+    run.add_argument(
+        "--keep-for",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="--detach on AWS/GCP: how long the machines wait after the run for its outputs",
+    )
     run.add_argument("script", help="the script, as you would give it to python")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     status = commands.add_parser(
@@ -422,6 +442,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     stop = commands.add_parser("stop", parents=[common], help="end a detached run on every node")
     stop.add_argument("name", help="the run's name (see 'skyward status')")
+    fetch = commands.add_parser(
+        "fetch", parents=[common], help="bring a detached run's outputs here"
+    )
+    fetch.add_argument("name", help="the run's name (see 'skyward status')")
+    fetch.add_argument("--to", metavar="DIR", help="default: the run's --output-dir, else ./NAME")
     cache = commands.add_parser(
         "cache", parents=[common], help="node environments and sky.Data stored on this machine"
     )
@@ -473,11 +498,13 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "status":
             return _status(args)
-        if args.command in ("logs", "stop"):
+        if args.command in ("logs", "stop", "fetch"):
             from skyward.cli import detached
 
             if args.command == "logs":
                 return detached.logs(args.name, args.follow)
+            if args.command == "fetch":
+                return detached.fetch(args.name, args.to)
             return detached.stop(args.name)
         if args.command == "cache":
             where = cache_dir()

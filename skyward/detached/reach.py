@@ -40,6 +40,7 @@ class Reach(Protocol):
     """A run's nodes as the client reaches them."""
 
     def peek(self, offsets: Sequence[int]) -> list[NodeView | None]: ...
+    def outputs(self) -> list[bytes | None]: ...
     def signal(self, pids: Sequence[tuple[int, int]], signum: int) -> None: ...
     def clean(self, key_tags: Sequence[str | None]) -> None: ...
     def close(self) -> None: ...
@@ -63,6 +64,21 @@ class Local:
                 view.data = handle.read()
             views.append(view)
         return views
+
+    def outputs(self) -> list[bytes | None]:
+        """Each node's output directory as a tar stream."""
+        import io
+        import tarfile
+
+        found: list[bytes | None] = []
+        for directory in self.directories:
+            buffer = io.BytesIO()
+            with tarfile.open(fileobj=buffer, mode="w") as tar:
+                source = directory / supervisor.OUTPUTS
+                if source.is_dir():
+                    tar.add(source, arcname=".")
+            found.append(buffer.getvalue())
+        return found
 
     def signal(self, pids: Sequence[tuple[int, int]], signum: int) -> None:
         for _, pid in pids:
@@ -161,6 +177,15 @@ class Remote:
             )
 
         return [None if out is None else _parse(out) for out in self._each(command)]
+
+    def outputs(self) -> list[bytes | None]:
+        def command(index: int) -> str:
+            source = shlex.quote(f"{self.directories[index]}/{supervisor.OUTPUTS}")
+            return (
+                f"if [ -d {source} ]; then tar -C {source} -cf - .; else tar -cf - -T /dev/null; fi"
+            )
+
+        return [out if isinstance(out, bytes) else None for out in self._each(command)]
 
     def signal(self, pids: Sequence[tuple[int, int]], signum: int) -> None:
         by_node: dict[int, list[int]] = {}

@@ -94,6 +94,7 @@ class RunRecord:
     price_per_hour: float | None = None  # one node's, when known
     reach: dict[str, Any] = field(default_factory=dict)  # what `kind` needs to reach it
     key_tags: list[str | None] = field(default_factory=list)  # each node's authorized_keys tag
+    output_dir: str | None = None  # where `fetch` (and the end, seen) brings the outputs
     last: dict[str, Any] = field(default_factory=dict)  # the last run state read, once final
 
 

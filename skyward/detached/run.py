@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from skyward.detached import reach, record
@@ -136,18 +137,54 @@ class Run:
         record.save(self.record)
 
     def _keep_logs(self) -> list[str]:
-        """Every rank's log, copied under ``<cache>/runs/NAME.logs/``: where `logs` reads them
-        once the nodes are gone."""
+        """Every rank's log and outputs, copied under ``<cache>/runs/NAME.logs/``: where `logs`
+        and `fetch` read them once the nodes are gone."""
         views = self._nodes().peek([0] * self.record.nodes)
+        outputs = self._nodes().outputs()
         root = record.runs_dir() / f"{self.name}.logs"
         kept = []
-        for node, view in enumerate(views):
+        for node, (view, tar) in enumerate(zip(views, outputs, strict=True)):
             directory = root / f"node-{node}"
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             text = view.data if view is not None else b""
             supervisor.write_private(directory / supervisor.LOG, text.decode(errors="replace"))
+            if tar is not None:
+                _unpack(tar, directory / supervisor.OUTPUTS)
             kept.append(str(directory))
+        if self.record.output_dir:
+            self._place(outputs, Path(self.record.output_dir))
         return kept
+
+    # -- outputs
+
+    def fetch(self, to: str | os.PathLike[str] | None = None) -> list[Path]:
+        """Bring every node's `sky.output_dir()` here, to ``<to>/node-<i>`` (default: the run's
+        ``output_dir``, else ``./NAME``); returns those directories. Once the run has ended,
+        the machines kept up for this (``--keep-for``) may go."""
+        destination = Path(to or self.record.output_dir or self.name)
+        placed = self._place(self._nodes().outputs(), destination)
+        views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
+        if self.status().ended:
+            holders = [
+                (node, int(view.node["holder"]))
+                for node, view in enumerate(views)
+                if view is not None and view.node.get("holder")
+            ]
+            self._nodes().signal(holders, signal.SIGTERM)
+        return placed
+
+    def _place(self, outputs: list[bytes | None], destination: Path) -> list[Path]:
+        placed = []
+        for node, tar in enumerate(outputs):
+            if tar is None:
+                raise ConnectionError(
+                    f"run {self.name}: node {node} cannot be reached, its outputs were not "
+                    f"fetched; `skyward fetch {self.name}` tries again"
+                )
+            target = destination / f"node-{node}"
+            _unpack(tar, target)
+            placed.append(target)
+        return placed
 
     def _status(self, run: dict[str, Any], reachable: bool) -> RunStatus:
         rec = self.record
@@ -204,6 +241,9 @@ class Run:
             if status.ended:
                 self._emit(self._nodes().peek(self._offsets), write)  # what came with the end
                 self._flush(write)
+                if self.record.output_dir and "saved" not in self.record.reach:
+                    write(f"[skyward] run {self.name}: outputs in {self.record.output_dir}")
+                    self.fetch()
                 return status.returncode
             time.sleep(POLL_SECONDS)
 
@@ -279,6 +319,17 @@ class Run:
         run = {**run, **final} if run.get("state") not in FINAL else run
         self._ended(run)
         return self._status(run, reachable=True)
+
+
+def _unpack(tar: bytes, target: Path) -> None:
+    """A node's output stream into `target`: the ``data`` filter refuses any member that would
+    land outside it (an absolute path, ``..``, a link out), as a node's listing is not trusted."""
+    import io
+    import tarfile
+
+    target.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(target, filter="data")
 
 
 def _remove_cloud_pool(cloud: dict[str, Any]) -> list[str]:

@@ -11,6 +11,7 @@ connections go, the run stays with its nodes, and the client keeps a record.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -57,6 +58,27 @@ def script_target(script: str, workdir: str | None) -> tuple[str | Data, Data | 
     return target, Data(root)  # on each node: the directory's copy, where the script runs
 
 
+def _output_dir(
+    output_dir: str | os.PathLike[str] | None, provider: Provider, keep_for: float
+) -> str | None:
+    """Where the run's outputs come back to (an absolute local path), or None; the refusals."""
+    if output_dir is None:
+        return None
+    text = os.fspath(output_dir)
+    if "://" in text:
+        raise ConfigError(
+            f"output_dir={text!r}: a detached run brings its outputs to a local directory "
+            "(`skyward fetch`); to write to a bucket, upload from the script itself"
+        )
+    if type(provider).release is not Provider.release and keep_for <= 0:
+        raise ConfigError(
+            f"output_dir={text!r}: the {provider.name} machines power off within 30 s of the "
+            "run's end; give keep_for=SECONDS (--keep-for) for them to wait that long for "
+            "`skyward logs -f` or `skyward fetch` to bring the outputs back"
+        )
+    return str(Path(text).expanduser().resolve())
+
+
 def launcher_plugins(plugins: Sequence[Plugin]) -> list[Plugin]:
     """`plugins` for a script that initializes its framework itself, as ``skyward run`` has
     them: every launcher's variables first, and the JAX and torch plugins installing their
@@ -87,6 +109,8 @@ def submit(
     restarts: int = 0,
     grace: float = 10.0,
     max_cost: float | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
+    keep_for: float = 0.0,
 ) -> Run:
     """Start `script` with `args` on every node of a new pool, detached: returns once every rank
     has started, and the run goes on without this process (see docs/detach.md)."""
@@ -99,6 +123,8 @@ def submit(
         raise ConfigError(f"a detached run named {name!r} exists already; choose another --name")
     restarts = checks.whole(restarts, "restarts", minimum=0)
     grace = checks.seconds(grace, "grace", zero=True)
+    keep_for = checks.seconds(keep_for, "keep_for", zero=True)
+    outputs = _output_dir(output_dir, provider, keep_for)
     if max_cost is not None:
         raise ConfigError(
             "max_cost cannot be kept by a detached run: no client is there to stop it when it "
@@ -123,7 +149,7 @@ def submit(
             price = pool.cost.price.per_hour
         else:
             state = _start_on_nodes(
-                pool, kind, name, str(script), target, list(args), cwd, restarts, grace
+                pool, kind, name, str(script), target, list(args), cwd, restarts, grace, keep_for
             )
             held = launch.holds_nodes(pool) and "running_at" in state
     except BaseException:
@@ -141,6 +167,9 @@ def submit(
         )
     run = Run(name)
     run.started = dict(state)
+    if outputs is not None:
+        run.record.output_dir = outputs
+        record.save(run.record)
     return run
 
 
@@ -154,6 +183,7 @@ def _start_on_nodes(
     cwd: Any,
     restarts: int,
     grace: float,
+    keep_for: float,
 ) -> supervisor.RunState:
     """While the pool is up: each node's spec, node 0's leader, the record; the run's state
     once every rank has started."""
@@ -162,7 +192,8 @@ def _start_on_nodes(
     prepare = compute(supervisor.prepare_node)
     asked = [
         pool.submit(
-            prepare(name, target, args, cwd, float(grace), restarts, keys.public.get(i)), node=i
+            prepare(name, target, args, cwd, grace, restarts, keys.public.get(i), keep_for),
+            node=i,
         )
         for i in range(count)
     ]

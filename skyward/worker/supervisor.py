@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
+from skyward.info import OUTPUT_ENV_VAR as OUTPUT_ENV
 from skyward.worker.script import die_with_parent
 
 SPEC = "spec.json"
@@ -51,6 +52,7 @@ LEADER_LOG = "leader.log"
 KEYS = "keys"
 KNOWN_HOSTS = "known_hosts"
 KEY_TAG = "skyward-run"  # the comment that marks a run's line in authorized_keys
+OUTPUTS = "outputs"  # the rank's sky.output_dir(), in its node's directory
 
 FINAL = ("succeeded", "failed", "stopped")
 # A launcher that is this word and a node's directory: the leader follows that rank itself.
@@ -152,6 +154,8 @@ def run_node(directory: Path, stop: threading.Event, say: Any) -> int | None:
     # leader may still start it again (a restart), and goes with the last attempt.
     spec["starts"] = int(read_json(directory / NODE_STATE).get("starts", 0)) + 1
     status = _run_rank(directory, spec, grace, stop, say)
+    if float(spec.get("keep_for", 0)) > 0:
+        _hold(directory, float(spec["keep_for"]))
     say(f"exit {status}")
     if spec["starts"] > int(spec.get("restarts", 0)):
         finish_node(directory, spec.get("key_tag"))
@@ -206,6 +210,27 @@ def _stop_group(process: subprocess.Popen[bytes], grace: float) -> None:
 
 def _node_state(directory: Path, state: Mapping[str, Any]) -> None:
     write_private(directory / NODE_STATE, json.dumps({**state, "at": time.time()}))
+
+
+def _hold(directory: Path, seconds: float) -> None:
+    """Keep this machine up `seconds` more for whoever fetches the outputs: a cloud machine's
+    watchdog counts this process (``linger``) as a detached run. Its pid goes in the node's
+    state, so that `skyward fetch` lets the machine go once it has what it came for."""
+    holder = subprocess.Popen(
+        [*interpreter(), "-m", MODULE, "linger", str(directory), str(seconds)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    state = read_json(directory / NODE_STATE)
+    write_private(directory / NODE_STATE, json.dumps({**state, "holder": holder.pid}))
+
+
+def linger(directory: Path, seconds: str) -> int:
+    """``linger DIR SECONDS``: nothing but being there (see `_hold`); SIGTERM ends it."""
+    time.sleep(float(seconds))
+    return 0
 
 
 def finish_node(directory: Path, key_tag: str | None) -> None:
@@ -485,6 +510,7 @@ def prepare_node(
     grace: float,
     restarts: int,
     leader_key: str | None,
+    keep_for: float = 0.0,
 ) -> dict[str, Any]:
     """Write this node's spec for run `name` (in the agent, whose environment the rank gets) and,
     with `leader_key`, let that key start this node's follower and nothing else. Returns the
@@ -500,14 +526,16 @@ def prepare_node(
         with contextlib.suppress(OSError):
             os.chmod(parent, 0o700)
     tag = f"{KEY_TAG}:{name}:node-{node}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", OUTPUT_ENV: output_dir(directory)}
     spec = {
         "name": name,
         "rank": node,
         "argv": [sys.executable, "-m", "skyward.worker.script", script, *args],
         "cwd": cwd or os.getcwd(),
-        "env": {**os.environ, "PYTHONUNBUFFERED": "1"},
+        "env": env,
         "grace": grace,
         "restarts": restarts,
+        "keep_for": keep_for,
         "key_tag": tag if leader_key else None,
     }
     write_private(directory / SPEC, json.dumps(spec))
@@ -521,6 +549,14 @@ def prepare_node(
         "user": getpass.getuser(),
         "key_tag": tag if leader_key else None,
     }
+
+
+def output_dir(directory: Path) -> str:
+    """The rank's `sky.output_dir()`: the run's own, beside its log (the pool's goes with the
+    pool, while the run goes on)."""
+    path = directory / OUTPUTS
+    path.mkdir(mode=0o700, exist_ok=True)
+    return str(path)
 
 
 def interpreter() -> list[str]:
@@ -645,6 +681,7 @@ def lead_batch(root: Path) -> int:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = {
             **plan["env"],
+            OUTPUT_ENV: output_dir(directory),
             "JAX_COORDINATOR_ADDRESS": f"{head}:{port}",
             "JAX_NUM_PROCESSES": str(len(hosts)),
             "JAX_PROCESS_ID": str(rank),
@@ -698,6 +735,8 @@ def _free_port(address: str) -> int:
 
 def main(argv: Sequence[str]) -> int:
     roles = {"lead": lead, "follow": follow, "batch": lead_batch}
+    if len(argv) == 3 and argv[0] == "linger":
+        return linger(Path(argv[1]), argv[2])
     if len(argv) != 2 or argv[0] not in roles:
         print("usage: python -m skyward.worker.supervisor lead|follow|batch DIR", file=sys.stderr)
         return 2

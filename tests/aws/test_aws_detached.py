@@ -29,6 +29,7 @@ rank = os.environ["JAX_PROCESS_ID"]
 for step in range(10):
     print(f"rank {rank} step {step}", flush=True)
     time.sleep(0.5)
+open(os.path.join(os.environ["SKYWARD_OUTPUT_DIR"], "model.txt"), "w").write(rank)
 """
 
 
@@ -51,7 +52,12 @@ def test_a_detached_run_holds_its_instances_and_they_go_when_it_ends(
     job = tmp_path / "job.py"
     job.write_text(JOB)
     provider = aws_for(sim, stubs, idle_timeout=2)
-    run = sky.submit(str(job), provider=provider, nodes=2, name="on-ec2")
+    out = tmp_path / "out"
+    # keep_for: the machines wait 3 s past the run's end for its outputs (a linger process
+    # the watchdog counts as a run), then power off as before.
+    run = sky.submit(
+        str(job), provider=provider, nodes=2, name="on-ec2", output_dir=out, keep_for=3
+    )
     addresses = [e["host"] for e in record.load("on-ec2").reach["endpoints"]]
     markers = [sim.host(a).root / bareroots.POWEROFF_MARKER.lstrip("/") for a in addresses]
     # No client is connected and idle_timeout (2 s) passes: the running run holds them.
@@ -69,3 +75,14 @@ def test_a_detached_run_holds_its_instances_and_they_go_when_it_ends(
             f"(node {rank}) rank {rank} step {step}" for step in range(10)
         ]
     assert not Path(record.load("on-ec2").reach["key"]).exists()
+    assert [(out / f"node-{i}" / "model.txt").read_text() for i in (0, 1)] == ["0", "1"]
+
+
+def test_a_local_output_dir_on_a_cloud_needs_keep_for(
+    ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs, tmp_path: Path
+) -> None:
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    provider = aws_for(ec2_hosts(), stubs)
+    with pytest.raises(sky.ConfigError, match="give keep_for=SECONDS"):
+        sky.submit(str(job), provider=provider, output_dir=tmp_path / "out")

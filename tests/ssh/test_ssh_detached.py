@@ -39,6 +39,7 @@ for step in range(steps):
     time.sleep(0.5)
 if rank == 1 and os.environ.get("FAIL"):
     sys.exit(int(os.environ["FAIL"]))
+open(os.path.join(os.environ["SKYWARD_OUTPUT_DIR"], "done.txt"), "w").write(f"rank {rank}")
 print(f"rank {rank} done", flush=True)
 """
 
@@ -102,7 +103,8 @@ def test_a_detached_run_outlives_its_client(
 ) -> None:
     name = "outlives"
     with netns_hosts.net.client_namespace() as laptop:
-        command = ["run", "--detach", "--name", name, "job.py", "16", f"token-{name}"]
+        command = ["run", "--detach", "--name", name, "--output-dir", "out", "job.py", "16"]
+        command.append(f"token-{name}")
         started = subprocess.run(
             ["ip", "netns", "exec", laptop.netns, sys.executable, "-m", "skyward.cli", *command],
             cwd=project,
@@ -129,7 +131,11 @@ def test_a_detached_run_outlives_its_client(
         expected = [f"(node {rank}) rank {rank} step {s}" for s in range(16)]
         assert lines == [*expected, f"(node {rank}) rank {rank} done"], out
     assert "succeeded" in _status_line(name, capsys)
-    # Nothing of the run is left on the hosts but its logs and state.
+    assert [(project / "out" / f"node-{i}" / "done.txt").read_text() for i in (0, 1)] == [
+        "rank 0",
+        "rank 1",
+    ]
+    # Nothing of the run is left on the hosts but its logs, state and outputs.
     assert wait_until(lambda: not processes_with(f"runs/{name}/"), 10)
     assert not processes_with(f"token-{name}")
     assert _authorized_lines(name) == []

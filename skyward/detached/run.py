@@ -304,8 +304,8 @@ class Run:
             running = [v for v in views if v is not None and v.node.get("state") == "running"]
             if status.ended and not running:
                 return status
-            if not running and not (views[0] and views[0].leader_alive):
-                break
+            if not (views[0] and views[0].leader_alive):
+                break  # no leader to stop the ranks in order: what is left is killed now
             time.sleep(POLL_SECONDS)
         # Whatever is left: the ranks' groups and the supervisors, killed.
         views = self._nodes().peek([_EVERYTHING] * self.record.nodes)

@@ -10,11 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import boto3
 import pytest
 
 import skyward as sky
 from skyward.cli.main import main
 from skyward.detached import record
+from tests.support.motos3 import moto_s3, s3_env
 
 # Rank 1 fails on the first attempt with status 4 after writing a checkpoint; a restart
 # resumes from it. Every rank says which attempt it is.
@@ -164,6 +166,39 @@ def test_outputs_come_back_with_the_end_and_with_fetch(
     assert (tmp_path / "again" / "node-1" / "result.txt").read_text() == "1:0"
 
 
-def test_a_bucket_output_dir_is_refused(job: Path) -> None:
-    with pytest.raises(sky.ConfigError, match="upload from the script itself"):
-        sky.submit(str(job), [], output_dir="s3://bucket/prefix")
+def test_an_s3_output_dir_gets_every_nodes_outputs_from_the_nodes(
+    job: Path, tmp_path: Path
+) -> None:
+    """The nodes upload their own once their rank ends: the client is not needed for it."""
+    with moto_s3(tmp_path) as server:
+        env = s3_env(server.url)
+        boto3.client("s3", **_client_args(env)).create_bucket(Bucket="runs")
+        run = sky.submit(
+            str(job),
+            [str(job.parent / "ckpt"), "ok"],
+            nodes=2,
+            name="to-s3",
+            env=env,
+            output_dir="s3://runs/exp",
+        )
+        assert run.wait(timeout=60) == 0
+        s3 = boto3.client("s3", **_client_args(env))
+        bodies = [
+            s3.get_object(Bucket="runs", Key=f"exp/node-{i}/result.txt")["Body"].read()
+            for i in (0, 1)
+        ]
+    assert bodies == [b"0:0", b"1:0"]
+
+
+def _client_args(env: dict[str, str]) -> dict[str, str]:
+    return {
+        "endpoint_url": env["AWS_ENDPOINT_URL"],
+        "region_name": env["AWS_DEFAULT_REGION"],
+        "aws_access_key_id": env["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
+    }
+
+
+def test_an_output_dir_elsewhere_is_refused(job: Path) -> None:
+    with pytest.raises(sky.ConfigError, match="or an s3:// prefix"):
+        sky.submit(str(job), [], output_dir="gs://bucket/prefix")

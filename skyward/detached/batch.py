@@ -42,6 +42,7 @@ def prepare(
     cwd: Any,
     restarts: int,
     grace: float,
+    upload: str | None = None,
 ) -> BatchJob:
     """While `pool` is up: write the run's plan and batch script into its directory."""
     from skyward.providers.slurm.provider import Slurm, SlurmCluster
@@ -65,6 +66,7 @@ def prepare(
         "cwd": node["cwd"],
         "restarts": restarts,
         "grace": grace,
+        "upload": upload,
     }
     supervisor.write_private(root / supervisor.SLURM_PLAN, json.dumps(plan))
     words = " ".join(_quote(w) for w in [*node["prefix"], "-m", supervisor.MODULE, "batch"])

@@ -151,7 +151,7 @@ class Run:
             if tar is not None:
                 _unpack(tar, directory / supervisor.OUTPUTS)
             kept.append(str(directory))
-        if self.record.output_dir:
+        if self.record.output_dir and "://" not in self.record.output_dir:
             self._place(outputs, Path(self.record.output_dir))
         return kept
 
@@ -161,7 +161,10 @@ class Run:
         """Bring every node's `sky.output_dir()` here, to ``<to>/node-<i>`` (default: the run's
         ``output_dir``, else ``./NAME``); returns those directories. Once the run has ended,
         the machines kept up for this (``--keep-for``) may go."""
-        destination = Path(to or self.record.output_dir or self.name)
+        given = to or self.record.output_dir
+        if given is None or str(given).startswith("s3://"):
+            given = self.name  # a bucket's copy is the nodes' to write: this is a local one
+        destination = Path(given)
         placed = self._place(self._nodes().outputs(), destination)
         views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
         if self.status().ended:
@@ -241,7 +244,8 @@ class Run:
             if status.ended:
                 self._emit(self._nodes().peek(self._offsets), write)  # what came with the end
                 self._flush(write)
-                if self.record.output_dir and "saved" not in self.record.reach:
+                local = self.record.output_dir and "://" not in self.record.output_dir
+                if local and "saved" not in self.record.reach:
                     write(f"[skyward] run {self.name}: outputs in {self.record.output_dir}")
                     self.fetch()
                 return status.returncode

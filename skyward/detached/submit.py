@@ -65,12 +65,15 @@ def _output_dir(
     if output_dir is None:
         return None
     text = os.fspath(output_dir)
+    if text.startswith("s3://"):
+        return text  # each node uploads its own after its rank ends
     if "://" in text:
         raise ConfigError(
-            f"output_dir={text!r}: a detached run brings its outputs to a local directory "
-            "(`skyward fetch`); to write to a bucket, upload from the script itself"
+            f"output_dir={text!r}: a detached run's outputs go to a local directory "
+            "(`skyward fetch`) or an s3:// prefix; to write elsewhere, upload from the script"
         )
-    if type(provider).release is not Provider.release and keep_for <= 0:
+    local = "://" not in text
+    if local and type(provider).release is not Provider.release and keep_for <= 0:
         raise ConfigError(
             f"output_dir={text!r}: the {provider.name} machines power off within 30 s of the "
             "run's end; give keep_for=SECONDS (--keep-for) for them to wait that long for "
@@ -145,11 +148,22 @@ def submit(
     held = False  # whether the run holds the pool's nodes once the pool ends (a cloud's)
     try:
         if kind == "slurm":
-            job = batch.prepare(pool, name, target, list(args), cwd, restarts, float(grace))
+            bucket = outputs if outputs and outputs.startswith("s3://") else None
+            job = batch.prepare(pool, name, target, list(args), cwd, restarts, grace, bucket)
             price = pool.cost.price.per_hour
         else:
             state = _start_on_nodes(
-                pool, kind, name, str(script), target, list(args), cwd, restarts, grace, keep_for
+                pool,
+                kind,
+                name,
+                str(script),
+                target,
+                list(args),
+                cwd,
+                restarts,
+                grace,
+                keep_for,
+                outputs,
             )
             held = launch.holds_nodes(pool) and "running_at" in state
     except BaseException:
@@ -184,15 +198,17 @@ def _start_on_nodes(
     restarts: int,
     grace: float,
     keep_for: float,
+    outputs: str | None,
 ) -> supervisor.RunState:
     """While the pool is up: each node's spec, node 0's leader, the record; the run's state
     once every rank has started."""
     count = pool.spec.nodes
     keys = launch.leader_keys(kind, count)
+    bucket = outputs if outputs and outputs.startswith("s3://") else None
     prepare = compute(supervisor.prepare_node)
     asked = [
         pool.submit(
-            prepare(name, target, args, cwd, grace, restarts, keys.public.get(i), keep_for),
+            prepare(name, target, args, cwd, grace, restarts, keys.public.get(i), keep_for, bucket),
             node=i,
         )
         for i in range(count)

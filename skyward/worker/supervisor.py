@@ -154,6 +154,8 @@ def run_node(directory: Path, stop: threading.Event, say: Any) -> int | None:
     # leader may still start it again (a restart), and goes with the last attempt.
     spec["starts"] = int(read_json(directory / NODE_STATE).get("starts", 0)) + 1
     status = _run_rank(directory, spec, grace, stop, say)
+    if spec.get("upload"):
+        _upload(directory, spec)
     if float(spec.get("keep_for", 0)) > 0:
         _hold(directory, float(spec["keep_for"]))
     say(f"exit {status}")
@@ -210,6 +212,23 @@ def _stop_group(process: subprocess.Popen[bytes], grace: float) -> None:
 
 def _node_state(directory: Path, state: Mapping[str, Any]) -> None:
     write_private(directory / NODE_STATE, json.dumps({**state, "at": time.time()}))
+
+
+def _upload(directory: Path, spec: Mapping[str, Any]) -> None:
+    """Mirror the rank's outputs to the run's bucket (``<uri>/node-<i>``) with the rank's
+    interpreter and environment (its credentials, the image's boto3), as a live pool's nodes
+    do; what it says goes to the rank's log."""
+    env = {**os.environ, **{str(k): str(v) for k, v in dict(spec.get("env", {})).items()}}
+    target = f"{str(spec['upload']).rstrip('/')}/node-{spec['rank']}"
+    command = [spec["argv"][0], "-m", "skyward.worker.s3sync", "upload", output_dir(directory)]
+    with open(directory / LOG, "ab") as log:
+        log.write(f"[skyward] uploading the outputs to {target}\n".encode())
+        log.flush()
+        done = subprocess.run(
+            [*command, target], env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL
+        )
+        if done.returncode != 0:
+            log.write(f"[skyward] the upload to {target} failed ({done.returncode})\n".encode())
 
 
 def _hold(directory: Path, seconds: float) -> None:
@@ -511,6 +530,7 @@ def prepare_node(
     restarts: int,
     leader_key: str | None,
     keep_for: float = 0.0,
+    upload: str | None = None,
 ) -> dict[str, Any]:
     """Write this node's spec for run `name` (in the agent, whose environment the rank gets) and,
     with `leader_key`, let that key start this node's follower and nothing else. Returns the
@@ -536,6 +556,7 @@ def prepare_node(
         "grace": grace,
         "restarts": restarts,
         "keep_for": keep_for,
+        "upload": upload,
         "key_tag": tag if leader_key else None,
     }
     write_private(directory / SPEC, json.dumps(spec))
@@ -701,6 +722,7 @@ def lead_batch(root: Path) -> int:
             "env": env,
             "grace": plan["grace"],
             "restarts": plan["restarts"],
+            "upload": plan.get("upload"),
             "key_tag": None,
         }
         write_private(directory / SPEC, json.dumps(spec))

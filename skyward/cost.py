@@ -35,6 +35,11 @@ class Price:
         """A rate the user gave (`sky.SSH(price_per_hour=)`): billed by the second."""
         return cls(per_hour, f"as given by {by}", 0.0)
 
+    def launched(self, market: str, zone: str) -> Price:
+        """This price as that of a machine launched `market` ("spot", "on-demand") in `zone`:
+        its source says so (``on-demand in us-east-1b; AWS Price List API, ...``)."""
+        return Price(self.per_hour, f"{market} in {zone}; {self.source}", self.minimum_seconds)
+
     @property
     def known(self) -> bool:
         return self.per_hour is not None
@@ -67,7 +72,8 @@ def dollars_per_hour(rate: float) -> str:
 class Cost:
     """What a pool costs (`ComputePool.cost`): one node's `price`, the pool's rate now
     (`per_hour`: every machine it pays for, a replacement started ahead included), what it
-    has `spent` so far (each machine from its launch, at least the 60 s the clouds bill), and
+    has `spent` so far (each machine from its grant, at its own price, at least the 60 s the
+    clouds bill), and
     its `max_cost`. The dollar figures are None when the price is unknown."""
 
     price: Price

@@ -91,8 +91,10 @@ class ComputePool:
         max_cost: a budget in US dollars. The pool's price is asked before launch (the cloud's
             price APIs; `cost`); a budget that does not cover every node's first minute is
             refused, 80% of it gets a warning, and once it is spent the running call is
-            stopped, the pool torn down and `sky.BudgetExceeded` raised. Spend counts from
-            each machine's launch, at least 60 s each, as the clouds bill.
+            stopped, the pool torn down and `sky.BudgetExceeded` raised. Spend counts each
+            machine from when it is granted (the instance runs, the allocation starts: not a
+            queue's wait) at the price of what was launched (spot or on-demand, its zone), at
+            least 60 s each, as the clouds bill.
         prefer: with several providers, the order they are tried in: ``"order"`` (as given) or
             ``"price"`` (cheapest pool first, by each provider's `price`; unknown prices last).
         on_report: called with each `sky.Report` as it arrives (they are kept in `reports` as
@@ -162,6 +164,7 @@ class ComputePool:
         self.console.activity = functools.partial(activity.node_activity, self._dispatch)
         self._bill = spend.Bill(spend.Meter(Price.unknown("not asked yet"), max_cost))
         self.console.spending = self._bill.so_far
+        self.console.billing = self._bill.granted
         self._over_budget: BudgetExceeded | None = None  # set when max_cost was spent
         self._watching_budget = False
         self._transfers = Transfers(self.provider, self.console, self.spec.outputs, collect_timeout)
@@ -337,13 +340,18 @@ class ComputePool:
                 self.console.status(f"{provider.name}: {exc}; trying the next provider")
                 continue
             try:
-                return await provider.launch(self.spec, self.console)
+                cluster = await provider.launch(self.spec, self.console)
             except NoCapacity as exc:
-                self._bill.nothing_launched()
+                self._bill.let_go()
                 if len(order) == 1:
                     raise
                 failed.append((provider.name, exc))
                 self.console.status(f"{provider.name} had no room for the pool; trying the next")
+                continue
+            self._bill.settled(range(len(cluster.nodes)))
+            if line := self._bill.launched_line():
+                self.console.status(line)
+            return cluster
         if not failed and refused is not None:
             raise refused  # not one provider could keep the budget
         raise NoCapacity(
@@ -365,13 +373,12 @@ class ComputePool:
         self.console.status(f"launching {self.spec.nodes} node(s) on {provider.name}")
 
     async def _price(self) -> None:
-        """Ask the pool's price, keep the budget (nothing is launched when it cannot be kept),
-        say both, and start billing the nodes: they are asked for next."""
+        """Ask the pool's price, keep the budget (nothing is launched when it cannot be kept)
+        and say both; the nodes are billed as they are granted (`Progress.granted`)."""
         meter = self._bill.meter
-        meter.price = await _price_of(self.provider, self.spec)
+        self._bill.quoted(await _price_of(self.provider, self.spec))
         meter.check_start(self.spec.nodes)
         self.console.status(self._bill.price_line(self.spec.nodes))
-        self._bill.launched(self.spec.nodes)
         if meter.max_cost is not None and not self._watching_budget:
             self._watching_budget = True
             self._watchers.append(
@@ -397,8 +404,9 @@ class ComputePool:
 
     @property
     def cost(self) -> Cost:
-        """What the pool costs: one node's price, the rate now, what it has spent so far
-        (from each machine's launch, at least 60 s each), and its `max_cost`."""
+        """What the pool costs: one node's price (what was launched, once it was), the rate
+        now, what it has spent so far (each machine from its grant, at its own price, at least
+        60 s each), and its `max_cost`."""
         return self._bill.meter.cost()
 
     def _noticed(self, node: int) -> None:
@@ -416,8 +424,7 @@ class ComputePool:
         except Exception as exc:  # the replacement is made when the node is lost instead
             self.console.status(f"could not start node {index}'s replacement ahead: {exc}")
             return
-        if started:
-            self._bill.started_ahead(index)
+        if started:  # billed from its grant, which the provider reports
             self.console.status(f"node {index} is being preempted: its replacement is starting")
 
     def replace(self, node: int) -> None:
@@ -455,6 +462,7 @@ class ComputePool:
             self.console.phase(index, Phase.REQUESTED)
             self._bill.replaced(index)
             await self.provider.replace(cluster, index)
+            self._bill.settled([index])
         if lost:  # the whole cluster: the others' environments are there, a check each
             await self.provider.prepare(cluster, self.image, self.console)
 

@@ -1,6 +1,7 @@
-"""What a pool costs and its budget: the meter's arithmetic (billed from each machine's launch,
-at least the price's minimum), and `ComputePool(max_cost=)` on real Local pools whose provider
-names a price (the clouds' price lookups are tested in tests/aws and tests/gcp)."""
+"""What a pool costs and its budget: the meter's arithmetic (each machine billed from its grant,
+at its own price, at least the price's minimum), and `ComputePool(max_cost=)` on real Local
+pools whose provider names a price (the clouds' price lookups are tested in tests/aws and
+tests/gcp)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Priced(sky.Local):
 # -- the meter -------------------------------------------------------------------------------
 
 
-def test_each_machine_is_billed_from_its_launch_and_at_least_its_minimum() -> None:
+def test_each_machine_is_billed_from_its_grant_and_at_least_its_minimum() -> None:
     meter = Meter(Price(3.6, "test", minimum_seconds=60.0))  # $0.001 a second
     meter.began("a", at=1000.0)
     meter.began("b", at=1000.0)
@@ -47,21 +48,54 @@ def test_each_machine_is_billed_from_its_launch_and_at_least_its_minimum() -> No
     assert cost.spent == pytest.approx(0.3) and cost.per_hour == pytest.approx(3.6)
 
 
-def test_a_replacement_started_ahead_is_billed_from_then_and_the_lost_machine_until_replaced() -> (
+def test_a_replacement_granted_ahead_is_billed_from_then_and_the_lost_machine_until_replaced() -> (
     None
 ):
     meter = Meter(Price(3600.0, "test", minimum_seconds=0.0))  # $1 a second
     bill = Bill(meter)
     began = time.time()
-    bill.launched(2)
-    bill.started_ahead(1)
+    bill.granted(0)
+    bill.granted(1)
+    bill.granted(1)  # node 1 still runs: this is its replacement, started ahead
     assert meter.cost().per_hour == pytest.approx(3 * 3600.0)  # three machines paid for
     bill.replaced(1)
+    assert meter.cost().per_hour == pytest.approx(2 * 3600.0)
+    bill.settled([0, 1])  # both have their machine: nothing more to bill
     assert meter.cost().per_hour == pytest.approx(2 * 3600.0)
     bill.ended()
     spent = meter.cost().spent
     assert spent is not None and 0 <= spent <= 3 * (time.time() - began) + 1e-6
     assert meter.cost().per_hour == 0
+
+
+def test_each_machine_is_billed_at_the_price_of_what_was_launched() -> None:
+    spot = Price(1.0, "spot quote", minimum_seconds=0.0)
+    on_demand = Price(3.0, "on-demand in zone-b", minimum_seconds=0.0)
+    meter = Meter(spot)
+    bill = Bill(meter)
+    bill.quoted(spot)
+    assert bill.price_line(2) == "2 x $1.00/hour = $2.00/hour (spot quote)"
+    bill.granted(0, on_demand, at=1000.0)
+    bill.granted(1, on_demand, at=1000.0)
+    cost = meter.cost(now=1036.0)
+    assert cost.price == on_demand and cost.per_hour == pytest.approx(6.0)
+    assert cost.spent == pytest.approx(2 * 3.0 * 36 / 3600)
+    assert bill.launched_line() == "launched: 2 x $3.00/hour = $6.00/hour (on-demand in zone-b)"
+    # What was launched with no price of its own is counted at the quote, and says so.
+    bill.granted(2, Price.unknown("the price list did not answer"), at=1000.0)
+    assert meter.cost(now=1036.0).per_hour == pytest.approx(7.0)
+    assert "what was launched: price unknown (the price list did not answer)" in (
+        bill.launched_line()
+    )
+
+
+def test_what_the_launch_was_quoted_at_says_nothing_more() -> None:
+    price = Price(1.5, "quote")
+    bill = Bill(Meter(price))
+    bill.quoted(price)
+    bill.settled(range(1))
+    bill.granted(1, Price(1.5, "on-demand in zone-a; the quote's price list"))
+    assert bill.launched_line() == "" and bill.meter.cost().per_hour == pytest.approx(3.0)
 
 
 def test_an_unknown_price_counts_nothing_and_cannot_keep_a_budget() -> None:
@@ -171,18 +205,44 @@ def test_a_spent_budget_stops_the_call_and_tears_the_pool_down(
     assert p.cost.per_hour == 0  # every machine let go
 
 
-class SlowToLaunch(Priced):
+class SlowToConnect(Priced):
+    """Its machines are granted at once, then take their time to be reached."""
+
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         self.launches += 1
-        await asyncio.sleep(60)  # a cloud that takes its time
+        for node in range(spec.nodes):
+            progress.granted(node)
+        await asyncio.sleep(60)
         return await super().launch(spec, progress)
 
 
 def test_a_budget_spent_during_the_launch_cancels_it() -> None:
-    provider = SlowToLaunch(Price(3600.0, "test", minimum_seconds=0.0))  # $1 a second
+    provider = SlowToConnect(Price(3600.0, "test", minimum_seconds=0.0))  # $1 a second
     began = time.monotonic()
     with pytest.raises(sky.BudgetExceeded) as caught:
         with sky.ComputePool(provider=provider, nodes=1, max_cost=2.0, stream_output=False):
             pass
     assert time.monotonic() - began < 20
     assert provider.launches == 1 and 2.0 <= caught.value.spent < 3.0
+
+
+class Queued(Priced):
+    """A launch that waits in a queue before its nodes are granted (and says nothing of the
+    grant: they are the pool's from the end of the launch)."""
+
+    granted_at = 0.0
+
+    async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
+        await asyncio.sleep(1)
+        self.granted_at = time.time()
+        return await super().launch(spec, progress)
+
+
+def test_the_wait_before_a_grant_is_not_billed() -> None:
+    provider = Queued(Price(3600.0, "test", minimum_seconds=0.0))  # $1 a second a node
+    with sky.ComputePool(provider=provider, nodes=2, stream_output=False) as pool:
+        assert node_index() @ pool == [0, 1]
+    closed = time.time()
+    spent = pool.cost.spent
+    # Billed from the grant, not from the launch call a second before it.
+    assert spent is not None and 0 < spent <= 2 * (closed - provider.granted_at)

@@ -1,18 +1,23 @@
 """What a pool spends, and its budget (`ComputePool(max_cost=)`).
 
-Every machine the pool pays for is billed from its launch (the moment the pool asks the cloud
-for it, not when it answers) until the pool lets it go, and for at least the price's
-`minimum_seconds`: AWS and GCP bill a started instance a minute at least. A lost node's
-machine stays on the bill until its replacement takes its place; a replacement started ahead
-(a preemption notice) is billed from then. With the price unknown, nothing is counted and no
-budget can be kept.
+Every machine the pool pays for is billed from when it is granted (the cloud's instance runs,
+Slurm's allocation starts: the provider says so, `Progress.granted`; else the end of its
+launch) until the pool lets it go, and for at least its price's `minimum_seconds`: AWS and
+GCP bill a started instance a minute at least. Each machine at its own price: what was
+launched (spot or on-demand, in its zone), which the provider names with the grant, else the
+price the pool was quoted before launch. A lost node's machine stays on the bill until its
+replacement is asked for; a replacement started ahead (a preemption notice) is billed from its
+grant. With the price unknown, nothing is counted and no budget can be kept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 import time
-from collections.abc import Callable, Hashable
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from skyward.cost import Cost, Price, dollars, dollars_per_hour
@@ -23,17 +28,20 @@ WARN_AT = 0.8  # the share of `max_cost` that gets a warning
 
 @dataclass
 class _Machine:
+    price: Price
     began: float
     ended: float | None = None
 
-    def billed(self, now: float, minimum: float) -> float:
+    def billed(self, now: float) -> float:
         """Seconds billed so far."""
-        return max(minimum, (self.ended if self.ended is not None else now) - self.began)
+        end = self.ended if self.ended is not None else now
+        return max(self.price.minimum_seconds, end - self.began)
 
 
 class Meter:
-    """The pool's machines with when each was launched and let go, priced at `price` per hour
-    each; `max_cost` the budget, if any. Times are `time.time()`."""
+    """The pool's machines, each with its price and when it was granted and let go; `price`
+    one node's (the quote before launch, then what was launched); `max_cost` the budget, if
+    any. Times are `time.time()`. Thread-safe: a provider may grant from its threads."""
 
     def __init__(self, price: Price, max_cost: float | None = None) -> None:
         if max_cost is not None and max_cost <= 0:
@@ -41,35 +49,52 @@ class Meter:
         self.price = price
         self.max_cost = max_cost
         self._machines: dict[Hashable, _Machine] = {}
+        self._lock = threading.Lock()
         self.warned = False
 
-    def began(self, machine: Hashable, at: float | None = None) -> None:
-        """`machine` is launched (billed from `at`, now by default)."""
-        self._machines[machine] = _Machine(time.time() if at is None else at)
+    def began(self, machine: Hashable, at: float | None = None, price: Price | None = None) -> None:
+        """`machine` is granted: billed from `at` (now by default) at `price` (the meter's
+        `price` with None)."""
+        with self._lock:
+            began = time.time() if at is None else at
+            self._machines[machine] = _Machine(price or self.price, began)
 
     def forget(self, machine: Hashable) -> None:
         """`machine` was never made after all."""
-        self._machines.pop(machine, None)
+        with self._lock:
+            self._machines.pop(machine, None)
 
     def ended(self, machine: Hashable, at: float | None = None) -> None:
-        """`machine` is let go (a lost node's, once its replacement took its place)."""
-        found = self._machines.get(machine)
-        if found is not None and found.ended is None:
-            found.ended = time.time() if at is None else at
+        """`machine` is let go (a lost node's, once its replacement is asked for)."""
+        with self._lock:
+            found = self._machines.get(machine)
+            if found is not None and found.ended is None:
+                found.ended = time.time() if at is None else at
 
     def ended_all(self, at: float | None = None) -> None:
         for machine in list(self._machines):
             self.ended(machine, at)
 
+    def price_of(self, machine: Hashable) -> Price | None:
+        """What `machine` is billed at (None: not on the meter)."""
+        with self._lock:
+            found = self._machines.get(machine)
+        return None if found is None else found.price
+
     def cost(self, now: float | None = None) -> Cost:
         now = time.time() if now is None else now
-        rate = self.price.per_hour
-        if rate is None:
+        with self._lock:
+            machines = list(self._machines.values())
+        rates = [m.price.per_hour for m in machines]
+        if not machines and self.price.per_hour is None:
             return Cost(self.price, None, None, self.max_cost)
-        live = sum(1 for m in self._machines.values() if m.ended is None)
-        minimum = self.price.minimum_seconds
-        seconds = sum(m.billed(now, minimum) for m in self._machines.values())
-        return Cost(self.price, rate * live, rate * seconds / 3600, self.max_cost)
+        rate = spent = 0.0
+        for machine, per_hour in zip(machines, rates, strict=True):
+            if per_hour is None:  # one machine's price is unknown: so is the pool's
+                return Cost(self.price, None, None, self.max_cost)
+            rate += per_hour if machine.ended is None else 0.0
+            spent += per_hour * machine.billed(now) / 3600
+        return Cost(self.price, rate, spent, self.max_cost)
 
     # -- the budget ------------------------------------------------------------------------
 
@@ -95,11 +120,12 @@ class Meter:
                 "stops; raise max_cost, or use fewer or cheaper nodes"
             )
 
-    def lasts(self, nodes: int) -> str:
-        """How long the budget lasts at the pool's rate, in words."""
-        if self.max_cost is None or not self.price.per_hour:
+    def lasts(self, rate: float) -> str:
+        """How long what is left of the budget lasts at `rate` (dollars an hour), in words."""
+        spent = self.cost().spent or 0.0
+        if self.max_cost is None or not rate:
             return ""
-        hours = self.max_cost / (self.price.per_hour * nodes)
+        hours = max(0.0, self.max_cost - spent) / rate
         return f"max_cost {dollars(self.max_cost)} lasts {_hours(hours)} at this rate"
 
     def over(self, now: float | None = None) -> BudgetExceeded | None:
@@ -167,56 +193,104 @@ def _hours(hours: float) -> str:
 
 class Bill:
     """The pool's nodes on its `Meter`: which machine each node runs on now, a replacement
-    started ahead, and the lines the console shows."""
+    granted ahead of its loss, and the lines the console shows."""
 
     def __init__(self, meter: Meter) -> None:
         self.meter = meter
+        self.quote = meter.price  # what the pool was told before launch
         self._serial = 0
         self._machines: dict[int, int] = {}  # node -> its machine's serial
-        self._ahead: dict[int, int] = {}  # node -> its replacement started ahead
+        self._ahead: dict[int, int] = {}  # node -> its replacement, granted before its loss
+        self._unpriced = False  # something launched had no price: counted at the quote
 
-    def _new(self) -> int:
+    def quoted(self, price: Price) -> None:
+        """`price` is one node's, as the provider quoted it before launch."""
+        self.quote = self.meter.price = price
+
+    def granted(self, node: int, price: Price | None = None, at: float | None = None) -> None:
+        """A machine for `node` is granted (at `at`, now by default): the node's own, or its
+        replacement when the node still has one (started ahead, on a preemption notice). It is
+        billed at `price`, what was launched; the quote with None, or when what was launched
+        has no price the quote has (so that a budget is still kept)."""
+        if price is not None and price.per_hour is None and self.quote.per_hour is not None:
+            self._unpriced = True
+            price = dataclasses.replace(
+                self.quote,
+                source=f"{self.quote.source}; what was launched: price unknown ({price.source})",
+            )
         self._serial += 1
-        self.meter.began(self._serial)
-        return self._serial
+        self.meter.began(self._serial, at, price)
+        if price is not None:
+            self.meter.price = price
+        if node in self._machines:
+            earlier = self._ahead.pop(node, None)
+            if earlier is not None:
+                self.meter.ended(earlier, at)
+            self._ahead[node] = self._serial
+        else:
+            self._machines[node] = self._serial
 
-    def launched(self, nodes: int) -> None:
-        """Every node's machine is asked for now."""
-        self._machines = {node: self._new() for node in range(nodes)}
-
-    def nothing_launched(self) -> None:
-        """The launch just asked for made nothing (no location had room): it costs nothing."""
-        for serial in self._machines.values():
-            self.meter.forget(serial)
-        self._machines = {}
-
-    def started_ahead(self, node: int) -> None:
-        """`node`'s replacement is asked for now, ahead of its loss."""
-        self._ahead.setdefault(node, self._new())
+    def settled(self, nodes: Iterable[int]) -> None:
+        """A launch or a replacement returned with `nodes`: those the provider did not say
+        were granted are from now."""
+        for node in nodes:
+            if node not in self._machines:
+                self.granted(node)
 
     def replaced(self, node: int) -> None:
-        """`node` is on its replacement now; its lost machine is let go."""
-        old = self._machines.get(node)
+        """`node`'s lost machine is let go (its replacement is asked for); a replacement granted
+        ahead takes its place."""
+        old = self._machines.pop(node, None)
         if old is not None:
             self.meter.ended(old)
         ahead = self._ahead.pop(node, None)
-        self._machines[node] = ahead if ahead is not None else self._new()
+        if ahead is not None:
+            self._machines[node] = ahead
+
+    def let_go(self) -> None:
+        """The launch failed (no room there): what it was granted is let go, and a launch
+        elsewhere starts afresh."""
+        self.meter.ended_all()
+        self._machines, self._ahead = {}, {}
 
     def ended(self) -> None:
         self.meter.ended_all()
 
     def price_line(self, nodes: int) -> str:
-        """The console's first word on money: the pool's rate, or why there is none."""
-        price = self.meter.price
+        """The console's first word on money: the pool's quoted rate, or why there is none."""
+        price = self.quote
         if price.per_hour is None:
             return f"price unknown ({price.source})"
         if price.per_hour == 0:
             return f"costs nothing: {price.source}"
-        line = (
-            f"{nodes} x {dollars_per_hour(price.per_hour)} = "
-            f"{dollars_per_hour(price.per_hour * nodes)} ({price.source})"
-        )
-        lasts = self.meter.lasts(nodes)
+        each = dollars_per_hour(price.per_hour)
+        return self._rate_line(f"{nodes} x {each}", price.per_hour * nodes, price.source)
+
+    def launched_line(self) -> str:
+        """Once launched: the rate of what was launched where it is not the quote's (spot fell
+        back to on-demand, another zone's spot price), or where it has no price; "" where
+        the quote holds."""
+        prices = [self.meter.price_of(serial) for serial in self._machines.values()]
+        launched = Counter(p for p in prices if p is not None)
+        if not self._unpriced and all(p.per_hour == self.quote.per_hour for p in launched):
+            return ""
+        if any(p.per_hour is None for p in launched):
+            return "launched: price unknown (" + "; ".join(p.source for p in launched) + ")"
+        rate = sum((p.per_hour or 0.0) * n for p, n in launched.items())
+        if len(launched) == 1:  # the usual case: every node alike
+            ((price, nodes),) = launched.items()
+            each = dollars_per_hour(price.per_hour or 0.0)
+            return self._rate_line(f"launched: {nodes} x {each}", rate, price.source)
+        parts = [
+            f"{n} x {dollars_per_hour(p.per_hour or 0.0)} ({p.source})" for p, n in launched.items()
+        ]
+        return self._rate_line(f"launched: {' + '.join(parts)}", rate)
+
+    def _rate_line(self, nodes: str, rate: float, source: str = "") -> str:
+        """``2 x $1.50/hour = $3.00/hour (source); max_cost $5.00 lasts about 1 h 40 min at
+        this rate``."""
+        line = f"{nodes} = {dollars_per_hour(rate)}" + (f" ({source})" if source else "")
+        lasts = self.meter.lasts(rate)
         return f"{line}; {lasts}" if lasts else line
 
     def so_far(self) -> str:

@@ -38,6 +38,7 @@ from skyward.console.notebook import Notebook, kernel
 from skyward.console.progress import Phase, Progress, logger
 from skyward.console.rendering import Prefixes, Row, is_terminal, metrics, node_table, summary
 from skyward.console.terminal import Screen
+from skyward.cost import Price
 from skyward.reports import Report
 
 # Past this many nodes a pool's region lists the first ones and counts the rest by phase.
@@ -75,6 +76,8 @@ class Console(Progress):
         self.activity: Activity | None = None
         # What the pool has spent so far, in words, for the region's first line ("" = nothing).
         self.spending: Callable[[], str] | None = None
+        # Where a node's grant goes (the pool's bill): see `Progress.granted`.
+        self.billing: Callable[[int, Price | None, float | None], None] | None = None
         self.latest: Report | None = None  # node 0's last report, shown on its line
         self._quiet = quiet()
         self._lock = threading.Lock()
@@ -124,6 +127,11 @@ class Console(Progress):
         line = f"{self.name}: {message}"
         logger.info("%s", line)
         self._say(line)
+
+    def granted(self, node: int, price: Price | None = None, at: float | None = None) -> None:
+        super().granted(node, price, at)
+        if self.billing is not None:
+            self.billing(node, price, at)
 
     def phase(self, node: int | None, phase: Phase, detail: str = "") -> None:
         now = time.monotonic()

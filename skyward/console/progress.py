@@ -4,9 +4,11 @@ Providers get a `Progress` in `launch` and `prepare` and say what each node is d
 (``progress.phase(i, Phase.CONNECTING, "10.0.0.4")``) and what the current step prints
 (``progress.detail(i, line)``: uv's lines while an environment builds). It is also a plain
 ``Log``: ``progress("message")`` is a status line, so a provider written against the older
-``log(str)`` argument still works. The pool itself sets the phases around the provider's:
-requested, starting agent, ready, stopping; running and lost are what the console sees of a
-ready node (a call in flight, a dead agent), not reported events.
+``log(str)`` argument still works. A provider that makes or allocates machines says when each
+node's is granted (``progress.granted(i, price)``: the instance runs, the allocation started):
+the pool pays for it from then, at that price. The pool itself sets the phases around the
+provider's: requested, starting agent, ready, stopping; running and lost are what the console
+sees of a ready node (a call in flight, a dead agent), not reported events.
 
 This base only logs, on the ``skyward`` logger (phases and messages at INFO, step output at
 DEBUG); the pool's `skyward.console.console.Console` shows the same on the terminal.
@@ -18,6 +20,8 @@ import enum
 import functools
 import logging
 from collections.abc import Callable
+
+from skyward.cost import Price
 
 logger = logging.getLogger("skyward")
 
@@ -54,6 +58,15 @@ class Progress:
     def detail(self, node: int | None, line: str) -> None:
         """A line of output of the step `node` is in (uv's lines): it replaces the last one."""
         logger.debug("%s: %s", _who(node), line)
+
+    def granted(self, node: int, price: Price | None = None, at: float | None = None) -> None:
+        """`node`'s machine is the pool's from `at` (``time.time()``, now by default): the
+        cloud's instance runs, Slurm's allocation started. The pool pays for it from then, at
+        `price`: what was launched (its market and zone), or the price quoted before launch
+        with None. A node its provider never says this of is paid for from the end of its
+        `launch` (or `replace`); a machine granted while the node still runs on another is
+        its replacement, started ahead."""
+        logger.info("%s granted%s", _who(node), f" at {price}" if price is not None else "")
 
     def log_for(self, node: int | None) -> Callable[[str], None]:
         """A ``Log`` that hands each line to `detail` for `node`: for a step's output."""

@@ -50,6 +50,37 @@ def test_the_price_comes_first_and_the_total_last(
     assert "removed 2 instances in" in lines[-1] and lines[-1].endswith("; cost $0.0032"), lines
 
 
+def test_spot_that_fell_back_to_on_demand_is_billed_on_demand_in_the_zone_it_runs_in(
+    ec2_hosts: Callable[..., Ec2Hosts],
+    stubs: Stubs,
+    price_list: PriceListServer,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """spot="prefer" with no spot capacity: the pool runs on-demand, and what it says and
+    counts is the on-demand price, not the spot quote it started with."""
+    price_list.add(TYPE, "us-east-1", "0.0960000000")
+    sim = ec2_hosts()
+    zone = sim.ec2.describe_subnets(SubnetIds=[sim.subnet_id])["Subnets"][0]["AvailabilityZone"]
+    stubs.fail_in_zone = {f"{zone} spot": ("InsufficientInstanceCapacity", "no spot capacity")}
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    with sky.ComputePool(provider=aws_for(sim, stubs, spot="prefer"), nodes=1) as pool:
+        assert work(0) >> pool == 0
+        cost = pool.cost
+    on_demand = f"on-demand in {zone}; AWS Price List API, us-east-1, {today}"
+    assert cost.price == sky.Price(pytest.approx(0.096), on_demand)  # type: ignore[arg-type]
+    assert cost.per_hour == pytest.approx(0.096)
+    spent = pool.cost.spent
+    assert spent is not None and spent >= 0.096 / 60 - 1e-12  # its first minute at least
+    assert stubs.launches == [("us-east-1", zone), ("us-east-1", zone)]  # spot, then on-demand
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("[skyward]")]
+    said = "\n".join(lines)
+    # The quote before launch was spot's; once launched, the price line is the on-demand one.
+    assert f"1 x $0.00/hour = $0.00/hour (EC2 spot price history, {zone}, " in said, said
+    assert f"launched: 1 x $0.096/hour = $0.096/hour ({on_demand})" in said, said
+    assert said.index("no spot capacity in any location") < said.index("launched: ")
+    assert lines[-1].endswith("; cost $0.0016"), lines
+
+
 def test_with_the_price_service_down_the_price_is_unknown_and_the_pool_starts(
     ec2_hosts: Callable[..., Ec2Hosts],
     stubs: Stubs,

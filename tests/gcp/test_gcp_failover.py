@@ -22,6 +22,7 @@ from google.auth.credentials import AnonymousCredentials
 import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Progress
+from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.cloud.bootscript import HostKey
 from skyward.providers.gcp import machine_types, provision, resources, teardown
@@ -50,9 +51,13 @@ class Told(Progress):
 
     def __init__(self) -> None:
         self.lines: list[str] = []
+        self.grants: list[tuple[int, Price | None]] = []  # the nodes granted, at their price
 
     def __call__(self, message: str) -> None:
         self.lines.append(message)
+
+    def granted(self, node: int, price: Price | None = None, at: float | None = None) -> None:
+        self.grants.append((node, price))
 
     def attempts(self) -> list[str]:
         """Where each attempt went, as the console said it, and any market change."""
@@ -181,6 +186,9 @@ def test_spot_prefer_tries_spot_in_every_zone_then_on_demand(api_fake: FakeGCP) 
     told = launch(api_fake, 2, zone=[A, B], spot="prefer")
     assert api_fake.inserts == [(A, "SPOT"), (B, "SPOT"), (A, "STANDARD")]
     assert told.attempts() == [f"{A} (spot)", f"{B} (spot)", "no spot capacity in any zone"]
+    # Both VMs are paid for at what they are: on-demand, in the zone they run in.
+    assert [node for node, _ in told.grants] == [0, 1]
+    assert all(p and p.source.startswith(f"on-demand in {A}; ") for _, p in told.grants), told
 
 
 def test_a_spot_tpu_slice_goes_to_the_next_zone_and_its_failed_queue_is_removed(

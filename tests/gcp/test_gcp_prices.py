@@ -64,7 +64,14 @@ def compute(api_fake: FakeGCP, monkeypatch: pytest.MonkeyPatch) -> FakeGCP:
 
 
 def catalog(fake: FakeBilling) -> None:
-    """The SKUs every test sees: what a VM is priced by, and what it must not be priced by."""
+    """The SKUs every test sees: what a VM is priced by, and what it must not be priced by.
+
+    The descriptions are the catalog's own, as Google's Cloud Billing documentation and public
+    catalog readers quote them (``A2 Instance Core running in Hong Kong``, ``Nvidia Tesla K80
+    GPU attached to Spot Preemptible VMs running in Warsaw``, ``TpuV5e running in Americas``):
+    a spot GPU or TPU is named by a suffix, a spot core or memory SKU by a prefix, a few spot
+    GPUs by the prefix too, and a few spot SKUs are filed under usage type ``OnDemand``. The
+    prices are made up (the tests work them out by hand), the words are not."""
     fake.add_service("95FF-2EF5-5EA1", "Cloud Storage")
     fake.add_service(CLOUD_TPU, "Cloud TPU")
     on_demand = {
@@ -72,6 +79,7 @@ def catalog(fake: FakeBilling) -> None:
         "A2 Instance Ram running in Americas": ("0.004237", "RAM", "GiBy.h"),
         "Nvidia Tesla A100 GPU running in Americas": ("2.933908", "GPU", "h"),
         "Nvidia Tesla A100 80GB GPU running in Americas": ("3.92808", "GPU", "h"),
+        "Nvidia Tesla T4 GPU running in Americas": ("0.35", "GPU", "h"),
         "E2 Instance Core running in Americas": ("0.021811", "CPU", "h"),
         "E2 Instance Ram running in Americas": ("0.002923", "RAM", "GiBy.h"),
         "N1 Predefined Instance Core running in Americas": ("0.031611", "N1Standard", "h"),
@@ -89,7 +97,21 @@ def catalog(fake: FakeBilling) -> None:
     spot = {
         "Spot Preemptible A2 Instance Core running in Americas": ("0.0094833", "CPU", "h"),
         "Spot Preemptible A2 Instance Ram running in Americas": ("0.0012711", "RAM", "GiBy.h"),
-        "Spot Preemptible Nvidia Tesla A100 GPU running in Americas": ("0.88017", "GPU", "h"),
+        "Nvidia Tesla A100 GPU attached to Spot Preemptible VMs running in Americas": (
+            "0.88017",
+            "GPU",
+            "h",
+        ),
+        "Nvidia Tesla T4 GPU attached to Spot Preemptible VMs running in Americas": (
+            "0.14",
+            "GPU",
+            "h",
+        ),
+        "Spot Preemptible N2 Instance Core running in Americas": ("0.0079", "CPU", "h"),
+        "Spot Preemptible N2 Instance Ram running in Americas": ("0.0011", "RAM", "GiBy.h"),
+        "Spot Preemptible G2 Instance Core running in Americas": ("0.0099", "CPU", "h"),
+        "Spot Preemptible G2 Instance Ram running in Americas": ("0.0012", "RAM", "GiBy.h"),
+        "Spot Preemptible Nvidia L4 GPU running in Americas": ("0.22", "GPU", "h"),
     }
     for description, (price, group, unit) in spot.items():
         fake.add_sku(
@@ -114,22 +136,28 @@ def catalog(fake: FakeBilling) -> None:
         regions=AMERICAS,
         usage="Commit1Yr",
     )
-    # TPUs: per-chip SKUs in both services.
-    fake.add_sku("TPU v5e running in Americas", "1.2", group="TPU", regions=["us-west4"])
+    # TPUs: per-chip SKUs, in the Compute Engine service (v5e, v6e) and in Cloud TPU's.
+    fake.add_sku("TpuV5e running in Americas", "1.2", group="TPU", regions=["us-west4"])
     fake.add_sku(
-        "Spot Preemptible TPU v5e running in Americas",
+        "TpuV5e attached to Spot Preemptible VMs running in Americas",
         "0.48",
         group="TPU",
         regions=["us-west4"],
         usage="Preemptible",
     )
+    fake.add_sku("TpuV6e running in Americas", "2.7", group="TPU", regions=["us-east1", "us-east5"])
+    # Spot, though filed as on-demand: its words say what it is.
     fake.add_sku(
-        "Tpu-v6e running in Americas",
-        "2.7",
+        "TpuV6e attached to Spot Preemptible VMs running in Americas",
+        "1.08",
         group="TPU",
-        regions=["us-east1"],
-        service=CLOUD_TPU,
+        regions=["us-east5"],
     )
+    # Other products for the same chips.
+    fake.add_sku(
+        "DWS Defined Duration V5e running in Americas", "0.6", group="TPU", regions=["us-west4"]
+    )
+    fake.add_sku("Reserved V5e TPU in Calendar Mode", "0.9", group="TPU", regions=["us-west4"])
     fake.add_sku(
         "Tpu-v4 Pod running in Americas", "3.22", group="TPU", regions=AMERICAS, service=CLOUD_TPU
     )
@@ -185,6 +213,20 @@ def test_a_spot_vm_is_priced_by_the_spot_skus(compute: FakeGCP, billing: FakeBil
 @pytest.mark.parametrize(
     ("machine", "expected"),
     [
+        ("g2-standard-4", 4 * 0.0099 + 16 * 0.0012 + 0.22),  # "Spot Preemptible Nvidia L4 GPU"
+        ("n2-standard-2", 2 * 0.0079 + 8 * 0.0011),  # "Spot Preemptible N2 Instance Core"
+    ],
+    ids=["g2", "n2"],
+)
+def test_every_way_the_catalog_names_a_spot_sku_is_read(
+    compute: FakeGCP, billing: FakeBilling, machine: str, expected: float
+) -> None:
+    assert vm(compute, billing, machine, spot=True).per_hour == pytest.approx(expected, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("machine", "expected"),
+    [
         ("e2-standard-2", 2 * 0.021811 + 8 * 0.002923),  # 0.067006
         ("n1-standard-4", 4 * 0.031611 + 15 * 0.004237),  # 0.189999, not the custom rates
         ("g2-standard-4", 4 * 0.024988 + 16 * 0.002927 + 0.56),  # 0.706784, the first tier
@@ -212,8 +254,8 @@ def test_a_part_without_a_sku_is_unknown_and_named(compute: FakeGCP, billing: Fa
     assert vm(compute, billing, "n2-standard-2", spot=False) == Price.unknown(
         "Cloud Billing Catalog API: no on-demand SKU for the n2 core per h in this region"
     )
-    assert vm(compute, billing, "g2-standard-4", spot=True) == Price.unknown(
-        "Cloud Billing Catalog API: no spot SKU for the g2 core per h in this region"
+    assert vm(compute, billing, "e2-standard-2", spot=True) == Price.unknown(
+        "Cloud Billing Catalog API: no spot SKU for the e2 core per h in this region"
     )
 
 
@@ -266,7 +308,7 @@ def test_the_catalog_and_the_shape_are_read_once_a_week(
 def test_a_tpu_host_is_its_chips_at_the_per_chip_rate(billing: FakeBilling) -> None:
     _, catalog = clients("unused", billing)
     v5e = tpu_types.parse("tpu-v5litepod-16")  # 4 hosts of 4 chips
-    v6e = tpu_types.parse("v6e-8")  # one host of 8 chips, in the Cloud TPU service's SKUs
+    v6e = tpu_types.parse("v6e-8")  # one host of 8 chips
     v4 = tpu_types.parse("v4-32")
 
     assert prices.tpu_price(catalog, v5e, "us-west4", spot=False) == Price(
@@ -274,6 +316,9 @@ def test_a_tpu_host_is_its_chips_at_the_per_chip_rate(billing: FakeBilling) -> N
     )
     assert prices.tpu_price(catalog, v5e, "us-west4", spot=True).per_hour == 4 * 0.48
     assert prices.tpu_price(catalog, v6e, "us-east1", spot=False).per_hour == 8 * 2.7
+    # In us-east5 a spot SKU filed as on-demand sits beside the on-demand one: each is itself.
+    assert prices.tpu_price(catalog, v6e, "us-east5", spot=False).per_hour == 8 * 2.7
+    assert prices.tpu_price(catalog, v6e, "us-east5", spot=True).per_hour == 8 * 1.08
     assert prices.tpu_price(catalog, v4, "us-central1", spot=False) == Price.unknown(
         "Cloud Billing Catalog API: TPU v4 is priced per device or per pod there, not per "
         "chip; skyward prices only v5p, v5e and v6e hosts"

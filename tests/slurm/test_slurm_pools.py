@@ -94,6 +94,32 @@ def test_a_pending_allocation_shows_slurms_reason_and_gives_up_when_asked(
 
 
 @sky.compute
+def nap(seconds: float) -> int:
+    time.sleep(seconds)
+    return sky.instance_info().node
+
+
+def test_a_pool_that_waits_in_the_queue_pays_only_from_its_allocation(
+    login: SlurmCluster, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Every node held by another job for ~25 s: at $1 a second a node, $20 would be spent
+    three times over while the job pends; billed from the allocation, it runs its call."""
+    blocker = login.submit(["--exclusive", "-N3", "-J", "blocker", "--wrap", "sleep 25"])
+    try:
+        began = time.monotonic()
+        provider = sky.Slurm(price_per_hour=3600)
+        with sky.ComputePool(provider=provider, nodes=3, max_cost=20) as pool:
+            assert time.monotonic() - began > 15, "the pool did not wait: nothing was tested"
+            assert nap(1) @ pool == [0, 1, 2]
+        assert "pending: Resources" in capfd.readouterr().err
+        spent = pool.cost.spent
+        assert spent is not None and 3 < spent < 20, spent  # 3 nodes, the 1 s call at least
+    finally:
+        login.run(["scancel", str(blocker)], check=True)
+    assert wait_for_empty_queue(login, 10) == []
+
+
+@sky.compute
 def my_job() -> dict[str, str]:
     """The fields of the node's job as ``scontrol`` shows them (SLURM_CONF is kept for this)."""
     import subprocess

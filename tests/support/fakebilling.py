@@ -19,9 +19,13 @@ fake does not serve.
 
 What it proves: that the official client's requests reach these paths with the parameters
 skyward sets, that skyward follows the pages, and that it reads the documented SKU shape (the
-latest pricing, its zero-usage tier, units + nanos). What only the real API can show: the real
-SKU descriptions and groups the matching relies on (Google renames them), which services hold
-which SKUs, and the prices themselves, which drift.
+latest pricing, its zero-usage tier, units + nanos). The SKUs are the test's (`add_sku`); the
+price tests (tests/gcp/test_gcp_prices.py) register descriptions as the catalog writes them
+(``Nvidia Tesla A100 GPU attached to Spot Preemptible VMs running in Americas``, ``Spot
+Preemptible N2 Instance Core running in Americas``, ``TpuV5e running in Americas``), quoted
+from Google's reference and from public readers of the live catalog, not names made to fit
+the matching. What only the real API can show: that Google has not renamed them since,
+which services hold which SKUs, and the prices themselves, which drift.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ class AWS(CloudProvider):
         self.instance_type = instance_type
         self.machine_settings = instances.MachineSettings(
             ami,
-            bool(spot),
+            bool(spot),  # "prefer": spot first (each market tried sets its own)
             next(iter(self.subnets.get(regions[0], ())), None),
             use_private_ips,
             ssh_cidr,
@@ -257,9 +257,11 @@ class AWS(CloudProvider):
             )
 
     async def price(self, spec: ClusterSpec) -> Price:
-        """One instance's price per hour: the on-demand list price of the type the pool would
-        launch, or with ``spot=True`` the spot price in its subnet's zone (the region's cheapest
-        zone without ``subnet_id=``). `Price.unknown` with the reason when AWS cannot say."""
+        """One instance's price per hour, quoted before launch: the on-demand list price of the
+        type the pool would launch, or with ``spot=True`` (and ``"prefer"``: spot is tried
+        first) the spot price in its first subnet's zone (the region's cheapest zone without
+        ``subnet_id=``). What is launched is then billed at its own price (`made_price`).
+        `Price.unknown` with the reason when AWS cannot say."""
 
         def look_up(kind: str) -> Price:
             session = self.session()
@@ -279,6 +281,19 @@ class AWS(CloudProvider):
             return await asyncio.to_thread(look_up, kind)
         except Exception as exc:  # a price is only information: the pool goes on without it
             return Price.unknown(f"the AWS price lookup failed: {exc}")
+
+    def made_price(self, pool: CloudCluster, machine: Any) -> Price:
+        """One instance's price as it runs (`machine`, as EC2 describes it): the spot price of
+        its zone, or the on-demand list price of its region."""
+        region = str(_aws(pool).region)
+        kind = str(machine["InstanceType"])
+        zone = str(machine["Placement"]["AvailabilityZone"])
+        if machine.get("InstanceLifecycle") == "spot":
+            return prices.spot(self.client("ec2", region), kind, zone).launched("spot", zone)
+        session = self.session()
+        with self._lock:  # a session makes one client at a time
+            pricing = prices.pricing_client(session)
+        return prices.on_demand(pricing, kind, region).launched("on-demand", zone)
 
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         choice = instance_types.choose(spec.accelerator, self.instance_type)

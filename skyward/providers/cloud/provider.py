@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import shutil
 import threading
+import time
 import urllib.request
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -21,6 +22,7 @@ from typing import Any
 from skyward import checks
 from skyward.cluster import Hardware
 from skyward.console.progress import Progress
+from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
 from skyward.providers.base import Cluster, Node, Provider
@@ -41,6 +43,10 @@ from skyward.transport.sshhost import Endpoint, SSHHost, load_known_hosts
 # A machine made and reached: its node (not yet placed in the pool) and the machine's name.
 Reached = tuple[Node, str]
 
+# How long the price of what a launch made may hold up reaching it (it is usually cached: the
+# quote asked the same); past it, the machines are counted at the quote.
+GRANT_PRICE_SECONDS = 15.0
+
 
 @dataclass
 class CloudCluster(Cluster):
@@ -55,9 +61,10 @@ class CloudCluster(Cluster):
     # Replacements started ahead (`CloudProvider.prestart`, on a preemption notice): node index
     # -> the machine being made and reached, not yet in `nodes`.
     spares: dict[int, asyncio.Future[Reached]] = field(default_factory=dict)
-    # Where the teardown says what it retries and why: the pool's console, once launched (a
-    # user who waits on a teardown sees why), the log before.
-    tell: Callable[[str], None] = field(default=logging.getLogger("skyward").info)
+    # Where the launch, the replacements and the teardown say what they do (the attempts, the
+    # grants, what a teardown retries and why): the pool's console, once launched (a user who
+    # waits on a teardown sees why), the log before.
+    tell: Progress = field(default_factory=Progress)
 
     @property
     def pool_id(self) -> str:
@@ -113,6 +120,7 @@ class CloudProvider(RemoteData, Provider):
         try:
             cluster.provisioning = in_thread(make, f"skyward-{self.name}-launch-{cluster.pool_id}")
             found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
+            await self._grant(cluster, found, range(len(found)))
             reached = await reach(found)
             cluster.nodes = [node for node, _ in reached]
             cluster.node_instances.update((node.index, name) for node, name in reached)
@@ -154,6 +162,35 @@ class CloudProvider(RemoteData, Provider):
     def describe_failure(self, exc: BaseException) -> str:
         """A failed cloud call in words."""
         return str(exc)
+
+    def made_price(self, pool: CloudCluster, machine: Any) -> Price | None:
+        """One machine's price per hour as it was made (`machine`: one of what the launch's
+        `make`, or `make_one`, returned): its market (spot or on-demand) and its zone, which
+        failover chose; None: the price quoted before launch. Blocking (run in a thread); the
+        machines of one launch share their market and zone, so the first one's is asked."""
+        return None
+
+    async def _grant(self, pool: CloudCluster, found: list[Any], indexes: Sequence[int]) -> None:
+        """The machines `found` run (for nodes `indexes`): the pool pays for them from now, at
+        the price of what was made."""
+        if not found:
+            return
+        at = time.time()
+
+        def price() -> Price | None:
+            try:
+                return self.made_price(pool, found[0])
+            except Exception as exc:  # a price is only information: the meter says so
+                return Price.unknown(f"the {self.name} price lookup failed: {exc}")
+
+        try:
+            made = await asyncio.wait_for(asyncio.to_thread(price), GRANT_PRICE_SECONDS)
+        except TimeoutError:
+            made = Price.unknown(
+                f"the {self.name} price lookup took longer than {GRANT_PRICE_SECONDS:g} s"
+            )
+        for index in indexes:
+            pool.tell.granted(index, made, at)
 
     async def replace(self, cluster: Cluster, index: int) -> Node:
         """Node `index` on a fresh machine: the one started ahead (`prestart`) if there is one,
@@ -201,6 +238,7 @@ class CloudProvider(RemoteData, Provider):
             raise ProvisionError(
                 f"launching a replacement for node {index}: {self.describe_failure(exc)}"
             ) from None
+        await self._grant(pool, found, [index])
         (reached,) = await self.reach(pool, found, [index])
         return reached
 

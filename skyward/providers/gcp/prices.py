@@ -7,12 +7,18 @@ Compute Engine prices a predefined machine type by its parts, and so does this m
 - each part's rate is a SKU of the Compute Engine service (``services/6F81-5844-456A``) in the
   region: the family's "Instance Core" (per vCPU hour) and "Instance Ram" (per GiB hour), e.g.
   ``N1 Predefined Instance Core running in Americas``, and the GPU's, e.g. ``Nvidia Tesla A100
-  GPU running in Americas``; spot VMs use the ``Spot Preemptible ...`` SKUs (usage type
-  ``Preemptible``) instead of the ``OnDemand`` ones;
-- a TPU host is its chips times the generation's per-chip SKU (resource group ``TPU``), looked
-  for in the Compute Engine service and in the one named "Cloud TPU" (found by name, with
-  ``services.list``). Only the generations the catalog prices per chip (v5p, v5e, v6e) are
-  priced; the older ones' SKUs are per device or per pod, and are `Price.unknown`.
+  GPU running in Americas``;
+- a spot VM's parts are the spot SKUs. The catalog names them two ways: the machine's cores and
+  memory with a prefix (``Spot Preemptible N2 Instance Core running in Americas``), most GPUs
+  and TPUs with a suffix (``Nvidia Tesla A100 GPU attached to Spot Preemptible VMs running in
+  Americas``, ``TpuV5e attached to Spot Preemptible VMs running in ...``), a few GPUs with the
+  prefix (``Spot Preemptible Nvidia L4 GPU running in ...``). A SKU is spot when its usage type
+  is ``Preemptible`` or its description says so: a few spot SKUs are filed as ``OnDemand``;
+- a TPU host is its chips times the generation's per-chip SKU (resource group ``TPU``: ``TpuV5e
+  running in Americas``), looked for in the Compute Engine service and in the one named "Cloud
+  TPU" (found by name, with ``services.list``). Only the generations the catalog prices per
+  chip (v5p, v5e, v6e) are priced; the older ones' SKUs are per device or per pod (``Tpu-v4
+  Pod ...``), and are `Price.unknown`.
 
 A SKU's rate is the latest pricing of its list, the last tier that starts at zero usage, in USD.
 When no SKU, or several at different rates, fit a part, the price is `Price.unknown` naming the
@@ -56,7 +62,11 @@ _QUALIFIERS = {"amd", "intel", "arm", "predefined", "instance"}
 _FAMILY_WORDS = {"c2": ["compute", "optimized"], "m1": ["memory-optimized"]}
 # TPU generations the catalog prices per chip, and the names its SKUs give them.
 _PER_CHIP = {"v5p": {"v5p"}, "v5litepod": {"v5e", "v5lite", "v5litepod"}, "v6e": {"v6e"}}
-_TPU_NAME = re.compile(r"\btpu[\s-]*(v\d+)[\s-]*(lite\s*pod|lite|[a-z]?)\b")
+_TPU_NAME = re.compile(r"tpu[\s-]*(v\d+)[\s-]*(lite\s*pod|lite|[a-z]?)")
+# How a description says its SKU is spot: before the part (cores, RAM, a few GPUs) or after it
+# (most GPUs and TPUs).
+_SPOT_PREFIXES = ("spot preemptible ", "preemptible ")
+_SPOT_SUFFIX = re.compile(r"\s+attached\s+to\s+(?:spot\s+)?preemptible\s+vms$")
 
 
 @dataclass(frozen=True)
@@ -171,12 +181,11 @@ def machine_price(catalog: Any, shape: Shape, region: str, spot: bool) -> Price:
     + each GPU's rate; "Cloud Billing Catalog API, us-central1, 2026-11-25" is its source."""
 
     def total(rates: list[Rate]) -> float:
-        usage = _usage(spot)
-        core = _one(rates, f"{shape.family} core", usage, "core", _family_part(shape, "core"))
-        ram = _one(rates, f"{shape.family} memory", usage, "ram", _family_part(shape, "ram"))
+        core = _one(rates, f"{shape.family} core", spot, "core", _family_part(shape, "core"))
+        ram = _one(rates, f"{shape.family} memory", spot, "ram", _family_part(shape, "ram"))
         amount = shape.cpus * core + shape.memory_gib * ram
         for kind, count in shape.accelerators:
-            amount += count * _one(rates, f"{kind} GPU", usage, "gpu", _gpu_part(kind))
+            amount += count * _one(rates, f"{kind} GPU", spot, "gpu", _gpu_part(kind))
         return amount
 
     return _priced(catalog, region, lambda: [COMPUTE_SERVICE], total)
@@ -194,7 +203,7 @@ def tpu_price(catalog: Any, tpu: TpuType, region: str, spot: bool) -> Price:
 
     def total(rates: list[Rate]) -> float:
         what = f"TPU {tpu.generation.api} chip"
-        return chips * _one(rates, what, _usage(spot), "tpu", _tpu_part(names))
+        return chips * _one(rates, what, spot, "tpu", _tpu_part(names))
 
     def services() -> list[str]:
         found = _service_ids(catalog).get(TPU_SERVICE)
@@ -304,19 +313,23 @@ def _service_ids(catalog: Any) -> dict[str, str]:
 _Match = Callable[[list[str]], bool]
 
 
-def _one(rates: Iterable[Rate], what: str, usage: str, part: str, match: _Match) -> float:
-    """The one rate of `part` (core, ram, gpu, tpu) whose description's words `match`."""
+def _one(rates: Iterable[Rate], what: str, spot: bool, part: str, match: _Match) -> float:
+    """The one spot (or on-demand) rate of `part` (core, ram, gpu, tpu) whose description's
+    words `match`."""
     found: dict[float, list[str]] = {}
     for rate in rates:
-        if rate.usage != usage or _GROUPS.get(rate.group, part) != part:
+        if _GROUPS.get(rate.group, part) != part:
             continue
         # Machine parts are Compute SKUs; what family the catalog files TPUs under varies.
         if rate.unit != _UNITS[part] or (part != "tpu" and rate.family != "Compute"):
             continue
-        if match(_words(rate.description)):
+        words, says_spot = _described(rate.description)
+        if (rate.usage == "Preemptible" or says_spot) != spot:
+            continue
+        if match(words):
             found.setdefault(rate.price, []).append(f"{rate.description!r} ({rate.sku})")
     if not found:
-        kind = "spot" if usage == "Preemptible" else "on-demand"
+        kind = "spot" if spot else "on-demand"
         raise _NoPrice(f"no {kind} SKU for the {what} per {_UNITS[part]} in this region")
     if len(found) > 1:
         listed = "; ".join(f"{price} {', '.join(skus)}" for price, skus in sorted(found.items()))
@@ -324,14 +337,17 @@ def _one(rates: Iterable[Rate], what: str, usage: str, part: str, match: _Match)
     return next(iter(found))
 
 
-def _words(description: str) -> list[str]:
-    """A SKU description's words before where it runs, without the spot prefix:
-    ``Spot Preemptible N2D AMD Instance Core running in Americas`` -> n2d amd instance core."""
-    text = description.lower()
-    for prefix in ("spot preemptible ", "preemptible "):
+def _described(description: str) -> tuple[list[str], bool]:
+    """A SKU description's words before where it runs, without the words that say it is spot,
+    and whether they said so: ``Spot Preemptible N2D AMD Instance Core running in Americas``
+    -> (n2d amd instance core, True); ``Nvidia Tesla A100 GPU attached to Spot Preemptible
+    VMs running in Americas`` -> (nvidia tesla a100 gpu, True)."""
+    text = re.split(r"\s+(?:running\s+)?in\s+", description.lower().strip(), maxsplit=1)[0]
+    spot = text.startswith(_SPOT_PREFIXES)
+    for prefix in _SPOT_PREFIXES:
         text = text.removeprefix(prefix)
-    text = re.split(r"\s+(?:running\s+)?in\s+", text, maxsplit=1)[0]
-    return text.split()
+    text, suffixes = _SPOT_SUFFIX.subn("", text)
+    return text.split(), spot or suffixes > 0
 
 
 def _family_part(shape: Shape, part: str) -> _Match:
@@ -361,15 +377,14 @@ def _gpu_part(accelerator_type: str) -> _Match:
 
 
 def _tpu_part(names: set[str]) -> _Match:
+    """``TpuV5e`` (or ``TPU v5e``, ``Tpu-v6e``) and nothing else: not ``Reserved V5e TPU in
+    Calendar Mode``, ``DWS Defined Duration V5e`` or ``Tpu-v4 Pod``, other products."""
+
     def match(words: list[str]) -> bool:
-        found = _TPU_NAME.search(" ".join(words))
+        found = _TPU_NAME.fullmatch(" ".join(words))
         return found is not None and re.sub(r"\s", "", found[1] + found[2]) in names
 
     return match
-
-
-def _usage(spot: bool) -> str:
-    return "Preemptible" if spot else "OnDemand"
 
 
 def _chips_per_host(tpu: TpuType) -> int:

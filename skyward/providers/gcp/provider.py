@@ -179,7 +179,7 @@ class GCP(CloudProvider):
         self.runtime_version = runtime_version
         self.machine_settings = MachineSettings(
             image,
-            bool(spot),  # spot="prefer" asks spot VMs first (and prices them as spot)
+            bool(spot),  # "prefer": spot first (each market tried sets its own)
             network,
             subnetwork,
             use_private_ips,
@@ -247,27 +247,45 @@ class GCP(CloudProvider):
         self.access()
 
     async def price(self, spec: ClusterSpec) -> Price:
-        """One node's price per hour from the Cloud Billing Catalog: a VM of the machine type the
-        pool would launch (its cores, memory and GPUs), or one host of its TPU slice; spot
-        rates with ``spot=True``. `Price.unknown` with the reason when the catalog cannot say."""
-
-        def look_up(tpu: tpu_types.TpuType | None, machine_type: str) -> Price:
-            access, spot = self.access(), self.machine_settings.spot
-            endpoint = endpoint_of(self._endpoint, "CLOUDBILLING")
-            catalog = prices.catalog_client(access.credentials, endpoint)
-            if tpu is not None:
-                return prices.tpu_price(catalog, tpu, access.region, spot)
-            compute = prices.machine_types_client(access.credentials, endpoint_of(self._endpoint))
-            zone = access.zone
-            return prices.vm_price(compute, catalog, access.project, zone, machine_type, spot)
-
+        """One node's price per hour from the Cloud Billing Catalog, quoted before launch: a VM
+        of the machine type the pool would launch (its cores, memory and GPUs), or one host of
+        its TPU slice, in the first zone; spot rates with ``spot=True`` (and ``"prefer"``: spot
+        is tried first). What is launched is then billed at its own price (`made_price`).
+        `Price.unknown` with the reason when the catalog cannot say."""
         try:
-            if spec.accelerator is not None and spec.accelerator.is_tpu:
-                return await asyncio.to_thread(look_up, tpu_types.parse(spec.accelerator), "")
-            choice = machine_types.choose(spec.accelerator, self.machine_type)
-            return await asyncio.to_thread(look_up, None, choice.machine_type)
+            tpu, machine_type = self._shape(spec)
+            spot = self.machine_settings.spot
+            return await asyncio.to_thread(self._catalog_price, tpu, machine_type, None, spot)
         except Exception as exc:  # a price is only information: the pool goes on without it
             return Price.unknown(f"the GCP price lookup failed: {exc}")
+
+    def made_price(self, pool: CloudCluster, machine: Any) -> Price:
+        """One VM's (or TPU host's) price as it runs: the spot or on-demand rates of the zone
+        it landed in."""
+        gcp = _gcp(pool)
+        zone = gcp.made.instances.get(machine.name) or gcp.zone
+        tpu, machine_type = self._shape(gcp.spec)
+        price = self._catalog_price(tpu, machine_type, zone, gcp.spot)
+        return price.launched("spot" if gcp.spot else "on-demand", zone)
+
+    def _shape(self, spec: ClusterSpec) -> tuple[tpu_types.TpuType | None, str]:
+        """What a node of `spec` is: a host of a TPU slice, or a VM of a machine type."""
+        if spec.accelerator is not None and spec.accelerator.is_tpu:
+            return tpu_types.parse(spec.accelerator), ""
+        return None, machine_types.choose(spec.accelerator, self.machine_type).machine_type
+
+    def _catalog_price(
+        self, tpu: tpu_types.TpuType | None, machine_type: str, zone: str | None, spot: bool
+    ) -> Price:
+        """One node's price in `zone` (None: the first zone given), from the catalog."""
+        access = self.access()
+        zone = zone or access.zone
+        endpoint = endpoint_of(self._endpoint, "CLOUDBILLING")
+        catalog = prices.catalog_client(access.credentials, endpoint)
+        if tpu is not None:
+            return prices.tpu_price(catalog, tpu, region_of(zone), spot)
+        compute = prices.machine_types_client(access.credentials, endpoint_of(self._endpoint))
+        return prices.vm_price(compute, catalog, access.project, zone, machine_type, spot)
 
     def running_cost(self, pool: resources.PoolResources) -> str:
         """What `pool`'s running VMs cost so far (`skyward status`), in words ("" for none)."""

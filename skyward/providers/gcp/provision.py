@@ -64,6 +64,7 @@ class GCPCluster(CloudCluster):
     # Where the pool is: the zone of its current attempt while it launches, the zone it landed
     # in after. Everything after the launch (replacements, explain, teardown) goes there.
     zone: str = ""
+    spot: bool = False  # the market of that attempt, and so of what the pool runs on
 
 
 @dataclass(frozen=True)
@@ -244,7 +245,7 @@ def _vms_in(
 ) -> list[MachineAddress]:
     """All of the pool's VMs in `calls.access.zone`, running; `api.NoRoom` when GCE has no
     room for them there."""
-    pool.zone = calls.access.zone
+    pool.zone, pool.spot = calls.access.zone, calls.machine_settings.spot
     pool.body = instances.bulk_body(
         calls.access, calls.machine_settings, pool.spec, choice, metadata
     )
@@ -260,7 +261,7 @@ def _slice_in(
     metadata: dict[str, str],
 ) -> list[MachineAddress]:
     """The pool's slice in `calls.access.zone`, READY; `api.NoRoom` when it has no room."""
-    pool.zone = calls.access.zone
+    pool.zone, pool.spot = calls.access.zone, calls.machine_settings.spot
     body = tpus.node_body(
         calls.access, calls.machine_settings, pool.pool_id, tpu, metadata, runtime_version
     )

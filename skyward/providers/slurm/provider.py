@@ -5,9 +5,11 @@ holding command that prints the granted nodes and then reads its stdin until it 
 pool keeps that stdin open for its life, so the allocation ends when the pool does, and also when
 the client dies in any way (its pipe or SSH channel closes, the holder returns, salloc gives the
 nodes back), with no reliance on the time limit. While the job pends, the console shows
-``squeue``'s reason. Each node is a `SlurmNode`: the remote bootstrap runs on it through
-``srun --overlap`` steps, and so does the agent, whose stdio is the step's, so the pool talks to
-it through the same pipe (or SSH channel) transport as a Local or SSH node.
+``squeue``'s reason; a pool with ``price_per_hour`` pays for its nodes from the allocation's
+start (`Progress.granted`), not for the wait. Each node is a `SlurmNode`: the remote
+bootstrap runs on it through ``srun --overlap`` steps, and so does the agent, whose stdio is the
+step's, so the pool talks to it through the same pipe (or SSH channel) transport as a Local or
+SSH node.
 
 On a cluster whose nodes share the cache directory (a shared home: the usual case), node 0
 prepares the environment first and the others find it built; otherwise each node builds its own.
@@ -25,6 +27,7 @@ import re
 import secrets
 import shlex
 import shutil
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -327,6 +330,7 @@ class Slurm(Provider):
         allocation = Allocation(await login.hold(shlex.join(request.salloc())))
         cluster.allocations.append(allocation)
         granted = await self._granted(allocation, login, progress, node)
+        began = time.time()  # the allocation's start: what the queue's wait cost nothing
         allocation.job_id = granted.job_id
         names = await self._hostnames(login, granted.nodelist)
         addresses = commands.node_addresses(
@@ -337,6 +341,8 @@ class Slurm(Provider):
             host = StepHost(login, granted.job_id, name, addresses.get(name, name), cpus)
             host.gres = request.gres
             hosts.append(host)
+        for index in range(len(hosts)) if node is None else [node]:
+            progress.granted(index, at=began)
         return hosts
 
     async def _granted(

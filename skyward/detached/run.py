@@ -167,7 +167,7 @@ class Run:
         destination = Path(given)
         placed = self._place(self._nodes().outputs(), destination)
         views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
-        if self.status().ended:
+        if self._judge(views).ended:  # the look just taken: no second one
             holders = [
                 (node, int(view.node["holder"]))
                 for node, view in enumerate(views)

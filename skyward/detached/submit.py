@@ -144,11 +144,11 @@ def submit(
         env=dict(env or {}),
         name="run",
     )
+    bucket = outputs if outputs and outputs.startswith("s3://") else None  # nodes upload
     pool.start()
     held = False  # whether the run holds the pool's nodes once the pool ends (a cloud's)
     try:
         if kind == "slurm":
-            bucket = outputs if outputs and outputs.startswith("s3://") else None
             job = batch.prepare(pool, name, target, list(args), cwd, restarts, grace, bucket)
             price = pool.cost.price.per_hour
         else:
@@ -198,13 +198,12 @@ def _start_on_nodes(
     restarts: int,
     grace: float,
     keep_for: float,
-    outputs: str | None,
+    bucket: str | None,
 ) -> supervisor.RunState:
     """While the pool is up: each node's spec, node 0's leader, the record; the run's state
     once every rank has started."""
     count = pool.spec.nodes
     keys = launch.leader_keys(kind, count)
-    bucket = outputs if outputs and outputs.startswith("s3://") else None
     prepare = compute(supervisor.prepare_node)
     asked = [
         pool.submit(

@@ -18,8 +18,8 @@ from skyward.cli.main import main
 from skyward.detached import record
 from tests.support.motos3 import moto_s3, s3_env
 
-# Rank 1 fails on the first attempt with status 4 after writing a checkpoint; a restart
-# resumes from it. Every rank says which attempt it is.
+# Rank 1 fails on the first attempt with status 4 after both ranks wrote a checkpoint; a
+# restart resumes from it. Every rank says which attempt it is.
 JOB = """\
 import os, sys, pathlib
 rank = int(os.environ["JAX_PROCESS_ID"])
@@ -30,6 +30,11 @@ print(f"rank {rank} attempt {attempt} from step {start}", flush=True)
 checkpoint.write_text(str(start + 5))
 (pathlib.Path(os.environ["SKYWARD_OUTPUT_DIR"]) / "result.txt").write_text(f"{rank}:{attempt}")
 if rank == 1 and attempt == 0 and sys.argv[2] == "fail":
+    # fail once rank 0 has written its checkpoint too (it is stopped with this attempt)
+    import time
+    deadline = time.monotonic() + 10
+    while not (checkpoint.parent / "rank-0").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     sys.exit(4)
 print(f"rank {rank} done", flush=True)
 """

@@ -163,7 +163,7 @@ def submit(
                 restarts,
                 grace,
                 keep_for,
-                outputs,
+                bucket,
             )
             held = launch.holds_nodes(pool) and "running_at" in state
     except BaseException:

@@ -529,7 +529,7 @@ def test_push_to_three_hosts_at_once(keys: sshd.KeyPair, base: Path, tmp_path: P
     links = [cache_link(base, f"host{i}") for i in range(3)]
     net = sshd.NetnsHosts(
         3,
-        subnet="10.213.12.0/24",
+        subnet="10.213.14.0/24",  # its own: the bare hosts' tests use .12 and .13
         authorized_keys=[keys],
         sshd_host_config=[[f"SetEnv SKYWARD_CACHE_DIR={link}"] for link in links],
     )

@@ -18,7 +18,6 @@ Plain Python (no pytest), root only. Builds on :mod:`tests.support.sshd`:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import html
 import http.server
@@ -300,10 +299,6 @@ hostname "$name"
 exec chroot "$root" "$@"
 """
 
-_live_subnets: set[str] = set()
-_subnet_guard = threading.Lock()
-
-
 def _sshd_config(address: str, extra: Sequence[str]) -> str:
     lines = [
         "AddressFamily inet",
@@ -542,38 +537,6 @@ class BareHost:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def _claim_subnet(subnet: str, timeout: float) -> contextlib.ExitStack:
-    """Own ``subnet`` for one BareHosts: one per process, others wait on a file lock."""
-    with _subnet_guard:
-        if subnet in _live_subnets:
-            raise RuntimeError(
-                f"subnet {subnet} is already used by a live BareHosts in this process: close it"
-                " first or pick another subnet (two sets on one subnet answer for each other)"
-            )
-        _live_subnets.add(subnet)
-    stack = contextlib.ExitStack()
-    stack.callback(lambda: _live_subnets.discard(subnet))
-    try:
-        path = sshd._LOCK_DIR / f"skyward-test-subnet-{subnet.replace('/', '_')}.lock"
-        fh = stack.enter_context(path.open("a"))
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(
-                        f"subnet {subnet} stayed in use by another process for {timeout:.0f}s"
-                    ) from None
-                time.sleep(0.2)
-        stack.callback(fcntl.flock, fh, fcntl.LOCK_UN)
-    except BaseException:
-        stack.close()
-        raise
-    return stack
-
-
 class BareHosts(sshd.HostSet[BareHost]):
     """K fresh Debian hosts (network namespaces running a chrooted sshd) on a private bridge.
 
@@ -616,7 +579,9 @@ class BareHosts(sshd.HostSet[BareHost]):
                 HOST_OFFSET = offset
 
             net_class = NetnsHostsAt
-        self.net = net_class(count, subnet=subnet, run_id=run_id, start_sshd=False)
+        self.net = net_class(
+            count, subnet=subnet, run_id=run_id, start_sshd=False, subnet_wait=subnet_wait
+        )
         self.run_id = self.net.run_id
         self.suite = suite
         self.subnet = str(self.net.subnet)
@@ -655,7 +620,7 @@ class BareHosts(sshd.HostSet[BareHost]):
             return self
         lower = self.lower or cached_root(self.suite)
         self.lower = lower
-        self._claim = _claim_subnet(self.subnet, self.subnet_wait)
+        self._claim = contextlib.ExitStack()  # marks it built; the subnet is net.build's claim
         self.hosts = []
         try:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"{BARE_NAME_PREFIX}{self.run_id}-"))

@@ -43,7 +43,6 @@ What this stand-in hides compared with a real cluster:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -54,7 +53,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_IFCHR
@@ -351,29 +350,6 @@ def _ns_inode(pid: int, kind: str) -> int | None:
         return None
 
 
-@contextlib.contextmanager
-def _claimed_subnet(subnet: str, timeout: float) -> Iterator[None]:
-    """Hold the subnet's machine-wide lock (the file :mod:`tests.support.bareroots` uses too):
-    two live networks on one subnet would answer for each other."""
-    path = sshd._LOCK_DIR / f"skyward-test-subnet-{subnet.replace('/', '_')}.lock"
-    with path.open("a") as fh:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(
-                        f"subnet {subnet} stayed in use by another process for {timeout:.0f}s"
-                    ) from None
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 # --------------------------------------------------------------------------- the cluster
 
 
@@ -426,7 +402,9 @@ class SlurmCluster:
             raise ValueError("a cluster needs at least one node")
         if cpus_per_node < 1:
             raise ValueError("cpus_per_node must be at least 1")
-        self.net = sshd.NetnsHosts(nodes, subnet=subnet, run_id=run_id, start_sshd=False)
+        self.net = sshd.NetnsHosts(
+            nodes, subnet=subnet, run_id=run_id, start_sshd=False, subnet_wait=subnet_wait
+        )
         self.run_id = self.net.run_id
         self.subnet = str(self.net.subnet)
         self.cpus_per_node = cpus_per_node
@@ -601,8 +579,7 @@ class SlurmCluster:
         if self._claim is not None:
             return self
         ensure_slurm()
-        stack = contextlib.ExitStack()
-        stack.enter_context(_claimed_subnet(self.subnet, self.subnet_wait))
+        stack = contextlib.ExitStack()  # the subnet is claimed by net.build, below
         self._claim = stack
         stat = sshd._proc_stat(os.getpid())
         self._started_ticks = _boot_ticks_now()

@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -87,6 +88,48 @@ _POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
 _PRIVSEP_DIR = Path("/run/sshd")
 _NETNS_DIR = Path("/run/netns")
 _LOCK_DIR = Path(tempfile.gettempdir())
+
+
+_live_subnets: set[str] = set()
+_subnet_guard = threading.Lock()
+
+
+def claim_subnet(subnet: str, timeout: float) -> contextlib.ExitStack:
+    """Own ``subnet`` until the returned stack is closed: two live sets of hosts on one subnet
+    would answer for each other. In this process a second claim is an error (close the first
+    set, or pick another subnet); another process's claim (a second test run, a pytest-xdist
+    worker) is waited for on a machine-wide file lock, up to ``timeout`` seconds."""
+    with _subnet_guard:
+        if subnet in _live_subnets:
+            raise RuntimeError(
+                f"subnet {subnet} is already used by a live set of test hosts in this process:"
+                " close it first or pick another subnet (two sets on one subnet answer for each"
+                " other)"
+            )
+        _live_subnets.add(subnet)
+    stack = contextlib.ExitStack()
+    stack.callback(lambda: _live_subnets.discard(subnet))
+    try:
+        path = _LOCK_DIR / f"skyward-test-subnet-{subnet.replace('/', '_')}.lock"
+        fh = stack.enter_context(path.open("a"))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"subnet {subnet} stayed in use by another process for {timeout:.0f}s"
+                    ) from None
+                time.sleep(0.2)
+        stack.callback(fcntl.flock, fh, fcntl.LOCK_UN)
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
 _apt_updated = False
 
 
@@ -961,8 +1004,12 @@ class NetnsHosts(HostSet[NetnsHost]):
         sshd_extra_config: Sequence[str] = (),
         sshd_timeout: float = 10.0,
         sshd_host_config: Sequence[Sequence[str]] = (),
+        subnet_wait: float = 600.0,
     ) -> None:
         """Describe (not build) ``count`` hosts; ``authorized_keys`` go to every sshd.
+
+        ``build`` waits up to ``subnet_wait`` seconds while another process's hosts use the
+        subnet (`claim_subnet`).
 
         ``sshd_host_config[i]``, when given, adds config lines to host i's sshd only (after
         ``sshd_extra_config``), e.g. ``SetEnv`` for an environment variable of its own.
@@ -995,6 +1042,8 @@ class NetnsHosts(HostSet[NetnsHost]):
             )
             for i in range(count)
         ]
+        self.subnet_wait = subnet_wait
+        self._claim: contextlib.ExitStack | None = None
         self._built = False
 
     # -- build / teardown
@@ -1020,6 +1069,7 @@ class NetnsHosts(HostSet[NetnsHost]):
         if self.start_sshd:
             ensure_openssh_server()
         ip = _ip()
+        self._claim = claim_subnet(str(self.subnet), self.subnet_wait)
         self._remove_all()  # leftovers of a crashed run with the same names
         self._check_guard_network_is_free()
         self._built = True
@@ -1145,6 +1195,9 @@ class NetnsHosts(HostSet[NetnsHost]):
         left = self.leftovers()
         left += [f"sshd pid {pid}" for pid, cmd in _sshd_pids().items()
                  if any(w in cmd for w in workdirs)]  # fmt: skip
+        if self._claim is not None:
+            self._claim.close()
+            self._claim = None
         if left and raise_on_leftovers:
             raise RuntimeError(f"NetnsHosts {self.run_id} left behind: {', '.join(left)}")
 

@@ -240,10 +240,10 @@ async def prepare_host(
             await hoststeps.json_step(
                 node,
                 bootstrap,
-                f"cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.hostcheck "
-                f'{shlex.quote(_query(image, bootstrap, gpus=False).to_json())} "{CACHE}"',
+                f'cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.hostcheck "{CACHE}"',
                 "checking the host's packages",
                 host_log,
+                _query(image, bootstrap, gpus=False).to_json().encode(),
             )
         )
     decision = hostcheck.decide(report, spec.python, bool(spec.setup))
@@ -300,10 +300,10 @@ async def _check(
             f"P=$(command -v {shlex.quote(python)}) || "
             f"{{ echo {shlex.quote(f'python {python} was not found on this host')} >&2; "
             "exit 127; }; "
-            f'exec "$P" -c {shlex.quote(_check_program())} {shlex.quote(query.to_json())} '
-            f'"{CACHE}"',
+            f'exec "$P" -c {shlex.quote(_check_program())} "{CACHE}"',
             "checking the host",
             log,
+            query.to_json().encode(),  # on stdin: a requirement may hold a URL's token
         )
     )
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
+from skyward.cli.profiles import parse_env
 from skyward.errors import ConfigError
 from skyward.providers.cloud.bootscript import HostKey, first_boot_script
 from skyward.transport.stdinenv import READ_ENV, env_line
@@ -80,3 +81,12 @@ def test_a_pool_name_cannot_leave_the_boot_scripts_comment() -> None:
     script = first_boot_script("p\ntouch /tmp/owned #-1", HostKey("k", "ssh-ed25519 A"), 60, "x")
     assert "\ntouch /tmp/owned" not in script
     assert '# skyward x for pool "p\\ntouch /tmp/owned #-1"' in script
+
+
+def test_env_flag_with_a_bare_name_takes_the_shells_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``skyward run --env NAME``: the secret is read here, never typed on a command line."""
+    monkeypatch.setenv("SKYWARD_TEST_TOKEN", PASSWORD)
+    assert parse_env(["SKYWARD_TEST_TOKEN", "A=1"]) == {"SKYWARD_TEST_TOKEN": PASSWORD, "A": "1"}
+    monkeypatch.delenv("SKYWARD_TEST_TOKEN")
+    with pytest.raises(ConfigError, match="SKYWARD_TEST_TOKEN is not set in this shell"):
+        parse_env(["SKYWARD_TEST_TOKEN"])

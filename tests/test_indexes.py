@@ -230,8 +230,8 @@ def test_the_host_side_runs_with_an_old_python3_and_builds_the_clients_python(
     query = json.dumps({"cache": "", "env": "h", "src": "", "uv": UV_VERSION, "apt": [],
                         "requirements": ["cloudpickle"], "probe": True, "gpus": True})  # fmt: skip
     checked = subprocess.run(
-        [old, "-m", "skyward.worker.hostcheck", query, str(tmp_path / "cache")],
-        capture_output=True, text=True, check=True, env=env,
+        [old, "-m", "skyward.worker.hostcheck", str(tmp_path / "cache")],
+        input=query, capture_output=True, text=True, check=True, env=env,
     )  # fmt: skip
     report = json.loads(checked.stdout)
     assert report["version"].startswith(("3.8", "3.9")) and report["satisfied"] is False

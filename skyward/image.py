@@ -19,6 +19,7 @@ from packaging.utils import canonicalize_name
 
 from skyward import checks
 from skyward.errors import ConfigError
+from skyward.worker.redact import redact_urls
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class Index:
         checks.flag(self.flat, "Index(flat=)")
         packages = checks.texts(self.packages, "Index(packages=)")
         object.__setattr__(self, "packages", tuple(canonicalize_name(p) for p in packages))
+
+    def __repr__(self) -> str:
+        # An Image's repr (an error, a log) must not show an index's password.
+        url = redact_urls(self.url)
+        return f"Index(url={url!r}, packages={self.packages!r}, flat={self.flat!r})"
 
 
 def _as_index(value: Index | str) -> Index:

@@ -283,7 +283,8 @@ def test_cli_errors_are_one_line_and_debug_shows_the_traceback(
     monkeypatch.chdir(tmp_path)
     for argv, says in [
         (["run", "missing.py"], "skyward run: missing.py: no such script"),
-        (["run", "--env", "NOEQUALS", "x.py"], "--env takes KEY=VALUE, got 'NOEQUALS'"),
+        (["run", "--env", "=x", "x.py"], "--env takes KEY=VALUE or KEY, got '=x'"),
+        (["run", "--env", "SKYWARD_UNSET_VAR", "x.py"], "SKYWARD_UNSET_VAR is not set in this"),
         (["run", "--plugin", "mxnet", "x.py"], "unknown plugin 'mxnet'; use jax, torch"),
         (["run", "--profile", "gpu", "x.py"], "no profile 'gpu' in skyward.toml"),
         (["run", "--nodes", "0", "x.py"], "--nodes must be at least 1"),

@@ -123,7 +123,8 @@ def test_the_host_check_runs_as_its_own_source_with_any_interpreter(tmp_path: Pa
     source = inspect.getsource(hostcheck)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", source, query.to_json()],  # no site: no skyward
+        [sys.executable, "-I", "-S", "-c", source],  # no site: no skyward
+        input=query.to_json(),  # on stdin, as the client sends it
         capture_output=True,
         text=True,
         check=True,

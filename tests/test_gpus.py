@@ -270,7 +270,8 @@ def host_check(
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     done = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", hostcheck.program(), query.to_json()],
+        [sys.executable, "-I", "-S", "-c", hostcheck.program()],
+        input=query.to_json(),  # on stdin, as the client sends it
         capture_output=True,
         text=True,
         check=True,

@@ -136,6 +136,11 @@ def _uvinstall(dest: Path, *args: str, input: bytes = b"") -> dict[str, str]:
     return result
 
 
+def _fetch(dest: Path, *indexes: tuple[str, bool]) -> dict[str, str]:
+    """``uvinstall --fetch``, the (url, flat) indexes on its stdin as the client sends them."""
+    return _uvinstall(dest, "--fetch", input=json.dumps([list(i) for i in indexes]).encode())
+
+
 @pytest.mark.parametrize("flat", [True, False], ids=["flat", "pep503"])
 def test_uv_is_fetched_from_an_index_with_the_standard_library(
     uv_index: PackageIndex, tmp_path: Path, flat: bool
@@ -143,13 +148,13 @@ def test_uv_is_fetched_from_an_index_with_the_standard_library(
     dest = tmp_path / "bootstrap" / f"uv-{UV_VERSION}" / "bin" / "uv"
     url = uv_index.flat_url if flat else uv_index.simple_url
     before = len(uv_index.requests)
-    assert _uvinstall(dest, "--fetch", json.dumps([[url, flat]])) == {"uv": str(dest)}
+    assert _fetch(dest, (url, flat)) == {"uv": str(dest)}
     said = subprocess.run([dest, "--version"], capture_output=True, text=True, check=True)
     assert said.stdout.split()[:2] == ["uv", UV_VERSION]
     fetched = [p for p in uv_index.requests[before:] if p.startswith("/files/")]
     assert len(fetched) == 1 and "manylinux" in fetched[0], "only this platform's wheel"
     # Once there, it is not fetched again.
-    assert _uvinstall(dest, "--fetch", json.dumps([[url, flat]])) == {"uv": str(dest)}
+    assert _fetch(dest, (url, flat)) == {"uv": str(dest)}
     assert len([p for p in uv_index.requests[before:] if p.startswith("/files/")]) == 1
 
 
@@ -157,9 +162,13 @@ def test_no_index_with_uv_is_an_error_naming_each_index_and_leaving_nothing(
     index: PackageIndex, tmp_path: Path
 ) -> None:
     dest = tmp_path / "bootstrap" / f"uv-{UV_VERSION}" / "bin" / "uv"
-    result = _uvinstall(dest, "--fetch", json.dumps([[index.flat_url, True]]))
+    private = "http://me:s3cr3t-pw@127.0.0.1:9/private/"  # nothing listens there either
+    result = _fetch(dest, (index.flat_url, True), (private, False))
     assert result["error"] == f"no index served uv {UV_VERSION} for Linux/x86_64/glibc"
     assert f"{index.flat_url}: no uv {UV_VERSION} wheel" in result["output"]
+    # The private index is named, its password hidden.
+    assert "s3cr3t-pw" not in json.dumps(result)
+    assert "http://***@127.0.0.1:9/private/: " in result["output"]
     assert DEAD_INDEX in result["output"], "the default index is tried last"
     assert not dest.parent.parent.exists(), "nothing that looks like an installed uv"
 
@@ -221,8 +230,8 @@ def test_the_host_side_runs_with_an_old_python3_and_builds_the_clients_python(
     query = json.dumps({"cache": "", "env": "h", "src": "", "uv": UV_VERSION, "apt": [],
                         "requirements": ["cloudpickle"], "probe": True, "gpus": True})  # fmt: skip
     checked = subprocess.run(
-        [old, "-m", "skyward.worker.hostcheck", query, str(tmp_path / "cache")],
-        capture_output=True, text=True, check=True, env=env,
+        [old, "-m", "skyward.worker.hostcheck", str(tmp_path / "cache")],
+        input=query, capture_output=True, text=True, check=True, env=env,
     )  # fmt: skip
     report = json.loads(checked.stdout)
     assert report["version"].startswith(("3.8", "3.9")) and report["satisfied"] is False

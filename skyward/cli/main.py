@@ -342,7 +342,13 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         help="'jax' or 'torch': install JAX or PyTorch on the nodes (repeatable)",
     )
-    run.add_argument("--env", action="append", default=[], metavar="K=V", help="node env var")
+    run.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="K[=V]",
+        help="node env var; K alone takes its value from this shell (a secret stays off argv)",
+    )
     run.add_argument(
         "--pip",
         action="append",

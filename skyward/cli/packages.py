@@ -28,6 +28,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from skyward.errors import BootstrapError, ConfigError
 from skyward.image import Image, Index
+from skyward.worker.redact import redact_urls
 
 # PEP 723's reference expression for a metadata block.
 _BLOCK = re.compile(r"(?m)^# /// (?P<type>[a-zA-Z0-9-]+)$\s(?P<content>(^#(| .*)$\s)+)^# ///$")
@@ -254,9 +255,9 @@ def unresolved(error: BootstrapError, asked: Packages) -> ConfigError | None:
     indexes = [
         f"{i.url} (for {', '.join(i.packages)})" if i.packages else i.url for i in asked.indexes
     ]
-    where = ", ".join([*indexes, DEFAULT_INDEX])
+    where = redact_urls(", ".join([*indexes, DEFAULT_INDEX]))
     return ConfigError(
-        f"the nodes' packages cannot be installed: {reason} Indexes asked: {where}\n"
+        f"the nodes' packages cannot be installed: {redact_urls(reason)} Indexes asked: {where}\n"
         f"Asked for: {', '.join(asked.pip)} (from {', '.join(asked.sources)}). Fix the "
         "requirement, or name the index that serves it with --index URL (or [tool.uv] in the "
         "script's metadata)."

@@ -22,6 +22,7 @@ arguments.
 from __future__ import annotations
 
 import inspect
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -235,12 +236,21 @@ def check_plugins(names: Any, where: str) -> tuple[str, ...]:
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
-    """``["K=V", ...]`` as a dict; a pair without ``=`` is a ConfigError."""
+    """``["K=V", "NAME", ...]`` as a dict. A bare ``NAME`` takes this process's value (as
+    ``docker run -e NAME`` does): a secret then never sits on the command line, where any user
+    of this machine reads it with ``ps``. A bare name that is not set is a ConfigError."""
     env = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--env takes KEY=VALUE, got {pair!r}")
+        if not key:
+            raise ConfigError(f"--env takes KEY=VALUE or KEY, got {pair!r}")
+        if not sep:
+            if key not in os.environ:
+                raise ConfigError(
+                    f"--env {key}: {key} is not set in this shell; export it first, or give "
+                    f"--env {key}=VALUE"
+                )
+            value = os.environ[key]
         env[key] = value
     return env
 

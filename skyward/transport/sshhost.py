@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -381,11 +380,3 @@ class RemoteProcess:
         except Exception:
             return None
         return self.process.returncode  # negative: the signal that ended it (as a channel's)
-
-
-def shell_env(env: Mapping[str, str]) -> str:
-    """``K=V`` words for ``env``: sshd usually refuses client-sent variables (AcceptEnv)."""
-    for name in env:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise ConfigError(f"environment variable name {name!r} is not valid in a shell")
-    return " ".join(f"{name}={shlex.quote(value)}" for name, value in env.items())

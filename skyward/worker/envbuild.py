@@ -37,6 +37,7 @@ from pathlib import Path
 from skyward.worker.filelock import locked
 from skyward.worker.hostcheck import READY_MARKER as READY_MARKER
 from skyward.worker.hostcheck import same_python
+from skyward.worker.redact import redact_urls
 
 OUTPUT_TAIL_LINES = 40
 
@@ -185,7 +186,8 @@ def _run_setup(spec: EnvSpec, log: Callable[[str], None], env_dir: Path | None =
         env["VIRTUAL_ENV"] = str(env_dir)
         env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     for command in spec.setup:
-        _run(["/bin/sh", "-c", command], log, f"setup command {command!r}", env=env)
+        what = f"setup command {redact_urls(command)!r}"
+        _run(["/bin/sh", "-c", command], log, what, env=env)
 
 
 def _requirements_project(spec: EnvSpec) -> str:
@@ -244,7 +246,8 @@ def _run(
     ) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
-            line = line.rstrip("\n")
+            # uv, pip and a setup command may echo an index URL with its password in it.
+            line = redact_urls(line.rstrip("\n"))
             log(line)
             tail = [*tail[-(OUTPUT_TAIL_LINES - 1) :], line]
         status = proc.wait()

@@ -208,7 +208,7 @@ def _dpkg_installed(package: str) -> bool:
 
 
 def program() -> str:
-    """The check as one ``python3 -c`` program (argument: the query's JSON) for a host where
+    """The check as one ``python3 -c`` program (the query's JSON on stdin) for a host where
     skyward may not be importable yet: this module's source and the GPU inventory's, each run
     as a module of its own, then `main` with the inventory's `find_visible` (a Slurm step's
     GPUs are those its CUDA_VISIBLE_DEVICES names). Built on the client."""
@@ -227,14 +227,16 @@ def program() -> str:
 
 
 def main(find_gpus: Callable[[], Inventory] | None = None) -> None:
-    """``python -c PROGRAM QUERY_JSON [CACHE]`` (or ``-m skyward.worker.hostcheck``): print the
-    report. CACHE, when given, is the cache directory (the query's is then unused).
+    """``python -c PROGRAM [CACHE]`` (or ``-m skyward.worker.hostcheck``), the query's JSON on
+    stdin: print the report. CACHE, when given, is the cache directory (the query's is then
+    unused). The query comes on stdin, not as an argument: a requirement may be a URL with a
+    token in it, and a command line is public on its machine.
 
     skyward's shipped source, when there, comes first on the path, so the probe is the client's.
     """
-    data = json.loads(sys.argv[1])
-    if len(sys.argv) > 2:
-        data["cache"] = sys.argv[2]
+    data = json.loads(sys.stdin.read())
+    if len(sys.argv) > 1:
+        data["cache"] = sys.argv[1]
     query = Query(
         **{**data, "apt": tuple(data["apt"]), "requirements": tuple(data["requirements"])}
     )

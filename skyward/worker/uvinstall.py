@@ -6,10 +6,12 @@ exists, so it is standard library only. Two ways in, chosen by the client
 
 - ``--receive``: the client's own uv binary arrives gzip-compressed on stdin (the client sends it
   when the host's OS, architecture and C library match its own);
-- ``--fetch INDEXES``: the uv wheel for this host's platform is found on the image's indexes
+- ``--fetch``: the uv wheel for this host's platform is found on the image's indexes
   (flat pages or PEP 503 simple indexes, in order, then those of ``UV_INDEX`` and the default
   index, ``UV_DEFAULT_INDEX`` or ``UV_INDEX_URL`` or PyPI, as uv would read them), downloaded
-  with urllib, checked against the sha256 the index gives, and the binary taken out of it.
+  with urllib, checked against the sha256 the index gives, and the binary taken out of it. The
+  image's indexes arrive on stdin as JSON, not as an argument: a URL may hold a password, and a
+  command line is public on its machine.
 
 Either way the binary lands at DEST (``<cache>/bootstrap/uv-<version>/bin/uv``) atomically, under
 a lock, and must answer ``uv --version`` with the version asked for. The last line printed is
@@ -34,6 +36,8 @@ import urllib.parse
 import urllib.request
 import zipfile
 from html.parser import HTMLParser
+
+from skyward.worker.redact import redact_urls
 
 DEFAULT_INDEX = "https://pypi.org/simple/"
 TIMEOUT = 30.0  # seconds for one request; a host with no route fails at once anyway
@@ -174,7 +178,7 @@ def install(dest: str, version: str, binary: bytes) -> None:
 
 def main() -> None:
     """``python3 -m skyward.worker.uvinstall DEST VERSION --receive`` (the binary gzipped on
-    stdin) or ``... --fetch JSON`` (a list of ``[url, flat]``)."""
+    stdin) or ``... --fetch`` (a JSON list of ``[url, flat]`` on stdin)."""
     dest, version, how = sys.argv[1], sys.argv[2], sys.argv[3]
     try:
         root = os.path.dirname(os.path.dirname(os.path.dirname(dest)))  # <cache>/bootstrap
@@ -185,10 +189,12 @@ def main() -> None:
                 if how == "--receive":
                     binary = gzip.decompress(sys.stdin.buffer.read())
                 else:
-                    binary = fetch(version, [(u, bool(f)) for u, f in json.loads(sys.argv[4])])
+                    listed = json.loads(sys.stdin.read())
+                    binary = fetch(version, [(u, bool(f)) for u, f in listed])
                 install(dest, version, binary)
     except Failed as exc:
-        print(json.dumps({"error": str(exc), "output": exc.output}))
+        # What was tried names each index: without the passwords some of their URLs hold.
+        print(json.dumps({"error": redact_urls(str(exc)), "output": redact_urls(exc.output)}))
         sys.exit(1)
     except OSError as exc:
         print(json.dumps({"error": f"installing uv at {dest} failed: {exc}", "output": ""}))

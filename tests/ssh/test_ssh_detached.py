@@ -24,7 +24,7 @@ import pytest
 from skyward.cli.main import main
 from skyward.detached import record
 from tests.ssh.conftest import Hosts, processes_with, wait_until
-from tests.support import sshd
+from tests.support import cmdlines, sshd
 
 pytestmark = [pytest.mark.ssh]
 
@@ -149,11 +149,17 @@ def test_a_failing_rank_stops_the_others_and_fails_the_run(
     netns_hosts: Hosts, project: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     name = "fails"
-    assert main(["run", "--detach", "--name", name, "--env", "FAIL=3", "job.py", "4"]) == 0
-    capsys.readouterr()
-    begun = time.monotonic()
-    assert main(["logs", "-f", name]) == 3
-    assert time.monotonic() - begun < 10  # four half-second steps, then seconds at most
+    # A run's env reaches its ranks through owner-only spec files, never a command line: not
+    # the leader's, a follower's (authorized_keys' command=) or a rank's (`cmdlines.Watch`).
+    secret = cmdlines.canary()
+    with cmdlines.Watch(secret) as watch:
+        command = ["run", "--detach", "--name", name, "--env", "FAIL=3"]
+        assert main([*command, "--env", f"SKYWARD_CANARY={secret}", "job.py", "4"]) == 0
+        capsys.readouterr()
+        begun = time.monotonic()
+        assert main(["logs", "-f", name]) == 3
+        assert time.monotonic() - begun < 10  # four half-second steps, then seconds at most
+    assert watch.leaks == [], watch.leaks[:3]
     captured = capsys.readouterr()
     assert "rank 1 exited with status 3" in captured.err
     assert "(node 1) rank 1 step 3" in captured.out

@@ -13,6 +13,7 @@ directory inside a network-namespace host, without touching the machine's own /e
 from __future__ import annotations
 
 import importlib.resources
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,8 +55,11 @@ def first_boot_script(pool_id: str, host_key: HostKey, idle_timeout: float, kind
     """The bash script every machine of pool `pool_id` runs at first boot; `kind` names it
     (``user data``, ``startup-script``) in its header."""
     idle = max(1, int(idle_timeout))
+    # The pool's name as one JSON string: a name with a newline in it would end the comment
+    # and run the rest as a command (JSON escapes every control and non-ASCII character).
+    name = json.dumps(pool_id)
     return f"""#!/bin/bash
-# skyward {kind} for pool {pool_id}: install the SSH host key the client generated (its first
+# skyward {kind} for pool {name}: install the SSH host key the client generated (its first
 # connection is then verified), restart sshd, and start the idle watchdog.
 set -euo pipefail
 R="${{SKYWARD_ROOT:-}}"

@@ -53,8 +53,9 @@ from skyward.providers.remote.host import Host, StreamedProcess
 from skyward.providers.remote.hoststeps import CACHE, Bootstrap
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.base import AgentStream
-from skyward.transport.sshhost import SSHHost, shell_env
+from skyward.transport.sshhost import SSHHost
 from skyward.transport.sshstream import open_agent
+from skyward.transport.stdinenv import READ_ENV, env_line
 from skyward.worker import hostcheck
 from skyward.worker.gpus import Inventory, visible_env
 
@@ -86,15 +87,20 @@ class RemoteNode(Node):
                 node=self.index,
             )
         self.agent_env = dict(env)  # node-side commands for the pool (an S3 upload) get it too
-        # The source path must expand on the host, so it is the one value left unquoted.
         full = {**self.gpu_env, **self.provider_env, **env, "PYTHONUNBUFFERED": "1"}
-        words = shell_env({k: v for k, v in full.items() if k != "PYTHONPATH"})
+        # The values travel as the first line of the agent's stdin, read by its shell before
+        # the `exec` (`stdinenv`): the agent's command line, which lives as long as the pool
+        # (on Slurm, srun's on the login node too), holds none of them. The source path must
+        # expand on the host: it is the one variable on the command line.
+        line = env_line({k: v for k, v in full.items() if k != "PYTHONPATH"})
         command = (
-            f'cd "$HOME" && exec env {hoststeps.pythonpath()} {words} '
+            f'{READ_ENV}cd "$HOME" && exec env {hoststeps.pythonpath()} '
             f"{shlex.quote(self.python)} -m skyward.worker"
         )
         try:
-            return await self.open_agent(command)
+            stream = await self.open_agent(command)
+            stream.write([line])
+            return stream
         except (OSError, asyncssh.Error) as exc:
             raise BootstrapError(
                 f"starting the agent on {self.host} failed: {exc}", node=self.index
@@ -234,10 +240,10 @@ async def prepare_host(
             await hoststeps.json_step(
                 node,
                 bootstrap,
-                f"cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.hostcheck "
-                f'{shlex.quote(_query(image, bootstrap, gpus=False).to_json())} "{CACHE}"',
+                f'cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.hostcheck "{CACHE}"',
                 "checking the host's packages",
                 host_log,
+                _query(image, bootstrap, gpus=False).to_json().encode(),
             )
         )
     decision = hostcheck.decide(report, spec.python, bool(spec.setup))
@@ -292,11 +298,12 @@ async def _check(
             node,
             bootstrap,
             f"P=$(command -v {shlex.quote(python)}) || "
-            f"{{ echo 'python {python} was not found on this host' >&2; exit 127; }}; "
-            f'exec "$P" -c {shlex.quote(_check_program())} {shlex.quote(query.to_json())} '
-            f'"{CACHE}"',
+            f"{{ echo {shlex.quote(f'python {python} was not found on this host')} >&2; "
+            "exit 127; }; "
+            f'exec "$P" -c {shlex.quote(_check_program())} "{CACHE}"',
             "checking the host",
             log,
+            query.to_json().encode(),  # on stdin: a requirement may hold a URL's token
         )
     )
 

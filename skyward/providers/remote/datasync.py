@@ -25,7 +25,7 @@ from skyward.providers.base import Cluster, Log, Provider, local_outputs, output
 from skyward.providers.remote import files
 from skyward.providers.remote.bootstrap import RemoteNode, module_command, remote_nodes
 from skyward.providers.remote.hoststeps import CACHE
-from skyward.transport.sshhost import shell_env
+from skyward.transport.stdinenv import READ_ENV, env_line
 from skyward.worker import treestore
 
 HOST_CACHE = f'"{CACHE}"'  # as a shell word
@@ -94,9 +94,9 @@ async def _collect_one(cluster: Cluster, node: RemoteNode, output_dir: str) -> N
     )
     # A node that never started its agent has no directory: nothing to upload.
     absent = f"test -d {HOST_CACHE}/{shlex.quote(where)} || {{ echo '{{}}'; exit 0; }}"
-    env = {k: v for k, v in node.agent_env.items() if k != "PYTHONPATH"}
-    exports = f"export {shell_env(env)}; " if env else ""  # the credentials the pool gave
-    done = await node.host.run(f"{absent}; {exports}{command}")
+    # The credentials the pool gave, on the command's stdin (`stdinenv`), never its argv.
+    env = env_line({k: v for k, v in node.agent_env.items() if k != "PYTHONPATH"})
+    done = await node.host.run(f"{READ_ENV}{absent}; {command}", env)
     lines = done.stdout.decode(errors="replace").strip().splitlines()
     result = _last_json(lines)
     if done.status != 0 or "error" in result:

@@ -30,8 +30,10 @@ from skyward.providers.base import Log
 from skyward.providers.environment import packaged_uv
 from skyward.providers.remote.host import Host
 from skyward.providers.source import source_hash
-from skyward.transport.sshhost import Completed, shell_env
+from skyward.transport.sshhost import Completed
+from skyward.transport.stdinenv import READ_ENV, env_line
 from skyward.worker import hostcheck, uvinstall
+from skyward.worker.redact import redact_urls
 
 
 class NodeOnHost(Protocol):
@@ -63,10 +65,6 @@ class Bootstrap:
         checks.text(self.uv_version, "uv_version")
         checks.environment(self.build_env, "build_env")
 
-    @property
-    def prefix(self) -> str:
-        return f"export {shell_env(self.build_env)}; " if self.build_env else ""
-
 
 async def install_uv(
     node: NodeOnHost,
@@ -83,9 +81,9 @@ async def install_uv(
     if report.uv:
         return report.uv
     version = bootstrap.uv_version
-    dest = f"{CACHE}/bootstrap/uv-{version}/bin/uv"
+    dest = f'"{CACHE}"/' + shlex.quote(f"bootstrap/uv-{version}/bin/uv")
     command = (
-        f'{pythonpath()} exec {shlex.quote(report.python)} -m skyward.worker.uvinstall "{dest}" '
+        f"{pythonpath()} exec {shlex.quote(report.python)} -m skyward.worker.uvinstall {dest} "
         f"{shlex.quote(version)}"
     )
     sendable = client_uv(version)
@@ -97,9 +95,9 @@ async def install_uv(
         # Scoped indexes serve uv only when they name it; unscoped ones serve everything.
         serving = [[i.url, i.flat] for i in indexes if not i.packages or "uv" in i.packages]
         what = f"fetching uv {version} for {report.system} {report.machine} from the indexes"
-        done = await json_step(
-            node, bootstrap, f"{command} --fetch {shlex.quote(json.dumps(serving))}", what, log
-        )
+        # On stdin: an index URL may hold a password, and a command line is public.
+        listed = json.dumps(serving).encode()
+        done = await json_step(node, bootstrap, f"{command} --fetch", what, log, listed)
     return str(json.loads(done)["uv"])
 
 
@@ -139,7 +137,8 @@ async def apt_install(
         node,
         bootstrap,
         f"export DEBIAN_FRONTEND=noninteractive; {sudo}apt-get update -q 2>&1 && "
-        f"{sudo}apt-get install -y -q --no-install-recommends {names} 2>&1",
+        # `--`: a package name that starts with "-" is a name, never an option.
+        f"{sudo}apt-get install -y -q --no-install-recommends -- {names} 2>&1",
         f"installing apt packages {', '.join(packages)}",
         log,
         merge=True,
@@ -150,8 +149,14 @@ async def send_step(
     node: NodeOnHost, bootstrap: Bootstrap, command: str, what: str, log: Log, input: bytes
 ) -> Completed:
     log(what)  # the step's name, then its output lines: the node's detail as it builds
+    # build_env's values reach the step on its stdin, ahead of its input (`stdinenv`).
+    line = env_line(bootstrap.build_env)
+
+    def echo(text: str) -> None:  # a tool's line may show an index URL with its password
+        log(redact_urls(text))
+
     try:
-        return await node.host.run(bootstrap.prefix + command, input, log)
+        return await node.host.run(READ_ENV + command, line + input, echo)
     except (OSError, asyncssh.Error) as exc:
         raise BootstrapError(
             f"{what} on {node.host} failed: the connection broke ({exc})", node=node.index
@@ -180,7 +185,8 @@ async def run_step(
 
 async def _failed(node: NodeOnHost, what: str, how: str, output: str) -> BootstrapError:
     """The error of a failed step: `how` it failed, a word on a nearly full cache, its last
-    lines."""
+    lines (the credentials of any URL in them hidden)."""
+    how, output = redact_urls(how), redact_urls(output)
     return BootstrapError(
         f"{what} on {node.host} failed{how}{await _low_disk(node)}\n--- last lines ---\n{output}",
         node=node.index,

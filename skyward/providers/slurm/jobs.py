@@ -77,7 +77,7 @@ async def cancel(login: Login, pool: str | None) -> list[str]:
     chosen = [job for job in jobs.values() if pool is None or job.pool_id == pool]
     if not chosen:
         return []
-    ids = " ".join(job.job_id for pool_job in chosen for job in pool_job.jobs)
+    ids = " ".join(shlex.quote(job.job_id) for pool_job in chosen for job in pool_job.jobs)
     done = await login.run(f"scancel {ids}")
     if done.status != 0:
         raise ProvisionError(f"scancel {ids} failed (exit status {done.status}): {done.tail}")

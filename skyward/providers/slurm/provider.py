@@ -551,7 +551,7 @@ class Slurm(Provider):
         elif cluster.nodes and cluster.job_id:
             with contextlib.suppress(Exception):
                 await datasync.remove_outputs(cluster)
-        jobs = " ".join(a.job_id for a in cluster.allocations if a.job_id)
+        jobs = " ".join(shlex.quote(a.job_id) for a in cluster.allocations if a.job_id)
         if jobs and not login.closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(login.run(f"scancel {jobs}"), COMMAND_SECONDS)
@@ -598,7 +598,7 @@ async def _settled_state(login: Login, job_id: str, seconds: float = 2.0) -> str
     while True:
         # -t all: a job that ended (preempted, timed out) stays listed a while (MinJobAge)
         done = await asyncio.wait_for(
-            login.run(f"squeue -h -t all -j {job_id} -o %T"), COMMAND_SECONDS
+            login.run(f"squeue -h -t all -j {shlex.quote(job_id)} -o %T"), COMMAND_SECONDS
         )
         state = done.stdout.decode(errors="replace").strip() or "ENDED"
         if state != "COMPLETING" or loop.time() >= deadline:
@@ -650,7 +650,7 @@ async def _shares_cache(cluster: SlurmCluster) -> bool:
     if len(cluster.nodes) < 2:
         return False
     token = secrets.token_hex(8)
-    path = f'"{CACHE}/.shared-{cluster.spec.pool_id}"'
+    path = f'"{CACHE}"/' + shlex.quote(f".shared-{cluster.spec.pool_id}")
     first = bootstrap.remote_nodes(cluster)[0].host
     with contextlib.suppress(Exception):
         await first.run(f'mkdir -p "{CACHE}" && echo {token} > {path}')

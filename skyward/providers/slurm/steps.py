@@ -8,6 +8,8 @@ srun's, so the agent's stream is the same pipe or SSH channel a Local or SSH nod
 
 from __future__ import annotations
 
+import shlex
+
 from skyward.providers.remote.bootstrap import RemoteNode
 from skyward.providers.remote.host import StreamedProcess
 from skyward.providers.slurm import commands
@@ -46,9 +48,10 @@ class StepHost:
     def agent_step(self, command: str) -> str:
         """The agent's step: every CPU (and GPU) of the allocation on the node, and an
         environment without the step's SLURM_* world (the pool is the world)."""
+        job, node = shlex.quote(self.job_id), shlex.quote(self.name)
         inner = (
-            f"{commands.UNSET_STEP_VARIABLES}; export SKYWARD_SLURM_JOB_ID={self.job_id} "
-            f"SKYWARD_SLURM_NODE={self.name}; {command}"
+            f"{commands.UNSET_STEP_VARIABLES}; export SKYWARD_SLURM_JOB_ID={job} "
+            f"SKYWARD_SLURM_NODE={node}; {command}"
         )
         return commands.step(self.job_id, self.name, inner, self.cpus, self.gres)
 

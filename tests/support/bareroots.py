@@ -299,6 +299,7 @@ hostname "$name"
 exec chroot "$root" "$@"
 """
 
+
 def _sshd_config(address: str, extra: Sequence[str]) -> str:
     lines = [
         "AddressFamily inet",

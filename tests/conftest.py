@@ -185,6 +185,7 @@ def _group_for_workers(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Group the tests for the worker processes (`_group_for_workers`); start the Debian
     roots' builds the tests need (`_start_root_builds`); `gpu`-marked tests need a real NVIDIA

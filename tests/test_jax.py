@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import pytest
 import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.plugins.jax_plugin import JAX_RELEASES, LIBTPU_RELEASES
+from skyward.worker import jaxenv
 from tests.conftest import import_example, start_with_node_1_stuck
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -273,6 +275,34 @@ def sharded_sums(rows: int) -> dict[str, Any]:
         "total": int(total),
         "weighted": int(weighted),
     }
+
+
+@sky.compute
+def jax_listeners() -> tuple[str, list[str]]:
+    """Where this node's network has something listening on the pool's JAX port (`ss`)."""
+    info = sky.instance_info()
+    port = info.ports["jax"]
+    out = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
+    ).stdout
+    # gRPC binds an IPv4 address as an IPv4-mapped IPv6 one: [::ffff:10.0.0.1]:port
+    found = [line.split()[3].replace("[::ffff:", "").replace("]", "") for line in out.splitlines()]
+    return f"{info.head_addr}:{port}", found
+
+
+def test_the_coordinator_listens_only_on_the_pools_address(pool2: sky.ComputePool) -> None:
+    # Local nodes share one network: 127.0.0.1, never JAX's default [::] (every interface).
+    coordinator, listening = pool2.run(jax_listeners(), node=0)
+    assert coordinator.startswith("127.0.0.1:") and listening == [coordinator]
+
+
+def test_the_knock_refuses_a_listener_that_is_not_the_coordinator() -> None:
+    # A plain TCP server on the coordinator's port: accepts, and never answers gRPC.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        with pytest.raises(RuntimeError, match=f"something listens at {address}.*not a JAX"):
+            jaxenv.wait_for_listener(address, 0.5)
+    jaxenv.wait_for_listener(address, 0.2)  # nobody there: JAX itself will say so
 
 
 def check_sharded_sums(pool: sky.ComputePool, nodes: int, rows: int = 3) -> None:

@@ -704,6 +704,7 @@ def lead_batch(root: Path) -> int:
             **plan["env"],
             OUTPUT_ENV: output_dir(directory),
             "JAX_COORDINATOR_ADDRESS": f"{head}:{port}",
+            "JAX_COORDINATOR_BIND_ADDRESS": f"{head}:{port}",  # not [::] (jax_plugin)
             "JAX_NUM_PROCESSES": str(len(hosts)),
             "JAX_PROCESS_ID": str(rank),
             # torchrun's, as `skyward run` sets them (one process per node)

@@ -23,6 +23,7 @@ from skyward.cluster import Accelerator, ClusterSpec
 from skyward.plugins.jax_plugin import JAX_RELEASES, LIBTPU_RELEASES
 from skyward.worker import jaxenv
 from tests.conftest import import_example, start_with_node_1_stuck
+from tests.support.listeners import listeners
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "jax_data_parallel.py"
@@ -277,22 +278,9 @@ def sharded_sums(rows: int) -> dict[str, Any]:
     }
 
 
-@sky.compute
-def jax_listeners() -> tuple[str, list[str]]:
-    """Where this node's network has something listening on the pool's JAX port (`ss`)."""
-    info = sky.instance_info()
-    port = info.ports["jax"]
-    out = subprocess.run(
-        ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
-    ).stdout
-    # gRPC binds an IPv4 address as an IPv4-mapped IPv6 one: [::ffff:10.0.0.1]:port
-    found = [line.split()[3].replace("[::ffff:", "").replace("]", "") for line in out.splitlines()]
-    return f"{info.head_addr}:{port}", found
-
-
 def test_the_coordinator_listens_only_on_the_pools_address(pool2: sky.ComputePool) -> None:
     # Local nodes share one network: 127.0.0.1, never JAX's default [::] (every interface).
-    coordinator, listening = pool2.run(jax_listeners(), node=0)
+    coordinator, listening = pool2.run(listeners("jax"), node=0)
     assert coordinator.startswith("127.0.0.1:") and listening == [coordinator]
 
 

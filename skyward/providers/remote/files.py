@@ -168,8 +168,9 @@ async def pull_tree(
     skyward cache directory, as its output directories are).
 
     Incremental: only files whose size or mtime differ from the local copy are sent, each
-    written to a temp name and renamed, so a reader never sees half a file. Modes, mtimes,
-    symlinks and empty directories are kept. A missing `remote_dir` means nothing to pull.
+    written to a temp name and renamed, so a reader never sees half a file. Mtimes, symlinks
+    and empty directories are kept, and modes less their group and other bits. A missing
+    `remote_dir` means nothing to pull.
     What an earlier pull from this node brought (`pulled`, its `PullStats.paths`) and the node
     no longer has is removed here (a checkpoint's temporary directory caught mid-write); nothing
     else local is ever removed, so a replaced node's empty directory deletes nothing. A file the

@@ -2,7 +2,7 @@
 
 Directories and symlinks are made from the listing; a file is fetched only when its size or
 mtime differ from the local copy, written to a temp name and renamed, so a reader never sees
-half a file. Modes and mtimes are kept.
+half a file. Mtimes are kept, and modes less their group and other bits.
 
 The listing comes from the node and is not trusted: `check_listing` refuses, before anything
 is written, a path that is absolute, has a ``..``, or lies under a symlink the listing makes,
@@ -29,6 +29,10 @@ import asyncssh
 from skyward.providers.remote.treepeer import U32, Peer
 from skyward.worker.treemanifest import DIR, FILE, LINK, Entry
 from skyward.worker.treestore import END, FAILED, GONE
+
+# Outputs keep their owner's bits only: they may hold what the pool computed from private
+# data, and a node's modes (or umask) are not the client's to choose.
+PRIVATE = 0o700
 
 
 def check_listing(local_dir: Path, entries: list[Entry]) -> str | None:
@@ -112,7 +116,7 @@ async def receive_files(peer: Peer, local_dir: Path, entries: list[Entry]) -> tu
             try:
                 with open(temp, "wb") as out:
                     size = await _copy_chunks(read, out)
-                os.chmod(temp, mode)
+                os.chmod(temp, mode & PRIVATE)
                 os.utime(temp, ns=(mtime_ns, mtime_ns))
                 _replace(temp, target)
             except BaseException:
@@ -133,7 +137,7 @@ def set_dirs(local_dir: Path, entries: list[Entry]) -> None:
     for e in reversed(entries):  # deepest first: a parent's mtime is set last
         if e.kind == DIR:
             target = local_dir / e.path
-            os.chmod(target, e.mode)
+            os.chmod(target, e.mode & PRIVATE)
             os.utime(target, ns=(e.mtime_ns, e.mtime_ns))
 
 

@@ -63,6 +63,10 @@ def unpack_command(src_root: str) -> str:
     return (
         f'(set -e; umask 077; mkdir -p "{target}"; T=$(mktemp -d "{src_root}/.tmp-XXXXXX"); '
         f'tar --no-same-permissions -xzf - -C "$T"; '
+        # Python makes __pycache__ under the umask of whoever imports first (a host check,
+        # an agent before it sets its own): made here, they are 0700 too, and the bytecode
+        # takes its source's 0600.
+        f'find "$T/skyward" -type d ! -name __pycache__ -exec mkdir -p "{{}}/__pycache__" \\;; '
         f'mv -T "$T/skyward" "{target}/skyward" 2>/dev/null || true; '
         f'rm -rf "$T"; test -f "{target}/skyward/__init__.py")'
     )

@@ -155,12 +155,14 @@ def push(
     return loop.run(push_tree(nodes, root, scan(root), stats=stats))
 
 
-def assert_same_tree(local: Path, remote: Path, pulled: bool = False) -> None:
-    """`remote` mirrors `local`; a `pulled` copy has its owner's permission bits only."""
-    want = scan(local).entries
-    if pulled:
-        want = [e if e.kind == treemanifest.LINK else e._replace(mode=e.mode & 0o700) for e in want]
-    assert list(scan(remote).entries) == list(want)
+def assert_same_tree(local: Path, remote: Path) -> None:
+    """`remote` mirrors `local`, with its owner's permission bits only (pushed and pulled
+    copies are private)."""
+    want = [
+        e if e.kind == treemanifest.LINK else e._replace(mode=e.mode & 0o700)
+        for e in scan(local).entries
+    ]
+    assert list(scan(remote).entries) == want
 
 
 def test_first_push_materializes_the_tree(node: Any, tmp_path: Path) -> None:
@@ -173,7 +175,7 @@ def test_first_push_materializes_the_tree(node: Any, tmp_path: Path) -> None:
     assert_same_tree(root, tree)
     assert (tree / "empty").is_dir()
     assert os.readlink(tree / "link") == "a/b/deep.txt"
-    assert os.access(tree / "run.sh", os.X_OK) and (tree / "run.sh").stat().st_mode & 0o777 == 0o755
+    assert os.access(tree / "run.sh", os.X_OK) and (tree / "run.sh").stat().st_mode & 0o777 == 0o700
     assert (tree / "a").stat().st_mtime_ns == 2_000_000_000
     assert (tree / "a/b/deep.txt").stat().st_mtime_ns == 1_000_000_000
     # The duplicate content went once; nothing is left in tmp.
@@ -209,12 +211,12 @@ def test_new_mode_or_mtime_reuses_content_without_sharing_the_inode(
     loop, remote, _data = node
     root = make_tree(tmp_path / "src")
     [first] = push(loop, [remote], root)
-    (root / "copy.bin").chmod(0o600)
+    (root / "copy.bin").chmod(0o700)  # the owner's bits: the node's copies keep only those
     stats = PushStats()
     [second] = push(loop, [remote], root, stats)
     assert stats.files_sent[remote.index] == 0
-    assert (Path(second) / "copy.bin").stat().st_mode & 0o777 == 0o600
-    assert (Path(first) / "copy.bin").stat().st_mode & 0o777 != 0o600
+    assert (Path(second) / "copy.bin").stat().st_mode & 0o777 == 0o700
+    assert (Path(first) / "copy.bin").stat().st_mode & 0o777 == 0o600
     assert_same_tree(root, Path(second))
 
 
@@ -474,7 +476,7 @@ def test_pull_mirrors_incrementally(node: Any, tmp_path: Path) -> None:
 
     first = loop.run(pull_tree(remote, str(src), local))
     assert (first.files, first.bytes) == (6, 5 * 50_000 + 12)
-    assert_same_tree(src, local, pulled=True)
+    assert_same_tree(src, local)
 
     again = loop.run(pull_tree(remote, str(src), local))
     assert (again.files, again.bytes) == (0, 0) and again.paths == first.paths
@@ -483,7 +485,7 @@ def test_pull_mirrors_incrementally(node: Any, tmp_path: Path) -> None:
         fh.write('{"loss": 0.5}\n')
     third = loop.run(pull_tree(remote, str(src), local))
     assert (third.files, third.bytes) == (1, 26)
-    assert_same_tree(src, local, pulled=True)
+    assert_same_tree(src, local)
     assert not [p for p in local.rglob("*") if ".skyward-" in p.name]
 
 

@@ -210,7 +210,8 @@ def test_a_bad_profile_setting_is_one_line_naming_it(
     monkeypatch.chdir(tmp_path)
     assert main(["run", "s.py"]) == 1
     captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
+    said, *lines = captured.err.strip().splitlines()
+    assert said == f"skyward: profile 'default' from {tmp_path.resolve() / 'skyward.toml'}"
     assert len(lines) == 1 and names in lines[0] and "Traceback" not in captured.err, lines
     assert "unhashable" not in captured.err
 

@@ -304,7 +304,9 @@ def test_cli_errors_are_one_line_and_debug_shows_the_traceback(
 # -- profiles ------------------------------------------------------------------------------------
 
 
-def test_profiles_from_skyward_toml_and_pyproject(tmp_path: Path) -> None:
+def test_profiles_from_skyward_toml_and_pyproject(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "pyproject.toml").write_text(
         textwrap.dedent(
             """
@@ -328,6 +330,9 @@ def test_profiles_from_skyward_toml_and_pyproject(tmp_path: Path) -> None:
         "aws", {"region": "eu-west-1", "spot": True}, "A100:8", ("jax",),
     )  # fmt: skip
     assert cloud.source == "pyproject.toml"
+    # The file that chose the hosts is named, in full.
+    said = capsys.readouterr().err
+    assert f"profile 'cloud' from {(tmp_path / 'pyproject.toml').resolve()}" in said
     (tmp_path / "skyward.toml").write_text(
         textwrap.dedent(
             """

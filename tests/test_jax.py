@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,9 @@ import pytest
 import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
 from skyward.plugins.jax_plugin import JAX_RELEASES, LIBTPU_RELEASES
+from skyward.worker import jaxenv
 from tests.conftest import import_example, start_with_node_1_stuck
+from tests.support.listeners import listeners
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "jax_data_parallel.py"
@@ -273,6 +276,21 @@ def sharded_sums(rows: int) -> dict[str, Any]:
         "total": int(total),
         "weighted": int(weighted),
     }
+
+
+def test_the_coordinator_listens_only_on_the_pools_address(pool2: sky.ComputePool) -> None:
+    # Local nodes share one network: 127.0.0.1, never JAX's default [::] (every interface).
+    coordinator, listening = pool2.run(listeners("jax"), node=0)
+    assert coordinator.startswith("127.0.0.1:") and listening == [coordinator]
+
+
+def test_the_knock_refuses_a_listener_that_is_not_the_coordinator() -> None:
+    # A plain TCP server on the coordinator's port: accepts, and never answers gRPC.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        with pytest.raises(RuntimeError, match=f"something listens at {address}.*not a JAX"):
+            jaxenv.wait_for_listener(address, 0.5)
+    jaxenv.wait_for_listener(address, 0.2)  # nobody there: JAX itself will say so
 
 
 def check_sharded_sums(pool: sky.ComputePool, nodes: int, rows: int = 3) -> None:

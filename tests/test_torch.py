@@ -15,6 +15,7 @@ from skyward.cluster import Accelerator, ClusterSpec
 from skyward.plugins.keras_plugin import TORCH_DATA_PARALLEL
 from skyward.plugins.torch_plugin import TORCH_PACKAGES, TORCH_WHEELS
 from tests.conftest import start_with_node_1_stuck
+from tests.support.listeners import listeners
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 
@@ -99,6 +100,12 @@ def group_and_env() -> dict[str, Any]:
         "backend": dist.get_backend(),
         "env": {name: os.environ[name] for name in (*TORCHRUN_VARS, "MASTER_PORT")},
     }
+
+
+def test_node_0s_store_listens_only_on_the_pools_address(pool: sky.ComputePool) -> None:
+    # Local nodes share one network: 127.0.0.1, never torch's default (every interface).
+    store, listening = pool.run(listeners("torch"), node=0)
+    assert store.startswith("127.0.0.1:") and listening == [store]
 
 
 @sky.compute

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -146,6 +147,9 @@ def load_profile(name: str | None, directory: Path | None = None) -> Profile:
     wanted = name or "default"
     for path, profiles in files:
         if wanted in profiles:
+            # Said every time: a file in the current directory chooses the hosts skyward logs
+            # into and what it sends them, and may not be the user's own (a cloned repository).
+            print(f"skyward: profile {wanted!r} from {path.resolve()}", file=sys.stderr)
             return parse_profile(wanted, profiles[wanted], path.name)
     if name is not None:
         where = ", ".join(f"{p.name}: {', '.join(sorted(t)) or 'none'}" for p, t in files)

@@ -151,10 +151,15 @@ class JaxPlugin(Plugin):
 
 
 def export_launcher_env(info: InstanceInfo) -> str:
-    """Export ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` for this
-    node (the coordinator on node 0's ``jax`` port); returns the coordinator's address."""
+    """Export ``JAX_COORDINATOR_ADDRESS`` (and ``JAX_COORDINATOR_BIND_ADDRESS``, the same),
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` for this node (the coordinator on node 0's
+    ``jax`` port); returns the coordinator's address."""
     coordinator = f"{info.head_addr}:{info.ports['jax']}"
     os.environ["JAX_COORDINATOR_ADDRESS"] = coordinator
+    # Node 0's coordinator listens only where the others dial it (the pool's private address;
+    # 127.0.0.1 on Local), not on JAX's default [::]: anyone else on that network could end
+    # the pool's tasks or read and write the key-value store NCCL bootstraps from.
+    os.environ["JAX_COORDINATOR_BIND_ADDRESS"] = coordinator
     os.environ["JAX_NUM_PROCESSES"] = str(info.total_nodes)
     os.environ["JAX_PROCESS_ID"] = str(info.node)
     return coordinator

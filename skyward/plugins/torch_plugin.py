@@ -6,7 +6,8 @@ build elsewhere (unless the image names an index for everything, a private mirro
 comes from it, as PyPI serves it).
 `around_app` exports torchrun's variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``; one process per node), then calls
-``torch.distributed.init_process_group`` (NCCL where the node has a GPU, gloo otherwise) and
+``torch.distributed.init_process_group`` on a store that node 0 serves on the pool's address
+only (NCCL where the node has a GPU, gloo otherwise) and
 destroys the group when the node ends. With ``initialize=False`` only the variables are
 exported, for a script that calls ``init_process_group()`` itself (``skyward run``).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -116,17 +118,42 @@ class TorchPlugin(Plugin):
         backend = self.backend or ("nccl" if gpu else "gloo")
         if gpu:
             torch.cuda.set_device(0)  # the node's first GPU it owns: one process per node
+        timeout = timedelta(seconds=self.timeout)
+        # What ``init_method="env://"`` would make, except that node 0's store listens only on
+        # the pool's address (torch's own binds every interface, where anyone could read and
+        # write the keys the group bootstraps from). The store keeps the listening socket.
+        listening = _listen(info) if info.is_head else None
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                info.head_addr,
+                info.ports["torch"],
+                info.total_nodes,
+                info.is_head,
+                timeout,
+                master_listen_fd=listening,
+            )
+        except BaseException:
+            if listening is not None:
+                os.close(listening)
+            raise
         dist.init_process_group(
-            backend,
-            init_method="env://",
-            rank=info.node,
-            world_size=info.total_nodes,
-            timeout=timedelta(seconds=self.timeout),
+            backend, store=store, rank=info.node, world_size=info.total_nodes, timeout=timeout
         )
         try:
             yield
         finally:
             dist.destroy_process_group()
+
+
+def _listen(info: InstanceInfo) -> int:
+    """A socket listening on the pool's address and ``torch`` port, for node 0's store: its
+    file descriptor, which the store then owns (it does not copy it)."""
+    family = socket.AF_INET6 if ":" in info.head_addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((info.head_addr, info.ports["torch"]))
+        sock.listen(socket.SOMAXCONN)
+        return sock.detach()
 
 
 def export_torch_env(info: InstanceInfo) -> None:

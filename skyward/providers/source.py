@@ -56,10 +56,17 @@ def unpack_command(src_root: str) -> str:
     """The shell command that unpacks `source_tarball` (its stdin) under `src_root`, an
     expression valid inside double quotes (``$HOME/.cache/skyward/src``, ``$SKYWARD_SRC``)."""
     # Unpack beside, then rename: a host sharing the home never sees half a tree. mv -T fails
-    # when another bootstrap won the race, which is fine.
+    # when another bootstrap won the race, which is fine. In a subshell with umask 077 and
+    # tar's modes narrowed by it (root keeps the archive's otherwise): the cache is the
+    # user's alone (`skyward.info.cache_root`), and this may make its first directories.
     target = f"{src_root}/{source_hash()}"
     return (
-        f'set -e; mkdir -p "{target}"; T=$(mktemp -d "{src_root}/.tmp-XXXXXX"); '
-        f'tar -xzf - -C "$T"; mv -T "$T/skyward" "{target}/skyward" 2>/dev/null || true; '
-        f'rm -rf "$T"; test -f "{target}/skyward/__init__.py"'
+        f'(set -e; umask 077; mkdir -p "{target}"; T=$(mktemp -d "{src_root}/.tmp-XXXXXX"); '
+        f'tar --no-same-permissions -xzf - -C "$T"; '
+        # Python makes __pycache__ under the umask of whoever imports first (a host check,
+        # an agent before it sets its own): made here, they are 0700 too, and the bytecode
+        # takes its source's 0600.
+        f'find "$T/skyward" -type d ! -name __pycache__ -exec mkdir -p "{{}}/__pycache__" \\;; '
+        f'mv -T "$T/skyward" "{target}/skyward" 2>/dev/null || true; '
+        f'rm -rf "$T"; test -f "{target}/skyward/__init__.py")'
     )

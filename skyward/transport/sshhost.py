@@ -143,6 +143,10 @@ async def connect(
         "keepalive_interval": keepalive,
         "keepalive_count_max": 3,
         "encryption_algs": ENCRYPTION_ALGS,
+        # Never the user's agent, whatever an ssh_config says (``ForwardAgent yes``, maybe
+        # from a profile in the current directory): a host's root could log in with it
+        # wherever the user's keys open. Skyward needs no agent on its hosts.
+        "agent_forwarding": False,
     }
     if endpoint.user:
         options["username"] = endpoint.user

@@ -339,6 +339,7 @@ def _take_over_stdio() -> AgentWire:
 
 def main() -> None:
     """Run the agent on this process's stdin/stdout."""
+    info_module.keep_private()
     wire = _take_over_stdio()
     signal.signal(signal.SIGTERM, lambda *_: _exit_hard(143))
     try:

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from skyward.info import keep_private
 from skyward.worker.filelock import locked
 from skyward.worker.hostcheck import READY_MARKER as READY_MARKER
 from skyward.worker.hostcheck import same_python
@@ -264,6 +265,7 @@ def main() -> None:
     ``{"python": ...}``; ``CACHE --setup-only``: run its setup commands once, print
     ``{"ok": true}``.
     A failure prints ``{"error", "output"}`` and exits 1."""
+    keep_private()
     cache, uv = Path(sys.argv[1]).expanduser(), sys.argv[2]
     spec = EnvSpec.from_json(sys.stdin.read())
     try:

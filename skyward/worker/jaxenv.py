@@ -9,7 +9,8 @@ and the hook is JAX-internal: without it, such scripts must pass the variables t
 ``initialize`` also knocks on the coordinator first, on every process but the first: a process
 that dials the coordinator before it listens is refused, and gRPC then waits about a second
 before it tries again, which is most of a start-up where processes import JAX at slightly
-different speeds. The arguments and the outcome are JAX's own.
+different speeds. The knock checks that the coordinator answers (gRPC's HTTP/2 greeting), not
+just that something listens. The arguments and the outcome are JAX's own.
 
 Runs on the nodes: standard library only.
 """
@@ -90,18 +91,54 @@ def _knock_first() -> None:
     distributed.initialize = initialize
 
 
+# An HTTP/2 client's first bytes: the connection preface and an empty SETTINGS frame. JAX's
+# coordinator is a gRPC server, which answers with a SETTINGS frame of its own.
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS = 4
+
+
 def wait_for_listener(address: str, timeout: float) -> None:
-    """Return once ``host:port`` accepts a connection, or `timeout` seconds have passed."""
+    """Return once the JAX coordinator answers at ``host:port``, or `timeout` seconds have
+    passed with nothing there (JAX then says what is wrong). Something else listening there the
+    whole time (the port freed for the coordinator taken by another program) is an error: a
+    process must not hand its rank and data to a stranger's server."""
     host, _, port = address.rpartition(":")
     if not port.isdigit():
         return  # JAX will say what is wrong with it
     deadline = time.monotonic() + timeout
+    other = False
     while time.monotonic() < deadline:
+        answer = _coordinator_answers(host.strip("[]"), int(port))
+        if answer:
+            return
+        other = answer is False
+        time.sleep(0.02)
+    if other:
+        raise RuntimeError(
+            f"something listens at {address}, the pool's JAX coordinator address, but it is not "
+            f"a JAX coordinator (it does not answer gRPC's HTTP/2 greeting): another program "
+            f"took the port node 0 chose. Restart the pool (a new port is chosen), and look "
+            f"for what listens there on node 0"
+        )
+
+
+def _coordinator_answers(host: str, port: int) -> bool | None:
+    """True when ``host:port`` answers as an HTTP/2 (gRPC) server, None when nothing listens,
+    False when something else does."""
+    try:
+        sock = socket.create_connection((host, port), timeout=1.0)
+    except OSError:
+        return None
+    head = b""
+    with sock:
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
-                return
+            sock.sendall(_HTTP2_HELLO)
+            while len(head) < 9 and (chunk := sock.recv(9 - len(head))):
+                head += chunk
         except OSError:
-            time.sleep(0.02)
+            return False
+    # A frame header: length (3 bytes), type, flags, stream 0 (4 bytes).
+    return len(head) == 9 and head[3] == _SETTINGS and head[5:] == bytes(4)
 
 
 def teach_jax_when_imported() -> None:

@@ -175,7 +175,7 @@ class Build:
                 os.link(self.incoming / sha, self.store.objects / sha)
         for e in reversed(manifest.entries):  # deepest first: a parent's mtime is set last
             if e.kind == DIR:
-                os.chmod(tree / e.path, e.mode)
+                os.chmod(tree / e.path, owner_only(e.mode))
                 os.utime(tree / e.path, ns=(e.mtime_ns, e.mtime_ns))
         (final / "manifest.json").write_bytes(manifest.encoded)
         target = self.store.trees / manifest.digest
@@ -192,12 +192,12 @@ class Build:
         source = self.incoming / sha
         if sha in self.fresh:  # a new inode nobody shares yet: give it this entry's metadata
             self.fresh.discard(sha)
-            os.chmod(source, e.mode)
+            os.chmod(source, owner_only(e.mode))
             os.utime(source, ns=(e.mtime_ns, e.mtime_ns))
         elif not source.exists():
             source = self.store.objects / sha
         st = source.stat()
-        if stat.S_IMODE(st.st_mode) == e.mode and st.st_mtime_ns == e.mtime_ns:
+        if stat.S_IMODE(st.st_mode) == owner_only(e.mode) and st.st_mtime_ns == e.mtime_ns:
             try:
                 os.link(source, dest)
                 return
@@ -206,7 +206,7 @@ class Build:
                     raise
         # Hard links share mode and mtime, so different ones need their own copy.
         shutil.copyfile(source, dest)
-        os.chmod(dest, e.mode)
+        os.chmod(dest, owner_only(e.mode))
         os.utime(dest, ns=(e.mtime_ns, e.mtime_ns))
 
     def close(self) -> None:
@@ -216,3 +216,9 @@ class Build:
             self.lock.unlink()
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def owner_only(mode: int) -> int:
+    """`mode` less its group and other bits: a node's copy of the user's data is theirs alone
+    (the store is often on a cluster's shared home), whatever the client's modes were."""
+    return mode & 0o700

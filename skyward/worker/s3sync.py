@@ -25,6 +25,7 @@ from typing import Any
 
 from skyward.errors import DataError
 from skyward.info import cache_root as cache_root_dir
+from skyward.info import keep_private
 from skyward.worker import s3cache
 from skyward.worker.filelock import locked
 from skyward.worker.s3client import (
@@ -173,6 +174,7 @@ def _send(s3: Any, bucket: str, jobs: Sequence[tuple[Path, str, int]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``download URI [--cache DIR]`` or ``upload DIR URI``; one JSON line on stdout."""
+    keep_private()
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m skyward.worker.s3sync")

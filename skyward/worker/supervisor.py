@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from skyward.info import OUTPUT_ENV_VAR as OUTPUT_ENV
+from skyward.info import keep_private
 from skyward.worker.script import die_with_parent
 
 SPEC = "spec.json"
@@ -704,6 +705,7 @@ def lead_batch(root: Path) -> int:
             **plan["env"],
             OUTPUT_ENV: output_dir(directory),
             "JAX_COORDINATOR_ADDRESS": f"{head}:{port}",
+            "JAX_COORDINATOR_BIND_ADDRESS": f"{head}:{port}",  # not [::] (jax_plugin)
             "JAX_NUM_PROCESSES": str(len(hosts)),
             "JAX_PROCESS_ID": str(rank),
             # torchrun's, as `skyward run` sets them (one process per node)
@@ -756,6 +758,7 @@ def _free_port(address: str) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
+    keep_private()
     roles = {"lead": lead, "follow": follow, "batch": lead_batch}
     if len(argv) == 3 and argv[0] == "linger":
         return linger(Path(argv[1]), argv[2])

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from skyward.errors import DataError
-from skyward.info import cache_root
+from skyward.info import cache_root, keep_private
 from skyward.worker.objectstore import Build, Store, StoreError, store_root
 from skyward.worker.treemanifest import (
     FILE,
@@ -266,6 +266,7 @@ def send(root: Path, source: IO[bytes], out: IO[bytes]) -> None:
 
 def main(argv: list[str]) -> int:
     """``receive`` or ``send DIR`` over stdin/stdout."""
+    keep_private()
     # A hang-up or termination unwinds, so a receive's temp dir is removed on the way out.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda *_: sys.exit(1))

@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cloudpickle
 import pytest
 
 import skyward as sky
+import tests.support.listeners
 from skyward.cli import runner
 from skyward.cli.main import main
 from skyward.cli.profiles import Profile
 from tests.slurm.conftest import queue, wait_for_empty_queue
+from tests.support.listeners import listeners
 from tests.support.slurmcluster import SlurmCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +56,16 @@ def psum_of_ranks() -> float:
 
 @pytest.mark.slow
 def test_the_jax_plugin_spans_the_allocation(login: SlurmCluster) -> None:
+    cloudpickle.register_pickle_by_value(tests.support.listeners)
     provider = sky.Slurm(python=sys.executable)  # the nodes share this machine's Python
     with sky.ComputePool(
         provider=provider, nodes=3, plugins=[sky.plugins.jax()], env={"JAX_PLATFORMS": "cpu"}
     ) as pool:
         assert psum_of_ranks() @ pool == [6.0, 6.0, 6.0]  # 1 + 2 + 3 on every node
+        # Node 0's coordinator listens on node 0's own address only, not on [::] or 0.0.0.0
+        # (`ss` in its network namespace, where the function runs).
+        coordinator, listening = pool.run(listeners("jax"), node=0)
+        assert not coordinator.startswith("127.") and listening == [coordinator], listening
     assert wait_for_empty_queue(login, 5) == []
 
 

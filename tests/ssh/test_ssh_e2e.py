@@ -14,6 +14,7 @@ from skyward.providers.source import source_hash
 from skyward.transport.sshhost import SSHHost
 from tests.ssh.conftest import Hosts, Server
 from tests.support import sshd
+from tests.test_private_cache import open_to_others
 
 pytestmark = [pytest.mark.ssh]
 
@@ -144,7 +145,7 @@ def test_the_hosts_skyward_cache_dir_holds_what_skyward_keeps_there(
 ) -> None:
     """$SKYWARD_CACHE_DIR in a host's environment (here from sshd's SetEnv, as /etc/environment
     would give it) is where skyward's copy of itself and the sky.Data store go, and where the
-    next pool's check finds them."""
+    next pool's check finds them; all of it private."""
     cache = tmp_path / "host-cache"
     dataset = tmp_path / "dataset"
     dataset.mkdir()
@@ -169,7 +170,10 @@ def test_the_hosts_skyward_cache_dir_holds_what_skyward_keeps_there(
     assert (cache / "src" / source_hash() / "skyward" / "__init__.py").is_file()
     assert where.startswith(f"{cache}/data/") and text == "hello", where
     # The second pool found skyward's copy where the first left it: it shipped nothing.
-    assert not [c for c in commands if "tar -xzf" in c], commands
+    assert not [c for c in commands if "-xzf - -C" in c], commands
+    # A fresh cache on the host: nothing in it open to group or others (.skyward-ready holds
+    # the environment's env= values; data and outputs are the user's).
+    assert open_to_others(cache) == []
 
 
 @sky.compute

@@ -156,7 +156,13 @@ def push(
 
 
 def assert_same_tree(local: Path, remote: Path) -> None:
-    assert scan(local).entries == scan(remote).entries
+    """`remote` mirrors `local`, with its owner's permission bits only (pushed and pulled
+    copies are private)."""
+    want = [
+        e if e.kind == treemanifest.LINK else e._replace(mode=e.mode & 0o700)
+        for e in scan(local).entries
+    ]
+    assert list(scan(remote).entries) == want
 
 
 def test_first_push_materializes_the_tree(node: Any, tmp_path: Path) -> None:
@@ -169,7 +175,7 @@ def test_first_push_materializes_the_tree(node: Any, tmp_path: Path) -> None:
     assert_same_tree(root, tree)
     assert (tree / "empty").is_dir()
     assert os.readlink(tree / "link") == "a/b/deep.txt"
-    assert os.access(tree / "run.sh", os.X_OK) and (tree / "run.sh").stat().st_mode & 0o777 == 0o755
+    assert os.access(tree / "run.sh", os.X_OK) and (tree / "run.sh").stat().st_mode & 0o777 == 0o700
     assert (tree / "a").stat().st_mtime_ns == 2_000_000_000
     assert (tree / "a/b/deep.txt").stat().st_mtime_ns == 1_000_000_000
     # The duplicate content went once; nothing is left in tmp.
@@ -205,12 +211,12 @@ def test_new_mode_or_mtime_reuses_content_without_sharing_the_inode(
     loop, remote, _data = node
     root = make_tree(tmp_path / "src")
     [first] = push(loop, [remote], root)
-    (root / "copy.bin").chmod(0o600)
+    (root / "copy.bin").chmod(0o700)  # the owner's bits: the node's copies keep only those
     stats = PushStats()
     [second] = push(loop, [remote], root, stats)
     assert stats.files_sent[remote.index] == 0
-    assert (Path(second) / "copy.bin").stat().st_mode & 0o777 == 0o600
-    assert (Path(first) / "copy.bin").stat().st_mode & 0o777 != 0o600
+    assert (Path(second) / "copy.bin").stat().st_mode & 0o777 == 0o700
+    assert (Path(first) / "copy.bin").stat().st_mode & 0o777 == 0o600
     assert_same_tree(root, Path(second))
 
 

@@ -42,7 +42,13 @@ from pathlib import Path
 
 from skyward.providers.remote.bootstrap import RemoteNode, all_or_none
 from skyward.providers.remote.treepeer import U32, Peer
-from skyward.providers.remote.treepull import forget, plan, receive_files, set_dirs
+from skyward.providers.remote.treepull import (
+    check_listing,
+    forget,
+    plan,
+    receive_files,
+    set_dirs,
+)
 from skyward.providers.remote.treepush import offer, send_contents
 from skyward.worker.treemanifest import Entry, Manifest
 
@@ -162,8 +168,9 @@ async def pull_tree(
     skyward cache directory, as its output directories are).
 
     Incremental: only files whose size or mtime differ from the local copy are sent, each
-    written to a temp name and renamed, so a reader never sees half a file. Modes, mtimes,
-    symlinks and empty directories are kept. A missing `remote_dir` means nothing to pull.
+    written to a temp name and renamed, so a reader never sees half a file. Mtimes, symlinks
+    and empty directories are kept, and modes less their group and other bits. A missing
+    `remote_dir` means nothing to pull.
     What an earlier pull from this node brought (`pulled`, its `PullStats.paths`) and the node
     no longer has is removed here (a checkpoint's temporary directory caught mid-write); nothing
     else local is ever removed, so a replaced node's empty directory deletes nothing. A file the
@@ -178,6 +185,13 @@ async def pull_tree(
         if listing["missing"]:
             return stats
         entries = [Entry(p, k, m, t, s, "", g) for p, k, m, t, s, g in listing["entries"]]
+        if (bad := check_listing(local_dir, entries)) is not None:
+            raise peer.error(
+                f"its output listing names {bad!r}, which is outside {local_dir}; nothing was"
+                " written. A node's outputs must be relative paths under its sky.output_dir()"
+                " (no '..', no absolute path, nothing under a symlink)",
+                bad,
+            )
         stats.paths = frozenset(e.path for e in entries)
         forget(local_dir, pulled - stats.paths)
         body = json.dumps({"want": plan(local_dir, entries)}).encode()

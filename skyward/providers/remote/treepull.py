@@ -2,7 +2,13 @@
 
 Directories and symlinks are made from the listing; a file is fetched only when its size or
 mtime differ from the local copy, written to a temp name and renamed, so a reader never sees
-half a file. Modes and mtimes are kept.
+half a file. Mtimes are kept, and modes less their group and other bits.
+
+The listing comes from the node and is not trusted: `check_listing` refuses, before anything
+is written, a path that is absolute, has a ``..``, or lies under a symlink the listing makes,
+and every write first checks that its directory resolves inside the local one (a symlink
+already there cannot lead out either). A node that could name ``../../.bashrc`` would
+otherwise write anywhere the client's user can.
 """
 
 from __future__ import annotations
@@ -23,6 +29,33 @@ import asyncssh
 from skyward.providers.remote.treepeer import U32, Peer
 from skyward.worker.treemanifest import DIR, FILE, LINK, Entry
 from skyward.worker.treestore import END, FAILED, GONE
+
+# Outputs keep their owner's bits only: they may hold what the pool computed from private
+# data, and a node's modes (or umask) are not the client's to choose.
+PRIVATE = 0o700
+
+
+def check_listing(local_dir: Path, entries: list[Entry]) -> str | None:
+    """The first entry path that would land outside `local_dir`, or None when all are inside."""
+    links = {e.path for e in entries if e.kind == LINK}
+    for e in entries:
+        if e.path == ".":  # the directory itself
+            continue
+        parts = e.path.split("/")
+        if e.path.startswith("/") or any(part in ("", ".", "..") for part in parts):
+            return e.path
+        if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
+            return e.path
+        if not inside(local_dir, e.path):
+            return e.path
+    return None
+
+
+def inside(local_dir: Path, rel: str) -> bool:
+    """Whether `rel`'s directory, symlinks resolved, is `local_dir` or under it."""
+    root = local_dir.resolve()
+    parent = (local_dir / rel).parent.resolve()
+    return parent == root or root in parent.parents
 
 
 def forget(local_dir: Path, gone: Iterable[str]) -> None:
@@ -77,11 +110,13 @@ async def receive_files(peer: Peer, local_dir: Path, entries: list[Entry]) -> tu
                 await peer.reply()  # raises its error
             mtime_ns, mode = struct.unpack("!qI", await read(12))
             target = local_dir / entries[index].path
+            if not inside(local_dir, entries[index].path):  # a link made since the check
+                raise peer.error("its output listing leads outside", entries[index].path)
             temp = _temp_name(target)
             try:
                 with open(temp, "wb") as out:
                     size = await _copy_chunks(read, out)
-                os.chmod(temp, mode)
+                os.chmod(temp, mode & PRIVATE)
                 os.utime(temp, ns=(mtime_ns, mtime_ns))
                 _replace(temp, target)
             except BaseException:
@@ -102,7 +137,7 @@ def set_dirs(local_dir: Path, entries: list[Entry]) -> None:
     for e in reversed(entries):  # deepest first: a parent's mtime is set last
         if e.kind == DIR:
             target = local_dir / e.path
-            os.chmod(target, e.mode)
+            os.chmod(target, e.mode & PRIVATE)
             os.utime(target, ns=(e.mtime_ns, e.mtime_ns))
 
 

@@ -57,3 +57,17 @@ def test_an_unknown_provider_lists_the_known_ones() -> None:
         registry.entry("nope")
     with pytest.raises(ConfigError, match="unknown provider 'nope'"):
         profiles.Profile(provider="nope").build_provider()
+
+
+class _Plain(Example):
+    """A provider that declares no capability."""
+
+    capabilities = frozenset()
+
+
+@pytest.mark.parametrize(
+    ("feature", "needs"), [({"restarts": 1}, "replace"), ({"stall_timeout": 5}, "signals")]
+)
+def test_a_feature_its_provider_lacks_is_refused(feature: dict[str, float], needs: str) -> None:
+    with pytest.raises(ConfigError, match=f"needs a provider that can .*{needs}"):
+        sky.ComputePool(provider=_Plain(), nodes=1, **feature)  # type: ignore[arg-type]

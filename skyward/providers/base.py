@@ -31,6 +31,9 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
 - `collect_outputs(cluster, nodes, log)`  brings nodes' output directories to the pool's
                            `output_dir` (a local directory or s3://); incremental.
 
+What a provider can do beyond the abstract verbs it declares in `capabilities` (`Capability`:
+replace, prestart, signals, price, list); the pool refuses a feature that needs one it lacks.
+
 Per-pool state lives in the `Cluster` a provider returns from `launch` (subclass it), never on
 the provider object: one provider object may serve several pools at once.
 

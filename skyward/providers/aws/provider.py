@@ -53,7 +53,7 @@ from skyward.providers.aws import (
     userdata,
 )
 from skyward.providers.aws.instances import logger
-from skyward.providers.base import Capability, Cluster, Node, NodeLoss, count
+from skyward.providers.base import Cluster, Node, NodeLoss, count
 from skyward.providers.cloud import failover
 from skyward.providers.cloud.provider import (
     CloudCluster,
@@ -123,15 +123,6 @@ class AWS(CloudProvider):
     """
 
     name = "aws"
-    capabilities = frozenset(
-        {
-            Capability.REPLACE,
-            Capability.PRESTART,
-            Capability.SIGNALS,
-            Capability.PRICE,
-            Capability.LIST,
-        }
-    )
 
     def __init__(
         self,

@@ -38,7 +38,7 @@ from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
-from skyward.providers.base import Capability, Cluster, Node, NodeLoss, count
+from skyward.providers.base import Cluster, Node, NodeLoss, count
 from skyward.providers.cloud.bootscript import HostKey
 from skyward.providers.cloud.provider import (
     CloudCluster,
@@ -111,15 +111,6 @@ class GCP(CloudProvider):
     """
 
     name = "gcp"
-    capabilities = frozenset(
-        {
-            Capability.REPLACE,
-            Capability.PRESTART,
-            Capability.SIGNALS,
-            Capability.PRICE,
-            Capability.LIST,
-        }
-    )
 
     def __init__(
         self,

@@ -67,8 +67,6 @@ _EXPORTS = {
     "plugins": "skyward.plugins",
 }
 
-# Providers whose dependencies are optional extras.
-_EXTRAS = {"SSH": "ssh", "AWS": "aws", "GCP": "gcp", "Slurm": "slurm"}
 
 if TYPE_CHECKING:
     from skyward import plugins
@@ -161,7 +159,10 @@ def __getattr__(name: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        extra = _EXTRAS.get(name)
+        # A provider's extra, as its registry entry names it.
+        from skyward.providers import registry
+
+        extra = next((e.extra for e in registry.entries().values() if e.attr == name), None)
         if extra is None or exc.name == module_name:
             raise
         raise ModuleNotFoundError(

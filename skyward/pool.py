@@ -36,7 +36,7 @@ from skyward.image import Image
 from skyward.info import InstanceInfo
 from skyward.plugins import hooks
 from skyward.plugins.base import Plugin
-from skyward.providers.base import Cluster, Node, Provider
+from skyward.providers.base import Capability, Cluster, Node, Provider
 from skyward.providers.local import Local
 from skyward.reports import Report
 from skyward.transport.eventloop import LoopThread, sigterm_unwinds
@@ -153,6 +153,11 @@ class ComputePool:
             checks.whole(restarts, "restarts", minimum=0), _exception_types(restart_on)
         )
         self._resume: dict[str, str] = {}  # the agents' env after a restart: what to resume
+        for candidate, _ in self._candidates:  # a feature its provider cannot serve: refused now
+            if self._policy.restarts:
+                candidate.require(Capability.REPLACE, f"restarts={self._policy.restarts}")
+            if self.stall_timeout is not None:
+                candidate.require(Capability.SIGNALS, f"stall_timeout={self.stall_timeout:g}")
         self.collect_timeout = checks.seconds(collect_timeout, "collect_timeout")
         if max_cost is not None:
             max_cost = checks.dollars(max_cost, "max_cost", zero=False)

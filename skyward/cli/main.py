@@ -20,7 +20,8 @@ from typing import Any
 
 from skyward import checks
 from skyward.errors import ConfigError
-from skyward.providers.local import cache_dir
+from skyward.info import cache_root
+from skyward.providers import registry
 from skyward.providers.source import source_hash
 from skyward.version import __version__
 from skyward.worker import envbuild
@@ -271,15 +272,6 @@ def _run(args: argparse.Namespace) -> int:
     return outcome.status
 
 
-PROVIDER_NAMES = (
-    "local",
-    "ssh",
-    "aws",
-    "gcp",
-    "slurm",
-)  # profiles.PROVIDERS, not imported
-
-
 def _status(args: argparse.Namespace) -> int:
     from skyward.cli import detached, profiles, runner
 
@@ -333,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_RUN_EPILOG,
     )
     run.add_argument("--profile", help="the profile to start from (default: 'default', if any)")
-    run.add_argument("--provider", choices=list(PROVIDER_NAMES), help="default: local")
+    run.add_argument("--provider", help=f"one of {', '.join(registry.names())} (default: local)")
     run.add_argument("--nodes", type=int, help="how many nodes (default: the provider's)")
     run.add_argument("--accelerator", help="what each node must have, e.g. A100 or A100:8")
     run.add_argument(
@@ -513,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                 return detached.fetch(args.name, args.to)
             return detached.stop(args.name)
         if args.command == "cache":
-            where = cache_dir()
+            where = Path(cache_root())
             return _cache_list(where) if args.action == "list" else _cache_clear(where)
     except Exception as exc:
         if args.debug:

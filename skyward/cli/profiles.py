@@ -32,15 +32,9 @@ from typing import Any
 
 from skyward import checks
 from skyward.errors import ConfigError
+from skyward.providers import registry
 from skyward.providers.base import Provider
 
-PROVIDERS = {
-    "local": ("skyward.providers.local", "Local"),
-    "ssh": ("skyward.providers.ssh", "SSH"),
-    "aws": ("skyward.providers.aws", "AWS"),
-    "gcp": ("skyward.providers.gcp", "GCP"),
-    "slurm": ("skyward.providers.slurm.provider", "Slurm"),
-}
 POOL_KEYS = ("provider", "nodes", "accelerator", "plugins", "env", "workdir", "max_cost")
 PACKAGE_KEYS = ("pip", "requirements", "indexes", "find_links")
 PLUGINS = ("jax", "torch")
@@ -98,20 +92,8 @@ class Profile:
 
 
 def provider_class(name: str) -> type[Provider]:
-    """The provider class for a name in `PROVIDERS`."""
-    import importlib
-
-    if name not in PROVIDERS:
-        raise ConfigError(f"unknown provider {name!r}; use one of {', '.join(PROVIDERS)}")
-    module, attr = PROVIDERS[name]
-    try:
-        cls: type[Provider] = getattr(importlib.import_module(module), attr)
-    except ImportError as exc:
-        extra = name if name in ("aws", "gcp", "slurm") else "ssh"
-        raise ConfigError(
-            f"provider {name!r} needs an extra: pip install 'skyward[{extra}]' ({exc})"
-        ) from None
-    return cls
+    """The provider class for a known name (see `skyward.providers.registry`)."""
+    return registry.provider_class(name)
 
 
 def _arguments(cls: type[Provider]) -> list[str]:
@@ -181,8 +163,10 @@ def parse_profile(name: str, table: Any, source: str) -> Profile:
         raise ConfigError(
             f'{where}: provider must be one name, e.g. provider = "aws", got {provider!r}'
         )
-    if provider not in PROVIDERS:
-        raise ConfigError(f"{where}: unknown provider {provider!r}; use {', '.join(PROVIDERS)}")
+    if provider not in registry.names():
+        raise ConfigError(
+            f"{where}: unknown provider {provider!r}; use {', '.join(registry.names())}"
+        )
     nodes = table.get("nodes")
     if nodes is not None:
         checks.whole(nodes, f"{where}: nodes", minimum=1)

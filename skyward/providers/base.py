@@ -31,6 +31,9 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
 - `collect_outputs(cluster, nodes, log)`  brings nodes' output directories to the pool's
                            `output_dir` (a local directory or s3://); incremental.
 
+What a provider can do beyond the abstract verbs it declares in `capabilities` (`Capability`:
+replace, prestart, signals, price, list); the pool refuses a feature that needs one it lacks.
+
 Per-pool state lives in the `Cluster` a provider returns from `launch` (subclass it), never on
 the provider object: one provider object may serve several pools at once.
 
@@ -44,6 +47,7 @@ plain `Log`: ``progress("message")`` is a status line.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -99,10 +103,32 @@ class Cluster:
     nodes: list[Node]
 
 
+class Capability(enum.Enum):
+    """What a provider can do beyond launching, preparing and terminating nodes: it declares
+    them in `Provider.capabilities`, and the pool asks before it relies on one."""
+
+    REPLACE = "replace a lost node (restarts=, pool.replace)"
+    PRESTART = "start a replacement ahead on a preemption notice"
+    SIGNALS = "deliver signals to an agent (pool.stacks(), stall_timeout=)"
+    PRICE = "price its nodes from a price service"
+    LIST = "list and clean up what a pool left (skyward ls/down)"
+
+
 class Provider(ABC):
     """What a `ComputePool` needs from a provider; subclass and implement the abstract verbs."""
 
     name: str = "provider"
+    # What it can do beyond the abstract verbs (see `Capability`); none unless declared.
+    capabilities: frozenset[Capability] = frozenset()
+
+    def require(self, capability: Capability, feature: str) -> None:
+        """Raise `ConfigError` when `feature` (e.g. ``restarts=2``) needs `capability`, which
+        this provider does not declare: a clear refusal rather than a silent no-op."""
+        if capability not in self.capabilities:
+            raise ConfigError(
+                f"{feature} needs a provider that can {capability.value}; the {self.name} "
+                "provider cannot: leave it out, or use a provider that can"
+            )
 
     def default_nodes(self) -> int:
         """How many nodes a pool has when the user does not say."""

@@ -31,7 +31,7 @@ from skyward.console.progress import Phase, Progress
 from skyward.errors import BootstrapError
 from skyward.image import Image
 from skyward.providers import local_gpus
-from skyward.providers.base import Cluster, Log, Node, Provider, count
+from skyward.providers.base import Capability, Cluster, Log, Node, Provider, count
 from skyward.providers.environment import env_spec, packaged_uv
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.agentwire import LINGER_ENV
@@ -105,6 +105,7 @@ class Local(Provider):
     """
 
     name = "local"
+    capabilities = frozenset({Capability.REPLACE, Capability.SIGNALS})
 
     def __init__(self, python: str | None = None) -> None:
         self._base_python = checks.optional_text(python, "sky.Local(python=)")

@@ -23,7 +23,7 @@ from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError
 from skyward.image import Image
-from skyward.providers.base import Cluster, Node, Provider, count, given_rate
+from skyward.providers.base import Capability, Cluster, Node, Provider, count, given_rate
 from skyward.providers.remote import bootstrap, connect, hoststeps
 from skyward.providers.remote.datasync import RemoteData, remove_outputs
 from skyward.transport.sshhost import Endpoint, KnownHosts
@@ -55,6 +55,7 @@ class SSH(RemoteData, Provider):
     """
 
     name = "ssh"
+    capabilities = frozenset({Capability.REPLACE, Capability.SIGNALS})
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ from skyward.console.progress import Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
-from skyward.providers.base import Cluster, Node, Provider
+from skyward.providers.base import Capability, Cluster, Node, Provider
 from skyward.providers.cloud.bootscript import HostKey
 from skyward.providers.cloud.threads import in_thread
 from skyward.providers.remote.bootstrap import (
@@ -86,6 +86,9 @@ class CloudProvider(RemoteData, Provider):
 
     A subclass makes the machines (`launch`, `replace`) and removes a pool's cloud resources
     (`remove_resources`, called in a non-daemon thread)."""
+
+    # Machines it makes it can replace, start ahead, price and find again: every capability.
+    capabilities = frozenset(Capability)
 
     def __init__(
         self,

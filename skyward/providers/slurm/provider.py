@@ -42,6 +42,7 @@ from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
 from skyward.info import cache_root
 from skyward.providers.base import (
+    Capability,
     Cluster,
     Log,
     Node,
@@ -128,6 +129,7 @@ class Slurm(Provider):
     """
 
     name = "slurm"
+    capabilities = frozenset({Capability.REPLACE, Capability.SIGNALS, Capability.LIST})
 
     def __init__(
         self,

@@ -98,9 +98,12 @@ def test_launcher_scripts_run_unchanged_inside_a_jax_pool(tmp_path: Path) -> Non
         run_as_main(str(docs)) @ pool  # still initialized after the script's shutdown()
         assert initialize_with() @ pool == [True, True]
         for node in (0, 1):
-            lines = pool.logs(node)
-            assert lines.count("[2.]") == 2, lines
-            assert f"process {node}/2 argv=[] psum=[2.]" in lines
+            # output travels apart from results: wait for the last script's line (`printed`)
+            assert printed(pool, node, f"process {node}/2 argv=[] psum=[2.]"), pool.logs(node)
+            deadline = time.monotonic() + 10
+            while pool.logs(node).count("[2.]") < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert pool.logs(node).count("[2.]") == 2, pool.logs(node)
 
 
 def printed(pool: sky.ComputePool, node: int, line: str, timeout: float = 10.0) -> bool:

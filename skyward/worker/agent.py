@@ -80,12 +80,13 @@ class Agent:
         info_module.set_current(hello.info)
         stacks = _dump_stacks_on_sigusr2()
         signal.signal(signal.SIGUSR1, self._preemption_signal)
-        watch = {"aws": notices.watch_aws, "gcp": notices.watch_gcp}.get(
-            os.environ.get(notices.NOTICES_ENV, "")
-        )
-        if watch is not None:  # the provider's preemption notice, watched on the node
+        watch = os.environ.get(notices.NOTICES_ENV, "")
+        if watch:  # the provider's preemption notice, watched on the node
             threading.Thread(
-                target=watch, args=(self._preempted,), name="skyward-notices", daemon=True
+                target=notices.watcher(watch),
+                args=(self._preempted,),
+                name="skyward-notices",
+                daemon=True,
             ).start()
         watcher = threading.Thread(
             target=self._watch,

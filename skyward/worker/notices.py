@@ -15,16 +15,30 @@ an agent's own imports (`python -X importtime -c "import skyward.worker.agent"`)
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import time
 from collections.abc import Callable
 from datetime import datetime
 
-# Which watch the provider asked its nodes' agents to run ("aws"), if any.
+# Which watch the provider asked its nodes' agents to run, as "module:function" (a provider
+# outside skyward can name its own), if any: see `watcher`.
 NOTICES_ENV = "SKYWARD_NOTICES"
 POLL_ENV = "SKYWARD_NOTICE_POLL"  # seconds between two looks (default 5)
 _IMDS = "http://169.254.169.254"
+
+
+Watch = Callable[[Callable[[str, float | None], None]], None]
+"""A notice watch: runs for the agent's life, calling ``on_notice(source, seconds_left)``."""
+
+
+def watcher(spec: str) -> Watch:
+    """The watch ``spec`` ("package.module:function", from `NOTICES_ENV`) names: the agent
+    runs what its provider asked for without knowing any provider."""
+    module, _, name = spec.partition(":")
+    found: Watch = getattr(importlib.import_module(module), name)
+    return found
 
 
 def watch_aws(on_notice: Callable[[str, float | None], None]) -> None:

@@ -522,7 +522,7 @@ class AWS(CloudProvider):
         for index, host, instance in zip(indexes, hosts, found, strict=True):
             node = RemoteNode(index, host, instance.get("PrivateIpAddress"))
             # The agent watches the spot interruption notice (sky.preempting()) itself.
-            node.provider_env = {NOTICES_ENV: "aws"}
+            node.provider_env = {NOTICES_ENV: "skyward.worker.notices:watch_aws"}
             reached.append((node, str(instance["InstanceId"])))
         return reached
 

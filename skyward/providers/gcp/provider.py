@@ -436,7 +436,7 @@ class GCP(CloudProvider):
         for index, ssh, host in zip(indexes, connected, found, strict=True):
             node = RemoteNode(index, ssh, host.private or None)
             # The agent watches the preemption notice (sky.preempting()) itself.
-            node.provider_env = {NOTICES_ENV: "gcp"}
+            node.provider_env = {NOTICES_ENV: "skyward.worker.notices:watch_gcp"}
             reached.append((node, host.name))
         return reached
 

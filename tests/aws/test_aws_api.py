@@ -181,7 +181,9 @@ def test_launch_creates_exactly_this_and_a_failed_bootstrap_leaves_nothing(
     seen = snapshot_on(aws.session(), ec2, "after-call.ec2.RunInstances")
     calls = count_calls(aws.session())
     aws.validate(spec(4, "A100"))
-    with pytest.raises(ProvisionError, match="did not publish its SSH host key in its console output"):
+    with pytest.raises(
+        ProvisionError, match="did not publish its SSH host key in its console output"
+    ):
         asyncio.run(aws.launch(spec(4, "A100"), Progress()))
 
     instances = seen["instances"]
@@ -320,7 +322,9 @@ def test_spot_prefer_tries_spot_everywhere_then_on_demand(
     aws = provider(stubs, subnets_in_zones(ec2, zones), spot="prefer")
     # On-demand launches in the first zone; its instances are unreachable (10.213.9.0/24), so
     # the launch then fails waiting for their host keys, and removes them.
-    with pytest.raises(ProvisionError, match="did not publish its SSH host key in its console output"):
+    with pytest.raises(
+        ProvisionError, match="did not publish its SSH host key in its console output"
+    ):
         asyncio.run(aws.launch(spec(2), told))
     assert stubs.launches == [
         ("us-east-1", "us-east-1a"),

@@ -356,7 +356,7 @@ class Ec2Hosts:
         client reads the key the machine made and printed, and trusts nothing else. What only
         EC2 shows: that cloud-init's final stage sends the user data's output to the serial
         console, and that GetConsoleOutput(Latest=True) returns it (AWS documents both)."""
-        iid = params["InstanceId"]
+        iid = params["body"]["InstanceId"]
         reply: dict[str, Any] = {"InstanceId": iid}
         log = self.boot_logs.get(iid)
         if log is not None:  # none before the instance booted, as on EC2

@@ -13,7 +13,7 @@ import pytest
 import skyward as sky
 from skyward.cli.profiles import parse_env
 from skyward.errors import ConfigError
-from skyward.providers.cloud.bootscript import HostKey, first_boot_script
+from skyward.providers.cloud.bootscript import first_boot_script
 from skyward.transport.stdinenv import READ_ENV, env_line
 from skyward.worker import envbuild
 from skyward.worker.redact import redact_urls
@@ -78,7 +78,7 @@ def test_env_values_reach_the_shell_through_stdin_exactly() -> None:
 
 
 def test_a_pool_name_cannot_leave_the_boot_scripts_comment() -> None:
-    script = first_boot_script("p\ntouch /tmp/owned #-1", HostKey("k", "ssh-ed25519 A"), 60, "x")
+    script = first_boot_script("p\ntouch /tmp/owned #-1", 60, "x", "true")
     assert "\ntouch /tmp/owned" not in script
     assert '# skyward x for pool "p\\ntouch /tmp/owned #-1"' in script
 

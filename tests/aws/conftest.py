@@ -299,13 +299,15 @@ class Ec2Hosts:
     machine would: cloud-init authorizes the pool's key pair for root, then runs the provider's
     real user-data script inside the host (with a fake ``poweroff`` first on PATH); the host's
     sshd (which the harness supervises, as init would) is down meanwhile and then starts again,
-    serving the host key the script installed in /etc/ssh. A terminated instance loses every
+    serving the host key the script made in /etc/ssh. The script's output is the instance's
+    console output (`attach`), where the client reads that key. A terminated instance loses every
     process (a power cut; its disk stays for the next instance at that address) before the
     provider's TerminateInstances returns (`watch_terminations`): moto gives the address to the
     next instance at once, and EC2 frees it only once its instance is gone, so the old sshd must
     not answer there. With `boot_at_most`, instances past that many never boot: their host's sshd is
-    stopped, as on an instance that hangs in boot. With ``install_host_key=False`` the host
-    keeps the key it had, one the client does not know.
+    stopped, as on an instance that hangs in boot. With ``install_host_key=False`` the host's
+    sshd serves the key it had, not the one the script made and printed: a machine that
+    presents a key other than the one it published.
     """
 
     net: bareroots.BareHosts
@@ -341,10 +343,26 @@ class Ec2Hosts:
         if self._thread is not None:
             self._thread.join(10)
 
-    def watch_terminations(self, session: boto3.session.Session) -> boto3.session.Session:
-        """Power off what `session`'s TerminateInstances ends, before the call returns."""
+    def attach(self, session: boto3.session.Session) -> boto3.session.Session:
+        """Power off what `session`'s TerminateInstances ends, before the call returns, and
+        answer its GetConsoleOutput with what the booted machine printed."""
         session.events.register("after-call.ec2.TerminateInstances", self._terminated)
+        session.events.register("before-call.ec2.GetConsoleOutput", self._console_output)
         return session
+
+    def _console_output(self, params: dict[str, Any], **_: Any) -> Any:
+        """EC2's console output of an instance, as the machine made it: the output of the user
+        data the simulated boot really ran (moto's own is a fixed text). What this proves: the
+        client reads the key the machine made and printed, and trusts nothing else. What only
+        EC2 shows: that cloud-init's final stage sends the user data's output to the serial
+        console, and that GetConsoleOutput(Latest=True) returns it (AWS documents both)."""
+        iid = params["body"]["InstanceId"]
+        reply: dict[str, Any] = {"InstanceId": iid}
+        log = self.boot_logs.get(iid)
+        if log is not None:  # none before the instance booted, as on EC2
+            reply["Output"] = base64.b64encode(log.encode()).decode()
+        reply["ResponseMetadata"] = {"HTTPStatusCode": 200}
+        return AWSResponse("https://stub.invalid/", 200, {}, None), reply
 
     def _terminated(self, parsed: dict[str, Any], **_: Any) -> None:
         with self._lock:
@@ -484,7 +502,7 @@ def aws_for(sim: Ec2Hosts, stubs: Stubs, **kwargs: Any) -> sky.AWS:
         "poll_interval": 0.1,
         "boot_timeout": 30.0,
         "connect_timeout": 3.0,
-        "session": sim.watch_terminations(new_session(stubs)),
+        "session": sim.attach(new_session(stubs)),
     }
     options.update(kwargs)
     return sky.AWS(**options)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncssh
 import boto3
 import pytest
 from moto import mock_aws
@@ -27,6 +28,7 @@ from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.aws import instance_types, instances, teardown, userdata
 from skyward.providers.aws.instances import describe_loss
 from skyward.providers.aws.resources import POOL_TAG, pool_tags
+from skyward.providers.cloud.bootscript import printed_key
 from tests.aws.conftest import (
     MOTO_AMI,
     REGION,
@@ -179,7 +181,9 @@ def test_launch_creates_exactly_this_and_a_failed_bootstrap_leaves_nothing(
     seen = snapshot_on(aws.session(), ec2, "after-call.ec2.RunInstances")
     calls = count_calls(aws.session())
     aws.validate(spec(4, "A100"))
-    with pytest.raises(ProvisionError, match="did not accept the verified SSH login"):
+    with pytest.raises(
+        ProvisionError, match="did not publish its SSH host key in its console output"
+    ):
         asyncio.run(aws.launch(spec(4, "A100"), Progress()))
 
     instances = seen["instances"]
@@ -206,7 +210,7 @@ def test_launch_creates_exactly_this_and_a_failed_bootstrap_leaves_nothing(
     assert key["KeyName"] == "skyward-t-0001" and key["KeyType"] == "ed25519"
     script = seen["user_data"]
     assert script.startswith("#!/bin/bash\n")
-    assert "BEGIN OPENSSH PRIVATE KEY" in script and "ssh-ed25519 AAAA" in script
+    assert "PRIVATE KEY" not in script and "ssh-keygen" in script  # the key is made there
     assert "skyward-watchdog 123 " in script
     pg = stubs.placement_groups  # the stub saw the cluster placement group created and deleted
     assert calls.count("CreatePlacementGroup") == 1 and calls.count("DeletePlacementGroup") == 1
@@ -317,8 +321,10 @@ def test_spot_prefer_tries_spot_everywhere_then_on_demand(
     told = Told()
     aws = provider(stubs, subnets_in_zones(ec2, zones), spot="prefer")
     # On-demand launches in the first zone; its instances are unreachable (10.213.9.0/24), so
-    # the launch then fails at the login, and removes them.
-    with pytest.raises(ProvisionError, match="did not accept the verified SSH login"):
+    # the launch then fails waiting for their host keys, and removes them.
+    with pytest.raises(
+        ProvisionError, match="did not publish its SSH host key in its console output"
+    ):
         asyncio.run(aws.launch(spec(2), told))
     assert stubs.launches == [
         ("us-east-1", "us-east-1a"),
@@ -385,7 +391,7 @@ def orphan(ec2: Any, pool_id: str, age_hours: float, subnet: str) -> None:
     tags = pool_tags(pool_id, datetime.now(UTC) - timedelta(hours=age_hours))
     ec2.import_key_pair(
         KeyName=f"skyward-{pool_id}",
-        PublicKeyMaterial=userdata.HostKey.generate("x").public.encode(),
+        PublicKeyMaterial=asyncssh.generate_private_key("ssh-ed25519").export_public_key(),
         TagSpecifications=[{"ResourceType": "key-pair", "Tags": tags}],
     )
     vpc = ec2.describe_subnets(SubnetIds=[subnet])["Subnets"][0]["VpcId"]
@@ -463,9 +469,11 @@ def test_preemption_is_named() -> None:
 # -- the user-data script ------------------------------------------------------------------------
 
 
-def test_user_data_is_valid_bash_and_installs_the_host_key(tmp_path: Any) -> None:
-    key = userdata.HostKey.generate("skyward-t")
-    script = userdata.render("t-1", key, idle_timeout=3600)
+def test_user_data_makes_the_host_key_on_the_machine_and_prints_its_public_half(
+    tmp_path: Any,
+) -> None:
+    script = userdata.render("t-1", idle_timeout=3600)
+    assert "PRIVATE KEY" not in script  # nothing secret in what DescribeInstanceAttribute reads
     path = tmp_path / "ud.sh"
     path.write_text(script)
     subprocess.run(["bash", "-n", str(path)], check=True)
@@ -475,15 +483,16 @@ def test_user_data_is_valid_bash_and_installs_the_host_key(tmp_path: Any) -> Non
     (fake / "poweroff").write_text(f"#!/bin/sh\ntouch {tmp_path}/off\n")
     (fake / "poweroff").chmod(0o755)
     env = {**os.environ, "SKYWARD_ROOT": str(root), "PATH": f"{fake}:{os.environ['PATH']}"}
-    subprocess.run(["bash", str(path)], check=True, env=env, timeout=30)
+    ran = subprocess.run(
+        ["bash", str(path)], check=True, env=env, timeout=30, capture_output=True, text=True
+    )
     private = root / "etc/ssh/ssh_host_ed25519_key"
     assert private.stat().st_mode & 0o777 == 0o600
-    assert (root / "etc/ssh/ssh_host_ed25519_key.pub").read_text().strip() == key.public
-    # ssh-keygen agrees the private key the instance gets matches what the client trusts.
+    # What the console shows is the public half of the key the machine made.
     derived = subprocess.run(
         ["ssh-keygen", "-y", "-f", str(private)], capture_output=True, text=True, check=True
     ).stdout.split()[:2]
-    assert derived == key.public.split()[:2]
+    assert printed_key(ran.stdout) == " ".join(derived)
     pid = int((root / "var/log/skyward-watchdog.pid").read_text())
     os.kill(pid, signal.SIGKILL)  # an hour-long watchdog: stop it, it was only started
 
@@ -522,7 +531,6 @@ def test_a_replacement_is_one_instance_launched_as_the_pools_were(
         instances.type_details(ec2_client, choice),
         where,
         key_path,
-        userdata.HostKey.generate("t"),
         teardown.Made(),
         check_cancel,
     )
@@ -574,7 +582,6 @@ def test_an_instance_profile_gives_the_nodes_their_own_credentials(
         instances.type_details(aws.client("ec2"), choice),
         instances.subnets(aws.client("ec2"), [subnet], choice.instance_type)[0],
         Path(tempfile.mkdtemp()) / "id_ed25519",
-        userdata.HostKey.generate("t"),
         teardown.Made(),
         lambda: None,
     )
@@ -616,7 +623,6 @@ def test_a_replacement_goes_to_the_next_zone_when_the_pools_has_no_room(
         spec(2),
         [],
         key_dir=Path(tempfile.mkdtemp()),
-        host_key=userdata.HostKey.generate("t"),
         tell=told,
     )
     try:

@@ -46,7 +46,7 @@ def test_a_detached_run_holds_its_instances_and_they_go_when_it_ends(
 
     def stubbed(self: boto3.session.Session, *args: Any, **kwargs: Any) -> None:
         made(self, *args, **kwargs)
-        sim.watch_terminations(stubs.install(self))
+        sim.attach(stubs.install(self))
 
     monkeypatch.setattr(boto3.session.Session, "__init__", stubbed)
     job = tmp_path / "job.py"

@@ -2,13 +2,15 @@
 
 The moto VPC subnet is the hosts' subnet, so the instances moto reports are the bare Debian 12
 hosts `ec2_hosts` runs (python3 without venv or pip, reaching nothing but the package index the
-test serves); they run the user data the provider wrote and take their host keys from it. The
+test serves); they run the user data the provider wrote, which makes their host keys and prints
+them on the console output. The
 whole path (EC2 API, user data, verified SSH, bootstrap, agents, JAX, teardown) runs for real
 except EC2 itself.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -23,7 +25,7 @@ import pytest
 
 import skyward as sky
 from skyward.errors import ProvisionError
-from skyward.providers.aws import resources, userdata
+from skyward.providers.aws import instances, resources, userdata
 from skyward.providers.aws.provider import AWSCluster
 from tests.aws.conftest import Ec2Hosts, Stubs, aws_for, leftovers, new_session
 from tests.contract import PROBE, ProviderContract
@@ -165,7 +167,8 @@ def test_endpoint_url_for_ec2_alone_is_honoured(
 def test_a_host_key_other_than_ours_is_never_accepted(
     ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs
 ) -> None:
-    sim = ec2_hosts(install_host_key=False)  # the "instance" keeps its own host key
+    # The "instance" prints the key it made, then its sshd serves another one.
+    sim = ec2_hosts(install_host_key=False)
     aws = aws_for(sim, stubs, boot_timeout=3.0)
     with pytest.raises(ProvisionError, match="host key") as caught:
         with sky.ComputePool(provider=aws, nodes=2, stream_output=False):
@@ -191,8 +194,8 @@ def test_user_data_boots_a_bare_debian_image(
     ec2_hosts: Callable[..., Ec2Hosts], stubs: Stubs
 ) -> None:
     """The user data runs on a minimal Debian with no systemd (its sshd restart goes through
-    ``service``): it installs the host key (the pool connects, verified) and starts the idle
-    watchdog, which leaves the instance up while the pool is connected."""
+    ``service``): it makes the host key and prints it (the pool connects, verified) and starts
+    the idle watchdog, which leaves the instance up while the pool is connected."""
     sim = ec2_hosts()
     with sky.ComputePool(provider=aws_for(sim, stubs), nodes=1, stream_output=False) as pool:
         host = sim.host(pool.nodes[0].private_addr)
@@ -200,6 +203,17 @@ def test_user_data_boots_a_bare_debian_image(
         assert pid in host.pids(), "the user data started the watchdog"
         assert "skyward-watchdog" in Path(f"/proc/{pid}/cmdline").read_text()
         assert not (host.root / bareroots.POWEROFF_MARKER.lstrip("/")).exists()
+        # The instance made its own key: user data (DescribeInstanceAttribute, which read-only
+        # roles have) holds no private key, and the console shows the key sshd serves, the only
+        # one the pool's connection trusted.
+        ec2 = new_session(stubs).client("ec2")
+        (iid,) = sim.booted
+        data = ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
+        assert "PRIVATE KEY" not in base64.b64decode(data["UserData"]["Value"]).decode()
+        served = (host.root / "etc/ssh/ssh_host_ed25519_key.pub").read_text().split()[:2]
+        assert instances.published_key(sim.attach(new_session(stubs)).client("ec2"), iid) == (
+            " ".join(served)
+        )
     (log,) = sim.boot_logs.values()
     assert "sshd_not_to_be_run" in log, f"sshd was restarted through the image's init: {log}"
 

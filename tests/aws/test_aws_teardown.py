@@ -121,7 +121,7 @@ def test_an_unreachable_instance_and_a_failing_describe_leave_nothing(
     sim = ec2_hosts(boot_at_most=1)
     aws = aws_for(sim, stubs, boot_timeout=3.0, teardown_timeout=30.0)
     failed = inject(aws, "DescribeInstances", "parser", when=_tagged)
-    with pytest.raises(ProvisionError, match="did not accept the verified SSH login") as caught:
+    with pytest.raises(ProvisionError, match="did not publish its SSH host key") as caught:
         with sky.ComputePool(provider=aws, nodes=2, stream_output=False):
             pytest.fail("the pool must not start")
     assert failed == ["DescribeInstances"]

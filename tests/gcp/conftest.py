@@ -54,6 +54,38 @@ def api_fake() -> Iterator[FakeGCP]:
 
 # -- VMs that are fresh Debian machines --------------------------------------------------------
 
+FAKE_CURL = "/usr/local/sbin/curl"
+"""The machine's metadata server, as its startup script reaches it: a ``curl`` first on PATH
+during the boot only. The machines cannot reach the fake API (as a VM cannot write to the
+Compute API), so what the script PUTs to its guest attributes is kept inside the machine
+(`GUEST_ATTRIBUTES`) and handed to the fake once the boot ends. What this proves: the script
+PUTs the key the machine made, and the client trusts only what the fake's getGuestAttributes
+then answers. What only GCE shows: that the metadata server accepts the PUT (with
+``enable-guest-attributes=TRUE``) and getGuestAttributes returns it, as Google documents."""
+GUEST_ATTRIBUTES = "/var/lib/skyward-test/guest-attributes"
+FAKE_CURL_SCRIPT = f"""#!/bin/bash
+# The metadata server's guest attributes: keep what a PUT with Metadata-Flavor sends.
+data= url= put= flavor=
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --data) data="$2"; shift ;;
+        -X) [ "$2" = PUT ] && put=1; shift ;;
+        -H) [ "$2" = "Metadata-Flavor: Google" ] && flavor=1; shift ;;
+        --retry) shift ;;
+        http://*) url="$1" ;;
+    esac
+    shift
+done
+prefix=http://metadata.google.internal/computeMetadata/v1/instance/guest-attributes/
+if [ -z "$put" ] || [ -z "$flavor" ] || [ "${{url#"$prefix"}}" = "$url" ]; then
+    echo "fake curl: not a guest attribute PUT with Metadata-Flavor: $*" >&2
+    exit 22
+fi
+path="${{url#"$prefix"}}"
+mkdir -p "$(dirname "{GUEST_ATTRIBUTES}/$path")"
+printf %s "$data" > "{GUEST_ATTRIBUTES}/$path"
+"""
+
 STARTUP_SCRIPT = "/tmp/metadata-scripts/startup-script"
 """Where the simulated guest agent writes the ``startup-script`` metadata before running it."""
 
@@ -101,12 +133,13 @@ class GceHosts:
     ``ssh-keys`` metadata (creating a user other than root with ``useradd``), then runs the
     VM's real ``startup-script`` as root inside the machine (a fake ``poweroff`` first on PATH);
     the machine's sshd (which the harness supervises, as init would) is down meanwhile and then
-    starts, serving the host key the script installed in /etc/ssh. A VM that goes (deleted,
+    starts, serving the host key the script made in /etc/ssh, whose public half the script
+    PUT to its guest attributes (`FAKE_CURL`). A VM that goes (deleted,
     preempted) loses every process of its machine (a power cut; the disk stays for the next VM
     at that address). Each machine boots and goes in its own thread, in the order the fake
     reports, so a slow boot never holds the fake's clock. With `boot_at_most`, VMs past that
     many never boot: nothing answers at their address. With ``install_host_key=False`` the
-    machine serves a host key of its own, one the client does not know.
+    machine's sshd serves a host key of its own, not the one it made and published.
     """
 
     net: bareroots.BareHosts
@@ -172,15 +205,30 @@ class GceHosts:
         host.stop()  # not running: a new VM's machine was off
         authorize(host, items["ssh-keys"])
         bareroots.install_fake_poweroff(host)
+        curl = host.root / FAKE_CURL.lstrip("/")
+        curl.write_text(FAKE_CURL_SCRIPT)
+        curl.chmod(0o755)
         proc = bareroots.first_boot(
             host, items["startup-script"], STARTUP_SCRIPT, install_host_key=self.install_host_key
         )
+        curl.unlink()  # the nodes' own steps may need the real one
+        self._publish(host, name)
         self.boot_logs[name] = proc.stdout + proc.stderr
         if proc.returncode != 0:
             self.errors.append(
                 f"startup-script of {name} on {host.name} exited {proc.returncode}:\n"
                 f"{proc.stdout}\n{proc.stderr}"
             )
+
+    def _publish(self, host: bareroots.BareHost, name: str) -> None:
+        """Hand the fake what the machine PUT to its metadata server's guest attributes (the fake
+        ``curl`` kept each PUT's value under `GUEST_ATTRIBUTES`)."""
+        assert self.fake is not None
+        kept = host.root / GUEST_ATTRIBUTES.lstrip("/")
+        for path in sorted(kept.rglob("*")) if kept.is_dir() else []:
+            if path.is_file():
+                self.fake.put_guest_attribute(name, str(path.relative_to(kept)), path.read_text())
+                path.unlink()
 
     def on_gone(self, instance: dict[str, Any]) -> None:
         address = instance["networkInterfaces"][0]["networkIP"]

@@ -17,7 +17,6 @@ from google.auth.exceptions import DefaultCredentialsError
 
 import skyward as sky
 from skyward.cluster import Accelerator, ClusterSpec
-from skyward.providers.cloud.bootscript import HostKey
 from skyward.providers.gcp import instances, machine_types, resources, startup, teardown
 from skyward.providers.gcp.settings import Access, Clients, MachineSettings, resolve
 from tests.gcp.conftest import PROJECT, ZONE
@@ -126,9 +125,7 @@ def launch(
     access = Access(PROJECT, ZONE, AnonymousCredentials())
     made = teardown.Made()
     choice = machine_types.choose(Accelerator.parse(accelerator) if accelerator else None)
-    metadata = startup.metadata(
-        spec.pool_id, HostKey.generate("t"), 300, "skyward", "ssh-ed25519 AAAA t"
-    )
+    metadata = startup.metadata(spec.pool_id, 300, "skyward", "ssh-ed25519 AAAA t")
     deadline = time.monotonic() + 20
     body = instances.set_up(
         clients, access, settings, spec, choice, metadata, made, deadline, lambda: None

@@ -3,14 +3,15 @@ Debian machines.
 
 Each address the fake hands out is a bare Debian 12 host of `gce_hosts` (python3 without venv or
 pip, reaching nothing but the package index the test serves); a VM's machine runs the provider's
-startup-script and takes its host key from it. The whole path (API, startup script, verified SSH,
-bootstrap, agents, teardown) runs for real except GCE itself.
+startup-script, which makes its host key and publishes it as a guest attribute. The whole path
+(API, startup script, verified SSH, bootstrap, agents, teardown) runs for real except GCE itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -103,7 +104,8 @@ class TestGCPContract(ProviderContract):
 
 
 def test_a_host_key_other_than_ours_is_never_accepted(gce_hosts: Callable[..., GceHosts]) -> None:
-    sim = gce_hosts(install_host_key=False)  # the "VM" keeps its own host key
+    # The "VM" publishes the key it made, then its sshd serves another one.
+    sim = gce_hosts(install_host_key=False)
     assert sim.fake is not None
     with pytest.raises(ProvisionError, match="did not accept the verified SSH login"):
         with sky.ComputePool(provider=gce_for(sim, boot_timeout=3.0), nodes=2, stream_output=False):
@@ -206,8 +208,8 @@ def test_a_preempted_node_is_named_and_replaced(gce_hosts: Callable[..., GceHost
 
 def test_the_startup_script_boots_a_bare_debian_image(gce_hosts: Callable[..., GceHosts]) -> None:
     """The startup-script runs on a minimal Debian with no systemd (its sshd restart goes
-    through ``service``): it installs the host key (the pool connects, verified) and starts the
-    idle watchdog, which leaves the VM up while the pool is connected."""
+    through ``service``): it makes the host key and publishes it (the pool connects, verified)
+    and starts the idle watchdog, which leaves the VM up while the pool is connected."""
     sim = gce_hosts()
     with sky.ComputePool(provider=gce_for(sim), nodes=1, stream_output=False) as pool:
         host = sim.host(pool.nodes[0].private_addr)
@@ -215,6 +217,14 @@ def test_the_startup_script_boots_a_bare_debian_image(gce_hosts: Callable[..., G
         assert pid in host.pids(), "the startup-script started the watchdog"
         assert "skyward-watchdog" in Path(f"/proc/{pid}/cmdline").read_text()
         assert not (host.root / bareroots.POWEROFF_MARKER.lstrip("/")).exists()
+        # The VM made its own key: metadata (compute.instances.get, which Viewer has) holds no
+        # private key, and the guest attribute holds the key sshd serves, the only one the
+        # pool's connection trusted.
+        assert sim.fake is not None
+        (vm,) = [i for i in sim.fake.instances.values() if i["status"] == "RUNNING"]
+        assert "PRIVATE KEY" not in json.dumps(vm["metadata"])
+        served = (host.root / "etc/ssh/ssh_host_ed25519_key.pub").read_text().split()[:2]
+        assert sim.fake.guest_attributes[vm["name"]]["skyward/ssh-ed25519"] == " ".join(served)
     (log,) = sim.boot_logs.values()
     assert "sshd_not_to_be_run" in log, f"sshd was restarted through the image's init: {log}"
     nothing_left(sim)

@@ -24,7 +24,6 @@ from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
-from skyward.providers.cloud.bootscript import HostKey
 from skyward.providers.gcp import machine_types, provision, resources, teardown
 from skyward.providers.gcp.provision import GCPCluster
 from skyward.providers.gcp.settings import resolve
@@ -69,13 +68,14 @@ class Told(Progress):
 
 
 def launch(fake: FakeGCP, nodes: int, accelerator: str | None = None, **options: Any) -> Told:
-    """Launch a pool through the provider; `ProvisionError` at the SSH login (the fake's
-    addresses have no machine) once a zone had room. What the console said."""
+    """Launch a pool through the provider; `ProvisionError` waiting for the host keys (the
+    fake's addresses have no machine to publish one) once a zone had room. What the console
+    said."""
     told = Told()
     parsed = Accelerator.parse(accelerator) if accelerator else None
     spec = ClusterSpec(nodes, "pool-fo123456", parsed)
     gcp = gcp_for(fake, boot_timeout=1.5, **options)
-    with pytest.raises(ProvisionError, match="did not accept the verified SSH login"):
+    with pytest.raises(ProvisionError, match="did not publish its SSH host key"):
         asyncio.run(gcp.launch(spec, told))
     assert fake.labelled() == []
     return told
@@ -206,7 +206,7 @@ def test_a_spot_tpu_slice_goes_to_the_next_zone_and_its_failed_queue_is_removed(
 def bare_pool(tmp_path: Path, nodes: int) -> GCPCluster:
     """A pool's state as `launch` makes it, for the API half (`provision`) alone."""
     spec = ClusterSpec(nodes, "pool-fo654321")
-    return GCPCluster(spec, [], key_dir=tmp_path, host_key=HostKey.generate("t"), tell=Told())
+    return GCPCluster(spec, [], key_dir=tmp_path, tell=Told())
 
 
 def calls_of(gcp: sky.GCP) -> provision.Calls:

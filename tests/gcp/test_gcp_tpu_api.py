@@ -99,13 +99,12 @@ def test_a_failed_queued_resource_leaves_nothing(api_fake: FakeGCP) -> None:
 def test_skyward_ls_and_down_include_tpu_nodes(
     api_fake: FakeGCP, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    from skyward.providers.cloud.bootscript import HostKey
     from skyward.providers.gcp import startup, teardown, tpus
 
     gcp = gcp_for(api_fake)
     access, clients = gcp.access(), gcp.clients()
     tpu = tpu_types.parse("v4-16")
-    metadata = startup.metadata("left-1", HostKey.generate("x"), 60, "root", "ssh-ed25519 AAAA")
+    metadata = startup.metadata("left-1", 60, "root", "ssh-ed25519 AAAA")
     body = tpus.node_body(access, MachineSettings(), "left-1", tpu, metadata, None)
     made = teardown.Made()
     tpus.create(clients, access, "left-1", body, tpu, False, made.add)

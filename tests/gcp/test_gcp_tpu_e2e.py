@@ -1,9 +1,9 @@
 """TPU slices end to end: the real google-cloud-tpu client against the fake TPU API, each host
 of a slice a fresh Debian machine (python3 without venv or pip, reaching nothing but the package
-index the test serves) that runs the node's startup-script and takes the pool's host key and
-login key from the node's metadata (the boot simulator of the VMs). The hosts are CPUs: JAX
-runs with its CPU wheel (``sky.plugins.jax(cuda="cpu")``) from the served index; libtpu and
-real TPU chips are only exercised on GCP."""
+index the test serves) that runs the node's startup-script (its own host key, published as a
+guest attribute) with the login key from the node's metadata (the boot simulator of the VMs).
+The hosts are CPUs: JAX runs with its CPU wheel (``sky.plugins.jax(cuda="cpu")``) from the
+served index; libtpu and real TPU chips are only exercised on GCP."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def test_one_host_never_reachable_fails_the_whole_slice(
     tpu_hosts: Callable[..., GceHosts],
 ) -> None:
     sim = tpu_hosts(boot_at_most=3)  # the 4th host of the slice never answers SSH
-    with pytest.raises(ProvisionError, match="did not accept the verified SSH login"):
+    with pytest.raises(ProvisionError, match="did not publish its SSH host key"):
         with sky.ComputePool(
             provider=tpu_for(sim, "v5litepod-16", boot_timeout=3.0), stream_output=False
         ):

@@ -1106,8 +1106,9 @@ def first_boot(
     host's sshd again (the caller stopped it, and authorized the login key). The script runs as
     root from `where`, inside the machine; the image's sysv script for sshd (the script's
     ``service ssh restart`` where there is no systemd) leaves sshd to the harness, which
-    supervises it. With ``install_host_key=False`` the machine keeps its own host key rather than
-    the one the script installed. Returns the script's process, for its output and status."""
+    supervises it. With ``install_host_key=False`` the machine's sshd serves its own host key
+    rather than the one the script made (and published). Returns the script's process, for its
+    output and status."""
     (host.root / "etc/ssh/sshd_not_to_be_run").write_text("sshd runs under the harness\n")
     path = host.root / where.lstrip("/")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -123,6 +123,9 @@ class FakeGCP(TpuApi):
         self.calls: collections.Counter[str] = collections.Counter()
         self.errors: list[str] = []
         self.instances: dict[tuple[str, str], dict[str, Any]] = {}
+        # What each machine (VM name, or a TPU host's ``NODE-wN``) PUT to its metadata server's
+        # guest attributes: "NAMESPACE/KEY" -> value. Only the machine's stand-in writes here.
+        self.guest_attributes: dict[str, dict[str, str]] = {}
         self.firewalls: dict[str, dict[str, Any]] = {}
         self.machine_types: dict[str, dict[str, Any]] = {}  # name -> its vCPUs, memory, GPUs
         self.operations: dict[str, dict[str, Any]] = {}
@@ -248,6 +251,11 @@ class FakeGCP(TpuApi):
 
     _ROUTES: ClassVar[list[tuple[str, str, str]]] = [
         ("POST", r"zones/(?P<zone>[^/]+)/instances/bulkInsert", "instances.bulkInsert"),
+        (
+            "GET",
+            r"zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)/getGuestAttributes",
+            "instances.getGuestAttributes",
+        ),
         ("GET", r"zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)", "instances.get"),
         ("DELETE", r"zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)", "instances.delete"),
         ("GET", r"zones/(?P<zone>[^/]+)/instances", "instances.list"),
@@ -583,6 +591,33 @@ class FakeGCP(TpuApi):
                 "was not found",
             )
         return instance
+
+    def put_guest_attribute(self, machine: str, path: str, value: str) -> None:
+        """Machine `machine` PUT `value` to guest attribute `path` (``NAMESPACE/KEY``)."""
+        with self._lock:
+            self.guest_attributes.setdefault(machine, {})[path] = value
+
+    def guest_items(self, machine: str, query_path: str) -> list[dict[str, str]]:
+        """`machine`'s guest attributes under `query_path`, as the API lists them."""
+        with self._lock:
+            found = dict(self.guest_attributes.get(machine, {}))
+        return [
+            {"namespace": path.split("/", 1)[0], "key": path.split("/", 1)[1], "value": value}
+            for path, value in sorted(found.items())
+            if path.startswith(query_path)
+        ]
+
+    def _instances_getGuestAttributes(
+        self, zone: str, name: str, query: dict[str, str], **_: Any
+    ) -> Any:
+        path = query.get("queryPath", "")
+        with self._lock:
+            self._instance(zone, name)
+            items = self.guest_items(name, path)
+        if not items:  # as GCE answers while the VM has written nothing there
+            raise ApiError(404, "notFound", f"The guest attribute path {path!r} was not found")
+        reply = {"queryPath": path, "queryValue": {"items": items}}
+        return self._check(compute_v1.GuestAttributes, reply)
 
     def _instances_get(self, zone: str, name: str, **_: Any) -> Any:
         with self._lock:

@@ -99,6 +99,7 @@ class TpuApi:
 
     _hook: Callable[[Any, dict[str, Any]], None]
     on_gone: Any
+    guest_items: Callable[[str, str], list[dict[str, str]]]
 
     def tpu_addresses_in_use(self) -> set[str]:
         return {e["ipAddress"] for n in self.tpu_nodes.values() for e in n["networkEndpoints"]}
@@ -109,6 +110,11 @@ class TpuApi:
         ("POST", r"(?P<loc>[^/]+)/nodes", "tpu.nodes.create"),
         ("GET", r"(?P<loc>[^/]+)/nodes", "tpu.nodes.list"),
         ("GET", r"(?P<loc>[^/]+)/nodes/(?P<id>[^/:]+)", "tpu.nodes.get"),
+        (
+            "POST",
+            r"(?P<loc>[^/]+)/nodes/(?P<id>[^/:]+):getGuestAttributes",
+            "tpu.nodes.getGuestAttributes",
+        ),
         ("DELETE", r"(?P<loc>[^/]+)/nodes/(?P<id>[^/:]+)", "tpu.nodes.delete"),
         ("GET", r"(?P<loc>[^/]+)/operations/(?P<id>[^/:]+)", "tpu.operations.get"),
         ("POST", r"(?P<loc>[^/]+)/queuedResources", "tpu.queuedResources.create"),
@@ -259,6 +265,19 @@ class TpuApi:
     def _tpu_nodes_get(self, loc: str, id: str, **_: Any) -> Any:
         with self._lock:
             return self._tpu_check(tpu_v2.Node, dict(self._node(loc, id)))
+
+    def _tpu_nodes_getGuestAttributes(self, loc: str, id: str, body: str, **_: Any) -> Any:
+        """Each asked worker's guest attributes: what host ``ID-wN`` PUT (`guest_items`)."""
+        asked = json.loads(body or "{}")
+        path = asked.get("queryPath", "")
+        with self._lock:
+            hosts = len(self._node(loc, id)["networkEndpoints"])
+        workers = asked.get("workerIds") or [str(i) for i in range(hosts)]
+        found = [
+            {"queryPath": path, "queryValue": {"items": self.guest_items(f"{id}-w{w}", path)}}
+            for w in workers
+        ]
+        return self._tpu_check(tpu_v2.GetGuestAttributesResponse, {"guestAttributes": found})
 
     def _in(self, loc: str, name: str, kind: str) -> bool:
         """Whether `name` is a `kind` in location `loc` ("-": in any, as AIP-159 reads across

@@ -33,6 +33,7 @@ from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.aws import instance_types, resources, teardown, userdata
 from skyward.providers.base import NodeLoss
 from skyward.providers.cloud import failover
+from skyward.providers.cloud.bootscript import printed_key
 from skyward.providers.cloud.provider import public_cidr
 
 GPU_AMI_PARAMETER = (
@@ -81,7 +82,6 @@ def set_up(
     details: Mapping[str, Any],
     subnet: Mapping[str, Any],
     key_path: Path,
-    host_key: userdata.HostKey,
     made: teardown.Made,
     check_cancel: CheckCancel,
 ) -> dict[str, Any]:
@@ -152,7 +152,7 @@ def set_up(
         ImageId=ami,
         InstanceType=choice.instance_type,
         KeyName=name,
-        UserData=userdata.render(spec.pool_id, host_key, settings.idle_timeout),
+        UserData=userdata.render(spec.pool_id, settings.idle_timeout),
         InstanceInitiatedShutdownBehavior="terminate",  # the watchdog's poweroff ends it
         NetworkInterfaces=[
             {
@@ -285,6 +285,21 @@ def wait_running(
             )
         check_cancel()
         time.sleep(poll)
+
+
+def published_key(ec2: Any, instance_id: str) -> str | None:
+    """The public host key instance `instance_id` printed on its console output at boot (the
+    user data's `bootscript.print_key`), or None while it has printed none. Only the instance
+    writes its console and only ``ec2:GetConsoleOutput`` reads it: user data, which anyone with
+    ``ec2:DescribeInstanceAttribute`` reads, carries no key."""
+    try:
+        # Latest: the live buffer, not the snapshot EC2 takes some minutes after boot.
+        reply = ec2.get_console_output(InstanceId=instance_id, Latest=True)
+    except ClientError as exc:
+        if error_words(exc)[0] != "UnsupportedOperation":  # Latest needs a Nitro instance
+            raise
+        reply = ec2.get_console_output(InstanceId=instance_id)
+    return printed_key(str(reply.get("Output") or ""))  # botocore decoded its base64
 
 
 def loss_of(ec2: Any, instance_id: str) -> NodeLoss | None:

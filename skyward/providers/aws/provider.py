@@ -50,7 +50,6 @@ from skyward.providers.aws import (
     quotas,
     resources,
     teardown,
-    userdata,
 )
 from skyward.providers.aws.instances import logger
 from skyward.providers.base import Cluster, Node, NodeLoss, count
@@ -301,7 +300,6 @@ class AWS(CloudProvider):
             spec,
             [],
             key_dir=Path(tempfile.mkdtemp(prefix=f"skyward-aws-{spec.pool_id}-")),
-            host_key=userdata.HostKey.generate(f"skyward-{spec.pool_id}"),
             tell=progress,
         )
         return await self.launched(
@@ -443,7 +441,6 @@ class AWS(CloudProvider):
                 details,
                 candidates[0],
                 pool.key_path,
-                pool.host_key,
                 pool.made,
                 pool.check_cancel,
             )
@@ -500,7 +497,8 @@ class AWS(CloudProvider):
         indexes: Sequence[int],
         progress: Progress | None = None,
     ) -> list[Reached]:
-        """Connect to the instances `found` (as nodes `indexes`), trusting only the pool's key."""
+        """Connect to the instances `found` (as nodes `indexes`), each trusted with only the host
+        key it printed on its console output."""
         key = "PrivateIpAddress" if self.machine_settings.use_private_ips else "PublicIpAddress"
         addresses = []
         for instance in found:
@@ -517,7 +515,17 @@ class AWS(CloudProvider):
         labels = [
             f"instance {i['InstanceId']} ({a})" for i, a in zip(found, addresses, strict=True)
         ]
-        hosts = await self.connect_hosts(pool, addresses, self.user, labels)
+        ec2 = self.client("ec2", pool.region)
+        ids = [str(i["InstanceId"]) for i in found]
+        hosts = await self.connect_hosts(
+            addresses,
+            self.user,
+            labels,
+            pool,
+            lambda: [instances.published_key(ec2, i) for i in ids],
+            "console output",
+            "ec2:GetConsoleOutput",
+        )
         reached: list[Reached] = []
         for index, host, instance in zip(indexes, hosts, found, strict=True):
             node = RemoteNode(index, host, instance.get("PrivateIpAddress"))

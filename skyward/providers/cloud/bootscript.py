@@ -1,10 +1,13 @@
 """What a cloud machine runs at first boot, shared by the cloud providers (EC2 user data, GCE
-startup-script): install a host key made by the client, restart sshd, start the idle watchdog.
+startup-script): make the machine's own SSH host key, publish its public half, restart sshd,
+start the idle watchdog.
 
-The host key pair is generated on the client, so the client knows the machine's public host key
-before the machine exists and verifies its very first SSH connection; no key is ever accepted on
-first use. All machines of one pool share the same script and so the same host key: it is fresh
-per pool and only ever trusted for that pool's addresses.
+The private host key is made on the machine and never leaves it: user data and metadata can be
+read by whoever may describe the instance (and by any process on it), so they carry no secret.
+The public half goes out through a channel only the machine writes and only the pool's owner
+reads (`publish`: EC2's console output, GCE's guest attributes); the client waits for it there
+and trusts that key, for that machine's address only, before its first connection. No key is
+ever accepted on first use, and each machine has its own.
 
 ``SKYWARD_ROOT`` (unset on a real machine) lets the tests run this same script against a scratch
 directory inside a network-namespace host, without touching the machine's own /etc/ssh.
@@ -14,31 +17,46 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-from dataclasses import dataclass
+import shlex
 from pathlib import Path
 
 import asyncssh
 
+# The lines around the public host key where the boot script prints it (EC2's console output),
+# in the manner of cloud-init's ``-----BEGIN SSH HOST KEY KEYS-----``.
+KEY_BEGIN = "-----BEGIN SKYWARD SSH HOST KEY-----"
+KEY_END = "-----END SKYWARD SSH HOST KEY-----"
 
-@dataclass(frozen=True)
-class HostKey:
-    """An ed25519 SSH host key: OpenSSH private key text and the ``ssh-ed25519 AAAA...`` line."""
 
-    private: str
-    public: str
+def print_key() -> str:
+    """The `publish` step that prints the key between `KEY_BEGIN` and `KEY_END` on the boot
+    script's output, which cloud-init's final stage sends to the serial console."""
+    return f"printf '%s\\n' {shlex.quote(KEY_BEGIN)} \"$PUB\" {shlex.quote(KEY_END)}"
 
-    @classmethod
-    def generate(cls, comment: str) -> HostKey:
-        key = asyncssh.generate_private_key("ssh-ed25519", comment=comment)
-        return cls(
-            key.export_private_key().decode(),
-            key.export_public_key().decode().strip(),
-        )
 
-    def known_hosts_line(self, address: str) -> str:
-        """The known_hosts line that trusts this key for `address` (port 22)."""
-        keytype, blob = self.public.split()[:2]
-        return f"{address} {keytype} {blob}"
+def printed_key(text: str) -> str | None:
+    """The last public host key printed between the markers in `text` (a console output), as
+    ``ssh-ed25519 AAAA...``; None while there is none."""
+    found: str | None = None
+    lines = text.splitlines()
+    for at, line in enumerate(lines):
+        if line.strip() == KEY_BEGIN and at + 2 < len(lines) and lines[at + 2].strip() == KEY_END:
+            found = public_key(lines[at + 1])
+    return found
+
+
+def public_key(line: str) -> str | None:
+    """``KEYTYPE BLOB`` of an OpenSSH public key line, or None when `line` is not one."""
+    try:
+        key = asyncssh.import_public_key(line.strip())
+    except (asyncssh.KeyImportError, ValueError):
+        return None
+    return " ".join(key.export_public_key().decode().split()[:2])
+
+
+def known_hosts_line(address: str, public: str) -> str:
+    """The known_hosts line that trusts the public key `public` for `address` (port 22)."""
+    return f"{address} {public}"
 
 
 def watchdog_script() -> str:
@@ -51,30 +69,28 @@ def check_interval(idle_timeout: float) -> int:
     return max(1, min(30, int(idle_timeout // 10)))
 
 
-def first_boot_script(pool_id: str, host_key: HostKey, idle_timeout: float, kind: str) -> str:
+def first_boot_script(pool_id: str, idle_timeout: float, kind: str, publish: str) -> str:
     """The bash script every machine of pool `pool_id` runs at first boot; `kind` names it
-    (``user data``, ``startup-script``) in its header."""
+    (``user data``, ``startup-script``) in its header; `publish` is the bash step that sends the
+    machine's public host key (in ``$PUB``) where the client reads it."""
     idle = max(1, int(idle_timeout))
     # The pool's name as one JSON string: a name with a newline in it would end the comment
     # and run the rest as a command (JSON escapes every control and non-ASCII character).
     name = json.dumps(pool_id)
     return f"""#!/bin/bash
-# skyward {kind} for pool {name}: install the SSH host key the client generated (its first
-# connection is then verified), restart sshd, and start the idle watchdog.
+# skyward {kind} for pool {name}: make this machine's own SSH host key and publish its
+# public half (the client trusts only that key), restart sshd, and start the idle watchdog.
 set -euo pipefail
 R="${{SKYWARD_ROOT:-}}"
 mkdir -p "$R/etc/ssh" "$R/usr/local/sbin" "$R/var/log"
-# Only our key may be offered: drop the keys the image generated at first boot.
+# Only our key may be offered: drop the keys the image generated at first boot. The new one is
+# made here and its private half never leaves this machine.
 rm -f "$R"/etc/ssh/ssh_host_*_key "$R"/etc/ssh/ssh_host_*_key.pub
-(umask 077; cat > "$R/etc/ssh/ssh_host_ed25519_key" <<'SKYWARD_HOST_KEY'
-{host_key.private.strip()}
-SKYWARD_HOST_KEY
-)
-cat > "$R/etc/ssh/ssh_host_ed25519_key.pub" <<'SKYWARD_HOST_PUB'
-{host_key.public}
-SKYWARD_HOST_PUB
+ssh-keygen -q -t ed25519 -N '' -C "skyward-host" -f "$R/etc/ssh/ssh_host_ed25519_key"
 chmod 600 "$R/etc/ssh/ssh_host_ed25519_key"
 chmod 644 "$R/etc/ssh/ssh_host_ed25519_key.pub"
+PUB="$(cut -d' ' -f1,2 "$R/etc/ssh/ssh_host_ed25519_key.pub")"
+{publish}
 if [ -z "$R" ]; then
     systemctl restart ssh.service 2>/dev/null || systemctl restart sshd.service 2>/dev/null \\
         || service ssh restart 2>/dev/null || service sshd restart

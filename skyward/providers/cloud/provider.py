@@ -26,7 +26,7 @@ from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
 from skyward.providers.base import Capability, Cluster, Node, Provider
-from skyward.providers.cloud.bootscript import HostKey
+from skyward.providers.cloud.bootscript import known_hosts_line
 from skyward.providers.cloud.threads import in_thread
 from skyward.providers.remote.bootstrap import (
     RemoteNode,
@@ -53,7 +53,6 @@ class CloudCluster(Cluster):
     """What one pool has made so far; the cloud's tags or labels are the durable record."""
 
     key_dir: Path  # the pool's login key, removed with the pool
-    host_key: HostKey  # the host key every machine of the pool presents
     cancel: threading.Event = field(default_factory=threading.Event)
     provisioning: Future[list[Any]] | None = None  # the launch's thread
     node_instances: dict[int, str] = field(default_factory=dict)  # node index -> machine
@@ -301,22 +300,45 @@ class CloudProvider(RemoteData, Provider):
         `ProvisionError` naming what remains once `teardown_timeout` has passed."""
 
     async def connect_hosts(
-        self, pool: CloudCluster, addresses: Sequence[str], user: str, labels: Sequence[str]
+        self,
+        addresses: Sequence[str],
+        user: str,
+        labels: Sequence[str],
+        pool: CloudCluster,
+        published: Callable[[], list[str | None]],
+        channel: str,
+        permission: str,
     ) -> list[SSHHost]:
-        """Connect to the machines at `addresses` (named `labels` in errors) as `user`, trusting
-        only the pool's host key and logging in with its key, retrying while they boot."""
+        """Connect to the machines at `addresses` (named `labels` in errors) as `user`, logging
+        in with the pool's key, retrying while they boot. Each machine is trusted with the host
+        key it made and published (`published`: blocking, each machine's public key or None
+        while it has none yet, read from `channel` with `permission`, both named in the error),
+        for its own address only: no other key is accepted."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.boot_timeout
+        budget = f"boot_timeout={self.boot_timeout:g} s"
+        while True:
+            keys = await asyncio.to_thread(published)
+            missing = [label for label, key in zip(labels, keys, strict=True) if key is None]
+            if not missing:
+                break
+            if loop.time() + self.poll_interval > deadline:
+                raise ProvisionError(
+                    f"{', '.join(missing)} did not publish its SSH host key in its {channel} "
+                    f"within {budget}: check that the image runs skyward's boot script at first "
+                    f"boot and that these credentials have {permission}"
+                )
+            pool.check_cancel()
+            await asyncio.sleep(self.poll_interval)
+        lines = [known_hosts_line(a, k) for a, k in zip(addresses, keys, strict=True) if k]
         options = ConnectOptions(
-            known_hosts=load_known_hosts([pool.host_key.known_hosts_line(a) for a in addresses]),
+            known_hosts=load_known_hosts(lines),
             key=str(pool.key_path),
             config=[],  # no ~/.ssh/config rule (User, HostName...) may redirect this login
             timeout=self.connect_timeout,
             keepalive=self.keepalive,
         )
-        wait = BootWait(
-            asyncio.get_running_loop().time() + self.boot_timeout,
-            self.poll_interval,
-            f"boot_timeout={self.boot_timeout:g} s",
-        )
+        wait = BootWait(deadline, self.poll_interval, budget)
         return await connect_all([Endpoint(a, 22, user) for a in addresses], options, wait, labels)
 
 

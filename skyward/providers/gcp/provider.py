@@ -39,7 +39,6 @@ from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
 from skyward.providers.base import Cluster, Node, NodeLoss, count
-from skyward.providers.cloud.bootscript import HostKey
 from skyward.providers.cloud.provider import (
     CloudCluster,
     CloudProvider,
@@ -49,6 +48,7 @@ from skyward.providers.cloud.provider import (
 )
 from skyward.providers.gcp import (
     api,
+    hostkeys,
     instances,
     machine_types,
     prices,
@@ -308,7 +308,6 @@ class GCP(CloudProvider):
             spec,
             [],
             key_dir=Path(tempfile.mkdtemp(prefix=f"skyward-gcp-{spec.pool_id}-")),
-            host_key=HostKey.generate(f"skyward-{spec.pool_id}"),
             tpu=tpu,
             tell=progress,
         )
@@ -424,14 +423,28 @@ class GCP(CloudProvider):
         indexes: Sequence[int],
         progress: Progress | None = None,
     ) -> list[Reached]:
-        """Connect to the VMs (or TPU hosts) `found` (as nodes `indexes`), trusting only the
-        pool's host key."""
+        """Connect to the VMs (or TPU hosts) `found` (as nodes `indexes`), each trusted with only
+        the host key it published as a guest attribute."""
         addresses = [h.address for h in found]
         if progress is not None:
             for index, host in zip(indexes, found, strict=True):
                 progress.phase(index, Phase.CONNECTING, f"{host.name} {host.address}")
         labels = [f"{'TPU' if pool.tpu else 'VM'} {h.name} ({h.address})" for h in found]
-        connected = await self.connect_hosts(pool, addresses, self.machine_settings.user, labels)
+        clients, access = self.clients(), self.access()
+        # Each VM in its own zone: a replacement may have gone to another of the region's.
+        wheres = [access.at(pool.made.instances.get(h.name) or pool.zone) for h in found]
+        connected = await self.connect_hosts(
+            addresses,
+            self.machine_settings.user,
+            labels,
+            pool,
+            lambda: [
+                hostkeys.published_key(clients, w, pool.pool_id, h)
+                for w, h in zip(wheres, found, strict=True)
+            ],
+            "guest attributes",
+            "tpu.nodes.getGuestAttributes" if pool.tpu else "compute.instances.getGuestAttributes",
+        )
         reached: list[Reached] = []
         for index, ssh, host in zip(indexes, connected, found, strict=True):
             node = RemoteNode(index, ssh, host.private or None)

@@ -74,6 +74,7 @@ class MachineAddress:
     name: str
     address: str  # how the client reaches it
     private: str  # how the other nodes reach it
+    worker: int | None = None  # a TPU slice's host: its worker number
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ def _slice_in(
     name = tpus.node_name(pool.pool_id)
     private = calls.machine_settings.use_private_ips
     return [
-        MachineAddress(f"{name} worker {i}", tpus.address(e, private), str(e.ip_address))
+        MachineAddress(f"{name} worker {i}", tpus.address(e, private), str(e.ip_address), i)
         for i, e in enumerate(tpus.endpoints(node))
     ]
 
@@ -353,7 +354,6 @@ def _metadata(calls: Calls, pool: GCPCluster) -> dict[str, str]:
     """The machines' metadata: the pool's fresh login key and the startup script."""
     return startup.metadata(
         pool.pool_id,
-        pool.host_key,
         calls.machine_settings.idle_timeout,
         calls.machine_settings.user,
         write_login_key(pool.key_path),

@@ -82,14 +82,16 @@ def describe_tree(path: str) -> tuple[int, dict[str, tuple[str, int, int, str]]]
 
 
 def tree_listing(root: Path) -> dict[str, tuple[str, int, int, str]]:
+    """Kind, owner permission bits, mtime and content of everything under `root`. The owner's
+    bits only: a node's copy keeps those and drops group and other (docs/security.md)."""
     if root.is_file():
         stat = root.stat()
-        return {".": ("file", stat.st_mode & 0o7777, stat.st_mtime_ns, root.read_text())}
+        return {".": ("file", stat.st_mode & 0o700, stat.st_mtime_ns, root.read_text())}
     found: dict[str, tuple[str, int, int, str]] = {}
     for path in sorted(root.rglob("*")):
         stat = path.lstat()
         name = str(path.relative_to(root))
-        mode, mtime = stat.st_mode & 0o7777, stat.st_mtime_ns
+        mode, mtime = stat.st_mode & 0o700, stat.st_mtime_ns
         if path.is_symlink():
             found[name] = ("link", 0, 0, os.readlink(path))
         elif path.is_dir():

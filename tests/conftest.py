@@ -169,28 +169,28 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         thread.join()
 
 
-def _group_for_workers(items: list[pytest.Item]) -> None:
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
     """Put each test in the pytest-xdist group that must run in one worker process.
 
     A folder's tests (tests/ssh, tests/aws, tests/slurm, ...) share session fixtures that hold a
     fixed test subnet (its sshd hosts, its Slurm cluster, moto's machines): a second worker
     making the same set would wait on the subnet's lock for as long as the first one's session
     lives. So a folder is one group; a top-level module is one group, so that its module-scoped
-    pools are started once. Without xdist the mark is inert.
+    pools are started once. Marked as each test is collected, so the mark is there before any
+    `pytest_collection_modifyitems`, pytest-xdist's (which reads it) included, whatever order
+    the plugins' hooks run in. Without xdist the mark is inert.
     """
-    here = Path(__file__).resolve().parent
-    for item in items:
-        relative = item.path.resolve().relative_to(here)
-        group = relative.parts[0] if len(relative.parts) > 1 else relative.stem
-        item.add_marker(pytest.mark.xdist_group(group))
+    relative = item.path.resolve().relative_to(_TESTS)
+    group = relative.parts[0] if len(relative.parts) > 1 else relative.stem
+    item.add_marker(pytest.mark.xdist_group(group))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group the tests for the worker processes (`_group_for_workers`); start the Debian
-    roots' builds the tests need (`_start_root_builds`); `gpu`-marked tests need a real NVIDIA
-    GPU: skipped, saying so, where there is none."""
-    _group_for_workers(items)
+    """Start the Debian roots' builds the tests need (`_start_root_builds`); `gpu`-marked tests
+    need a real NVIDIA GPU: skipped, saying so, where there is none."""
     _start_root_builds(items)
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:

@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from skyward.info import keep_private
 from skyward.worker.filelock import locked
 from skyward.worker.hostcheck import READY_MARKER as READY_MARKER
 from skyward.worker.hostcheck import same_python
@@ -265,7 +264,11 @@ def main() -> None:
     ``{"python": ...}``; ``CACHE --setup-only``: run its setup commands once, print
     ``{"ok": true}``.
     A failure prints ``{"error", "output"}`` and exits 1."""
-    keep_private()
+    # What the build writes (the environment, `.skyward-ready` with the image's env) is owner-only,
+    # as `skyward.info.keep_private` makes it for the other node programs. Not imported from
+    # there: this runs under whatever python3 the host has (3.8 on some), and skyward.info needs
+    # 3.10.
+    os.umask(0o077)
     cache, uv = Path(sys.argv[1]).expanduser(), sys.argv[2]
     spec = EnvSpec.from_json(sys.stdin.read())
     try:

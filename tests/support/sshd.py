@@ -1070,8 +1070,13 @@ class NetnsHosts(HostSet[NetnsHost]):
             ensure_openssh_server()
         ip = _ip()
         self._claim = claim_subnet(str(self.subnet), self.subnet_wait)
-        self._remove_all()  # leftovers of a crashed run with the same names
-        self._check_guard_network_is_free()
+        try:
+            self._remove_all()  # leftovers of a crashed run with the same names
+            self._check_guard_network_is_free()
+        except BaseException:
+            self._claim.close()  # nothing was built: the subnet is free again
+            self._claim = None
+            raise
         self._built = True
         try:
             # The guard goes first: nothing in the test /16 may ever leave the machine.

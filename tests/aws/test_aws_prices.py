@@ -26,7 +26,11 @@ from tests.aws.conftest import REGION, MotoServer
 from tests.support.awspricing import PriceListServer
 from tests.support.sshd import free_port
 
-TODAY = datetime.now(UTC).strftime("%Y-%m-%d")
+
+def today() -> str:
+    """The UTC date a price looked up now is stamped with (read at each use: a run that
+    crosses midnight stamps the new day)."""
+    return datetime.now(UTC).strftime("%Y-%m-%d")
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +75,7 @@ def test_the_on_demand_price_is_the_products_on_demand_term(price_list: PriceLis
 
     price = prices.on_demand(pricing(), "m6i.large", "us-east-1")
 
-    assert price == Price(0.096, f"AWS Price List API, us-east-1, {TODAY}")
+    assert price == Price(0.096, f"AWS Price List API, us-east-1, {today()}")
     (request,) = price_list.requests
     assert request["ServiceCode"] == "AmazonEC2"
     assert request["FormatVersion"] == "aws_v1"
@@ -166,7 +170,7 @@ def test_a_second_lookup_is_read_from_the_cache_until_it_is_a_week_old(
 
     age_entries(cache, timedelta(hours=2))  # now more than 7 days old
     assert prices.on_demand(pricing(), "m6i.large", "us-east-1") == Price(
-        0.101, f"AWS Price List API, us-east-1, {TODAY}"
+        0.101, f"AWS Price List API, us-east-1, {today()}"
     )
     assert len(price_list.requests) == 2
 
@@ -231,9 +235,9 @@ def test_the_spot_price_is_the_zones_or_the_regions_cheapest(moto: MotoServer) -
 
     # moto prices every zone the same (0.00001): the first zone by name is the cheapest.
     assert cheapest.per_hour == in_zone.per_hour == 0.00001
-    assert cheapest.source.startswith(f"EC2 spot price history, {zones[0]}, {TODAY} ")
+    assert cheapest.source.startswith(f"EC2 spot price history, {zones[0]}, {today()} ")
     assert cheapest.source.endswith(" UTC")
-    assert in_zone.source.startswith(f"EC2 spot price history, {zones[-1]}, {TODAY} ")
+    assert in_zone.source.startswith(f"EC2 spot price history, {zones[-1]}, {today()} ")
     assert prices.spot(ec2, "m5.large", "us-east-1z") == Price.unknown(
         "EC2 spot price history: no Linux/UNIX spot price for m5.large in us-east-1z"
     )
@@ -296,7 +300,7 @@ def test_the_provider_prices_the_instance_type_it_would_launch(
     assert asyncio.run(aws.price(spec("A100"))).per_hour == 35.364
     assert asyncio.run(aws.price(spec())).per_hour == 0.107
     assert asyncio.run(sky.AWS(region="eu-west-1").price(spec("L4:4"))) == Price(
-        5.183, f"AWS Price List API, eu-west-1, {TODAY}"
+        5.183, f"AWS Price List API, eu-west-1, {today()}"
     )
     explicit = sky.AWS(region="eu-west-1", instance_type="g6.12xlarge")
     assert asyncio.run(explicit.price(spec())).per_hour == 5.183
@@ -312,7 +316,7 @@ def test_a_spot_provider_prices_its_subnets_zone(moto: MotoServer) -> None:
     )
 
     assert price.per_hour == 0.00001
-    assert price.source.startswith(f"EC2 spot price history, us-east-1c, {TODAY} ")
+    assert price.source.startswith(f"EC2 spot price history, us-east-1c, {today()} ")
 
 
 def test_the_provider_never_raises(monkeypatch: pytest.MonkeyPatch, moto: MotoServer) -> None:

@@ -28,11 +28,20 @@ from tests.support.fakebilling import COMPUTE_ENGINE, FakeBilling
 from tests.support.fakegcp import FakeGCP
 from tests.support.sshd import free_port
 
-TODAY = datetime.now(UTC).strftime("%Y-%m-%d")
+
+def today() -> str:
+    """The UTC date a price looked up now is stamped with (read at each use: a run that
+    crosses midnight stamps the new day)."""
+    return datetime.now(UTC).strftime("%Y-%m-%d")
+
+
 REGION = "us-central1"
 AMERICAS = ["us-central1", "us-east1", "us-west4"]
 CLOUD_TPU = "E000-3F24-B8AA"
-SOURCE = f"Cloud Billing Catalog API, {REGION}, {TODAY}"
+
+
+def source() -> str:
+    return f"Cloud Billing Catalog API, {REGION}, {today()}"
 
 
 @pytest.fixture(autouse=True)
@@ -196,7 +205,7 @@ def test_a_vm_is_its_cores_its_memory_and_its_gpus(compute: FakeGCP, billing: Fa
     # 12 x 0.031611 + 85 GiB x 0.004237 + 1 x 2.933908
     price = vm(compute, billing, "a2-highgpu-1g", spot=False)
 
-    assert price.source == SOURCE
+    assert price.source == source()
     assert price.per_hour == pytest.approx(3.673385, abs=1e-9)
     ((path, query),) = sku_calls(billing)
     assert path == f"/v1/services/{COMPUTE_ENGINE}/skus"
@@ -207,7 +216,7 @@ def test_a_spot_vm_is_priced_by_the_spot_skus(compute: FakeGCP, billing: FakeBil
     # 12 x 0.0094833 + 85 GiB x 0.0012711 + 1 x 0.88017
     price = vm(compute, billing, "a2-highgpu-1g", spot=True)
 
-    assert price == Price(pytest.approx(1.1020131, abs=1e-9), SOURCE)  # type: ignore[arg-type]
+    assert price == Price(pytest.approx(1.1020131, abs=1e-9), source())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -312,7 +321,7 @@ def test_a_tpu_host_is_its_chips_at_the_per_chip_rate(billing: FakeBilling) -> N
     v4 = tpu_types.parse("v4-32")
 
     assert prices.tpu_price(catalog, v5e, "us-west4", spot=False) == Price(
-        4 * 1.2, f"Cloud Billing Catalog API, us-west4, {TODAY}"
+        4 * 1.2, f"Cloud Billing Catalog API, us-west4, {today()}"
     )
     assert prices.tpu_price(catalog, v5e, "us-west4", spot=True).per_hour == 4 * 0.48
     assert prices.tpu_price(catalog, v6e, "us-east1", spot=False).per_hour == 8 * 2.7
@@ -335,7 +344,7 @@ def test_the_provider_prices_the_machine_type_it_would_launch(
 ) -> None:
     assert asyncio.run(gcp().price(spec("A100"))) == Price(
         pytest.approx(3.673385, abs=1e-9),  # type: ignore[arg-type]
-        SOURCE,
+        source(),
     )
     spot = asyncio.run(gcp(spot=True).price(spec("A100")))
     assert spot.per_hour == pytest.approx(1.1020131, abs=1e-9)
@@ -349,7 +358,7 @@ def test_the_provider_prices_one_host_of_its_tpu_slice(
     billing: FakeBilling, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     price = asyncio.run(gcp(zone="us-west4-a").price(spec("tpu-v5litepod-16", nodes=4)))
-    assert price == Price(4 * 1.2, f"Cloud Billing Catalog API, us-west4, {TODAY}")
+    assert price == Price(4 * 1.2, f"Cloud Billing Catalog API, us-west4, {today()}")
 
     # api_endpoint= points the catalog client too, as it does the TPU API's.
     monkeypatch.delenv("CLOUDSDK_API_ENDPOINT_OVERRIDES_CLOUDBILLING")

@@ -651,7 +651,7 @@ class SshdServer:
         authorized_keys: Sequence[KeyPair | str] = (),
         host_key: KeyPair | None = None,
         extra_config: Sequence[str] = (),
-        start_timeout: float = 10.0,
+        start_timeout: float = 30.0,
     ) -> None:
         """Prepare (not start) a server on ``host:port``.
 
@@ -764,12 +764,33 @@ class SshdServer:
             if _wait_for_ssh_banner(self.host, self.port, deadline):
                 return self
             if time.monotonic() >= deadline:
+                seen = self._start_diagnostics()
                 self.stop()
                 raise RuntimeError(
                     f"sshd for {self.host}:{self.port} did not answer within"
-                    f" {self.start_timeout:.1f}s; log tail:\n{self.log_tail()}"
+                    f" {self.start_timeout:.1f}s; {seen}; log tail:\n{self.log_tail()}"
                 )
             time.sleep(0.02)
+
+    def _start_diagnostics(self) -> str:
+        """What the machine looked like when sshd did not answer in time: whether sshd had
+        accepted connections (children below it: a slow machine), and the route and neighbour
+        entry towards it (none reached it: a network fault), with the load."""
+        assert self._proc is not None
+        facts = [f"sshd children: {len(_descendants(self._proc.pid))}"]
+        with contextlib.suppress(OSError):
+            facts.append("load " + " ".join(Path("/proc/loadavg").read_text().split()[:3]))
+        if self.netns is not None:
+            ip = _ip()
+            for argv in (
+                [ip, "route", "get", self.host],
+                [ip, "neigh", "show", self.host],
+                [ip, "-n", self.netns, "-br", "addr"],
+                [ip, "-n", self.netns, "-br", "link"],
+            ):
+                out = _run(argv, check=False)
+                facts.append(f"`{' '.join(argv[1:])}`: {(out.stdout + out.stderr).strip()}")
+        return "; ".join(facts)
 
     def session_processes(self) -> dict[int, int]:
         """Return {pid: start time} of every process below the listening sshd."""
@@ -1002,7 +1023,7 @@ class NetnsHosts(HostSet[NetnsHost]):
         authorized_keys: Sequence[KeyPair | str] = (),
         start_sshd: bool = True,
         sshd_extra_config: Sequence[str] = (),
-        sshd_timeout: float = 10.0,
+        sshd_timeout: float = 30.0,
         sshd_host_config: Sequence[Sequence[str]] = (),
         subnet_wait: float = 600.0,
     ) -> None:

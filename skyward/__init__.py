@@ -43,11 +43,6 @@ _EXPORTS = {
     "Report": "skyward.reports",
     "report": "skyward.reports",
     "Plugin": "skyward.plugins.base",
-    "Local": "skyward.providers.local",
-    "SSH": "skyward.providers.ssh",
-    "AWS": "skyward.providers.aws",
-    "GCP": "skyward.providers.gcp",
-    "Slurm": "skyward.providers.slurm.provider",
     "ClusterSpec": "skyward.cluster",
     "SkywardError": "skyward.errors",
     "BudgetExceeded": "skyward.errors",
@@ -96,11 +91,11 @@ if TYPE_CHECKING:
     from skyward.plugins.base import Plugin
     from skyward.pool import ComputePool
     from skyward.preemption import Preemption, on_preemption, preempting
-    from skyward.providers.aws import AWS
-    from skyward.providers.gcp import GCP
-    from skyward.providers.local import Local
+    from skyward.providers.aws.provider import AWS
+    from skyward.providers.gcp.provider import GCP
+    from skyward.providers.local.provider import Local
     from skyward.providers.slurm.provider import Slurm
-    from skyward.providers.ssh import SSH
+    from skyward.providers.ssh.provider import SSH
     from skyward.reports import Report, report
 
 # Literal, so type checkers see the re-exports (`mypy --strict` on a user's script).
@@ -155,24 +150,36 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module_name = _EXPORTS.get(name)
     if module_name is None:
-        raise AttributeError(f"module 'skyward' has no attribute {name!r}")
-    try:
+        if name not in __all__:  # a submodule being imported asks too: no registry for it
+            raise AttributeError(f"module 'skyward' has no attribute {name!r}")
+        value = _own_provider(name)
+    else:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        # A provider's extra, as its registry entry names it.
-        from skyward.providers import registry
-
-        extra = next((e.extra for e in registry.entries().values() if e.attr == name), None)
-        if extra is None or exc.name == module_name:
-            raise
-        raise ModuleNotFoundError(
-            f"sky.{name} needs {exc.name}, which is not installed: pip install 'skyward[{extra}]'",
-            name=exc.name,
-        ) from exc
-    value = module if name == "plugins" else getattr(module, name)
+        value = module if name == "plugins" else getattr(module, name)
     globals()[name] = value
     return value
 
 
+def _own_provider(name: str) -> Any:
+    """`sky.AWS` and the rest: skyward's own providers, by the class names their registry
+    entries give; one whose extra is missing says which to install."""
+    from skyward.providers import registry
+
+    own = {entry.attr: entry for entry in registry.own_entries()}
+    if name not in own:
+        raise AttributeError(f"module 'skyward' has no attribute {name!r}")
+    entry = own[name]
+    try:
+        return getattr(importlib.import_module(entry.module), name)
+    except ModuleNotFoundError as exc:
+        if entry.extra is None or exc.name == entry.module:
+            raise
+        raise ModuleNotFoundError(
+            f"sky.{name} needs {exc.name}, which is not installed: "
+            f"pip install 'skyward[{entry.extra}]'",
+            name=exc.name,
+        ) from exc
+
+
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted({*globals(), *_EXPORTS, *__all__})

@@ -195,7 +195,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return
-    from skyward.providers.local import machine_gpus
+    from skyward.providers.local.provider import machine_gpus
 
     inventory = machine_gpus()
     if inventory.gpus:

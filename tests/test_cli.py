@@ -83,7 +83,7 @@ def test_ls_without_a_region_or_credentials_says_so_in_one_line(
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to look for
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
-    assert main(["ls"]) == 1
+    assert main(["ls", "--provider", "aws"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("skyward ls: ") and says in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1

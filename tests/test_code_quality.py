@@ -281,6 +281,7 @@ SHARED_NAMES = {
     "__main__.py",
     "base.py",  # its package's interface
     "provider.py",  # its folder's provider class
+    "entry.py",  # its folder's registry entry (`skyward.providers.registry`)
     "instances.py",  # one job each for AWS and for GCP
     "resources.py",
     "teardown.py",

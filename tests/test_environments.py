@@ -161,7 +161,7 @@ def test_an_environment_left_by_an_earlier_run_does_not_replace_this_interpreter
     which satisfies the image and has numpy: what a node runs never depends on what ran before."""
     monkeypatch.setenv("SKYWARD_CACHE_DIR", str(tmp_path))
     leftover = tmp_path / "envs" / env_spec(sky.Image()).hash
-    from skyward.providers.local import _uv_binary
+    from skyward.providers.local.provider import _uv_binary
 
     subprocess.run([_uv_binary(), "venv", "-q", "--python", sys.executable, str(leftover)],
                    check=True)  # fmt: skip

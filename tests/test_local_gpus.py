@@ -19,8 +19,8 @@ import pytest
 
 import skyward as sky
 from skyward.cluster import Accelerator
-from skyward.providers import local_gpus
-from skyward.providers.local import machine_gpus
+from skyward.providers.local import devices
+from skyward.providers.local.provider import machine_gpus
 from skyward.worker.gpus import Inventory, parse_smi
 from tests.support.gpus import WheelSeen, fake_nvidia_smi, recorded, wheel
 
@@ -41,19 +41,19 @@ def assign(
 ) -> list[tuple[int, ...]]:
     environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
     wanted = Accelerator.parse(accelerator) if accelerator else None
-    owned = local_gpus.assign(inventory, wanted, nodes, environ)
+    owned = devices.assign(inventory, wanted, nodes, environ)
     return [tuple(gpu.index for gpu in node) for node in owned]
 
 
 def test_a_cpu_pool_owns_no_gpu_and_its_nodes_see_none() -> None:
     assert assign(H100, None, 2) == [(), ()]
-    assert local_gpus.device_env(()) == {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
+    assert devices.device_env(()) == {"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
 
 
 def test_one_gpu_goes_to_one_node_by_any_name_it_answers_to() -> None:
     for name in ("GPU", "H100", "h100", "H100:1", "GPU:1"):
         assert assign(H100, name, 1) == [(0,)], name
-    env = local_gpus.device_env(H100.gpus)
+    env = devices.device_env(H100.gpus)
     assert env["CUDA_VISIBLE_DEVICES"] == H100.gpus[0].uuid
 
 

@@ -167,7 +167,7 @@ def test_env_reaches_the_nodes() -> None:
 
 
 def test_nodes_poll_for_calls_only_when_each_has_a_core() -> None:
-    from skyward.providers.local import _usable_cores
+    from skyward.providers.local.provider import _usable_cores
     from skyward.worker.agent import LINGER_ENV
 
     @sky.compute

@@ -52,9 +52,15 @@ def test_no_public_name_is_shadowed_by_a_submodule_of_the_same_name() -> None:
 
 
 def test_all_lists_exactly_the_lazy_exports() -> None:
+    """`__all__` is what the root exports: its table, and skyward's own providers as their
+    registry entries name them (each loads to that class)."""
     from skyward import _EXPORTS
+    from skyward.providers import registry
 
-    assert sorted(sky.__all__) == sorted(_EXPORTS)
+    providers = {entry.attr: entry for entry in registry.own_entries()}
+    assert sorted(sky.__all__) == sorted([*_EXPORTS, *providers])
+    for name, entry in providers.items():
+        assert getattr(sky, name) is entry.load()
 
 
 def test_a_users_script_type_checks_under_mypy_strict(mypy_report: MypyReport) -> None:

@@ -1,9 +1,13 @@
 """The provider registry: a provider living outside skyward is found by name, through
-`registry.register` or a ``skyward.providers`` entry point, and runs a pool; an unknown name
-lists the known ones."""
+`registry.register` or a ``skyward.providers`` entry point, runs a pool, and works in
+``skyward run/ls/down/status`` with its own flag; an unknown name lists the known ones, and a
+provider that cannot list pools says so."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +19,8 @@ from skyward.cli import profiles
 from skyward.errors import ConfigError
 from skyward.providers import registry
 from tests.example_provider.provider import ENTRY, Example
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -29,27 +35,118 @@ def where() -> str:
     return sky.instance_info().provider
 
 
-def test_a_registered_provider_runs_a_pool_from_a_profile(registered: None) -> None:
-    profile = profiles.with_flags(profiles.Profile(), {"provider": "example", "options": {}})
-    provider = profile.build_provider()
+def test_a_registered_provider_runs_a_pool_from_a_profile(registered: None, tmp_path: Path) -> None:
+    flags = {"provider": "example", "options": {"state_dir": str(tmp_path)}}
+    provider = profiles.with_flags(profiles.Profile(), flags).build_provider()
     assert isinstance(provider, Example)
     with sky.ComputePool(provider=provider, nodes=1) as pool:
         assert (where() >> pool) == "example"
+        assert list(provider.find()) == [pool.pool_id]
+    assert provider.find() == {}  # the teardown removed its record
+
+
+def installed_example(folder: Path) -> Path:
+    """A tiny installed distribution in `folder` whose entry point names the example's entry
+    (what ``pip install`` of a package declaring it leaves); `folder` goes on sys.path."""
+    dist = folder / "skyward_example-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: skyward-example\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        f"[{registry.ENTRY_POINT_GROUP}]\nexample = tests.example_provider.provider:ENTRY\n"
+    )
+    return folder
 
 
 def test_an_entry_point_makes_a_provider_known(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A tiny installed distribution whose entry point names the example's entry.
-    dist = tmp_path / "skyward_example-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: skyward-example\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        f"[{registry.ENTRY_POINT_GROUP}]\nexample = tests.example_provider.provider:ENTRY\n"
-    )
     assert "example" not in registry.names()
-    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.setattr(sys, "path", [str(installed_example(tmp_path)), *sys.path])
     assert registry.provider_class("example") is Example
+
+
+def skyward(*argv: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The ``skyward`` command in a new process (which finds the provider as a user's would)."""
+    return subprocess.run(
+        [sys.executable, "-m", "skyward.cli", *argv],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+CLIENT = """
+import sys, time
+import skyward as sky
+from skyward.providers import registry
+with sky.ComputePool(provider=registry.provider_class("example")(sys.argv[1]), nodes=2) as pool:
+    print("POOL", pool.pool_id, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_provider_from_an_entry_point_works_in_run_ls_down_and_status(tmp_path: Path) -> None:
+    """Installed through an entry point only: its flag is in `skyward run --help`, a pool whose
+    client was killed is listed by `skyward ls` and `skyward status` (a profile naming it), and
+    `skyward down` removes what it left."""
+    state, work = tmp_path / "state", tmp_path / "work"
+    work.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(installed_example(tmp_path / "site")), str(ROOT)]),
+    }
+    helped = skyward("run", "--help", env=env, cwd=work)
+    assert "--example-dir" in helped.stdout and "example: where" in helped.stdout, helped.stdout
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, str(state)],
+        env=env,
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert client.stdout is not None
+        line = client.stdout.readline()
+        assert line.startswith("POOL "), line
+        pool_id = line.split()[1]
+    finally:
+        os.killpg(client.pid, signal.SIGKILL)  # the laptop that crashed: no teardown ran
+        client.wait(30)
+    listed = skyward("ls", "--provider", "example", "--example-dir", str(state), env=env, cwd=work)
+    assert listed.returncode == 0, listed.stderr
+    assert f"{pool_id}  created " in listed.stdout, listed.stdout
+    assert f"2 node(s), client pid {client.pid} (gone)" in listed.stdout, listed.stdout
+    (work / "skyward.toml").write_text(
+        f'[profile.default]\nprovider = "example"\nstate_dir = "{state}"\n'
+    )
+    status = skyward("status", env=env, cwd=work)
+    assert f"example  {pool_id}  created " in status.stdout, status.stdout + status.stderr
+    down = skyward("down", pool_id, env=env, cwd=work)  # the default profile's provider
+    assert down.returncode == 0, down.stderr
+    assert f"removed {pool_id}: its record {pool_id}.json" in down.stdout, down.stdout
+    again = skyward("ls", env=env, cwd=work)
+    assert "no skyward resources found by the example provider" in again.stdout, again.stdout
+    assert list(state.iterdir()) == []
+
+
+def test_ls_with_a_provider_that_cannot_list_says_which_can(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from skyward.cli.main import main
+
+    monkeypatch.chdir(tmp_path)  # no profile here
+    assert main(["ls", "--provider", "ssh"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("skyward ls: the ssh provider cannot list and clean up"), err
+    assert "slurm" in err and "Traceback" not in err
+    assert main(["ls"]) == 1  # no --provider and no default profile: the local one cannot
+    assert "the local provider cannot" in capsys.readouterr().err
+    assert main(["ls", "--provider", "nope"]) == 1
+    assert "unknown provider 'nope'; use one of local, ssh" in capsys.readouterr().err
 
 
 def test_an_unknown_provider_lists_the_known_ones() -> None:
@@ -70,4 +167,4 @@ class _Plain(Example):
 )
 def test_a_feature_its_provider_lacks_is_refused(feature: dict[str, float], needs: str) -> None:
     with pytest.raises(ConfigError, match=f"needs a provider that can .*{needs}"):
-        sky.ComputePool(provider=_Plain(), nodes=1, **feature)  # type: ignore[arg-type]
+        sky.ComputePool(provider=_Plain("unused"), nodes=1, **feature)  # type: ignore[arg-type]

@@ -208,7 +208,7 @@ def test_a_node_that_never_joins_the_group_is_named(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_ddp_over_nccl_with_one_gpu_per_rank(nodes: int) -> None:
-    from skyward.providers.local import machine_gpus
+    from skyward.providers.local.provider import machine_gpus
 
     if len(machine_gpus().gpus) < nodes:
         pytest.skip(f"needs a machine with {nodes} NVIDIA GPUs (NCCL: one GPU per rank)")

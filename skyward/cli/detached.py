@@ -12,7 +12,8 @@ from pathlib import Path
 
 from skyward.cli.packages import unresolved
 from skyward.cli.profiles import Profile
-from skyward.cli.runner import describe_age, script_packages, script_plugins
+from skyward.cli.runner import script_packages, script_plugins
+from skyward.console.progress import clock
 from skyward.cost import dollars
 from skyward.detached import record
 from skyward.detached.run import Run, RunStatus
@@ -141,6 +142,6 @@ def print_runs() -> int:
         cost = dollars(status.cost) if status.cost is not None else "-"
         print(
             f"{rec.name:<24} {rec.provider:<8} {rec.nodes:>5}  {_state(status)[:40]:<40} "
-            f"{started:<16} {describe_age(status.duration):>8} {cost:>9}"
+            f"{started:<16} {clock(status.duration):>8} {cost:>9}"
         )
     return len(runs)

@@ -1,11 +1,12 @@
 """The ``skyward`` command: run a script on a pool, list live pools, cached environments, and
-skyward's EC2 resources.
+what pools left with a provider.
 
 ``skyward run script.py`` runs an unmodified script on every node (see `skyward.cli.runner`);
-``skyward status`` lists this user's live pools; ``skyward ls`` lists everything tagged
-``skyward:pool`` in a region; ``skyward down POOL`` (or ``--all``) removes it: the orphan sweep
-for pools whose client died before its teardown. An error is one line on stderr (the traceback
-too with ``--debug``).
+``skyward status`` lists this user's live pools; ``skyward ls --provider NAME`` lists every pool
+that provider can see (a cloud's region or project, a cluster's queue); ``skyward down POOL``
+(or ``--all``) removes it: the sweep for pools whose client died before its teardown. The
+providers and their flags come from the registry (`skyward.providers.registry`): this module
+names none. An error is one line on stderr (the traceback too with ``--debug``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import argparse
 import shutil
 import sys
 import traceback
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +22,17 @@ from skyward import checks
 from skyward.errors import ConfigError
 from skyward.info import cache_root
 from skyward.providers import registry
+from skyward.providers.base import Capability, Provider
 from skyward.providers.source import source_hash
 from skyward.version import __version__
 from skyward.worker import envbuild
 
 _DESCRIPTION = (
-    "Run a script on a pool, list live pools, cached environments, and skyward's EC2 resources. "
-    "'skyward run --nodes 2 script.py' runs an unmodified script on every node; 'skyward status' "
-    "lists your live pools; 'skyward ls' lists everything tagged skyward:pool in a region; "
-    "'skyward down POOL' (or --all) removes it: the orphan sweep for pools whose client died "
-    "before its teardown."
+    "Run a script on a pool, list live pools, cached environments, and what pools left with a "
+    "provider. 'skyward run --nodes 2 script.py' runs an unmodified script on every node; "
+    "'skyward status' lists your live pools; 'skyward ls --provider NAME' lists every pool that "
+    "provider can see; 'skyward down POOL' (or --all) removes it: the sweep for pools whose "
+    "client died before its teardown."
 )
 _RUN_EPILOG = (
     "Every node runs 'python SCRIPT ARGS' with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
@@ -96,39 +97,54 @@ def _cache_clear(cache: Path) -> int:
     return 0
 
 
-def _aws_session(region: str | None, profile: str | None) -> Any:
-    import boto3
+def _listing_provider(args: argparse.Namespace) -> Provider:
+    """The provider `skyward ls`/`down` asks: `--provider` (else the default profile's), built
+    from the default profile's settings and the flags that say where to look."""
+    from skyward.cli import profiles
 
-    return boto3.session.Session(region_name=region, profile_name=profile)
+    profile = profiles.load_profile(None)
+    name = args.provider or profile.provider
+    entry = registry.entry(name)
+    cls = entry.load()
+    if Capability.LIST not in cls.capabilities:
+        able = ", ".join(_listing_names())
+        raise ConfigError(
+            f"the {name} provider cannot {Capability.LIST.value}; name one that can with "
+            f"--provider ({able})"
+        )
+    keys = {o.key for o in entry.options if o.listing}
+    settings = {k: v for k, v in profile.options.items() if k in keys and name == profile.provider}
+    return cls(**{**settings, **entry.arguments(vars(args), listing=True)})
 
 
-def _aws(args: argparse.Namespace) -> Any:
-    from skyward.providers.aws import AWS
+def _listing_names() -> list[str]:
+    """The providers that can list and clean up pools (those whose classes can be imported)."""
+    found = []
+    for name, entry in registry.entries().items():
+        try:
+            if Capability.LIST in entry.load().capabilities:
+                found.append(name)
+        except ConfigError:
+            continue  # its extra is not installed
+    return found
 
-    aws = AWS(session=_aws_session(args.region, args.profile))
-    aws.check_access()  # no region or no credentials: one clear line, not a botocore traceback
-    return aws
+
+def _ls(provider: Provider) -> int:
+    """`skyward ls`: every pool the provider finds, under its resources."""
+    pools = provider.find()
+    if not pools:
+        print(f"no skyward resources found by the {provider.name} provider")
+    for _, pool in sorted(pools.items()):
+        when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
+        print(f"{pool.pool_id}  created {when} by {pool.created_by or '?'}")
+        for line in pool.describe():
+            print(f"    {line}")
+    return 0
 
 
-def _ls_or_down(
-    args: argparse.Namespace,
-    find: Callable[[], Mapping[str, Any]],
-    cleanup: Callable[[str | None], list[str]],
-    where: str,
-) -> int:
-    """`skyward ls` (what `find` lists, by pool) or `skyward down` (`cleanup` of one pool, or
-    of all with None), for one cloud."""
-    if args.command == "ls":
-        pools = find()
-        if not pools:
-            print(f"no skyward resources in this {where}")
-        for pool in sorted(pools.values(), key=lambda p: p.pool_id):
-            when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
-            print(f"{pool.pool_id}  created {when} by {pool.created_by or '?'}")
-            for line in pool.describe():
-                print(f"    {line}")
-        return 0
-    removed = cleanup(None if args.all else args.pool)
+def _down(provider: Provider, args: argparse.Namespace) -> int:
+    """`skyward down POOL` (or `--all`): what those pools left, removed."""
+    removed = provider.cleanup(None if args.all else args.pool)
     for line in removed:
         print(f"removed {line}")
     if not removed:
@@ -136,82 +152,43 @@ def _ls_or_down(
     return 0
 
 
-def _cloud_command(
-    args: argparse.Namespace, command: Callable[[], int], errors: tuple[type[BaseException], ...]
-) -> int:
-    """`command()`, with a cloud's problem (`errors`) as one line on stderr and exit status 1
-    (the traceback with --debug). A bare `skyward down` is refused before any cloud call: it
-    must never mean "everything"."""
+def _listing(args: argparse.Namespace) -> int:
+    """`skyward ls` / `skyward down`. A bare `skyward down` is refused before any provider is
+    asked: it must never mean "everything"."""
     if args.command == "down" and not args.all and not args.pool:
         print("skyward down: name a POOL (see `skyward ls`) or pass --all", file=sys.stderr)
         return 2
-    try:
-        return command()
-    except errors as exc:
-        if args.debug:
-            traceback.print_exc()
-        print(f"skyward {args.command}: {exc}", file=sys.stderr)
-        return 1
+    provider = _listing_provider(args)
+    return _ls(provider) if args.command == "ls" else _down(provider, args)
 
 
-def _aws_command(args: argparse.Namespace) -> int:
-    """`skyward ls` / `skyward down`: the region's skyward resources."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from skyward.errors import SkywardError
-
-    def command() -> int:
-        from skyward.providers.aws import resources
-
-        aws = _aws(args)
-        return _ls_or_down(
-            args,
-            lambda: resources.find(aws.client("ec2")),
-            lambda pool: aws.cleanup(older_than=0, pool=pool),
-            "region",
+def _provider_flags(parser: argparse.ArgumentParser, listing: bool) -> None:
+    """Every provider's flags for `skyward run` (or, with `listing`, `ls`/`down`), from the
+    registry: a flag two providers take is added once, its help naming both."""
+    flags: dict[str, tuple[list[str], registry.Option]] = {}
+    for name, entry in registry.entries().items():
+        for option in entry.options:
+            if option.listing if listing else option.run:
+                flags.setdefault(option.flag, ([], option))[0].append(name)
+    for flag, (names, option) in flags.items():
+        parser.add_argument(
+            flag,
+            dest=option.key,
+            action="store_true" if option.kind == "switch" else "store",
+            default=None,
+            help=f"{', '.join(names)}: {option.help}",
         )
 
-    return _cloud_command(args, command, (SkywardError, BotoCoreError, ClientError))
 
-
-def _gcp(args: argparse.Namespace) -> Any:
-    from skyward.providers.gcp import GCP
-
-    gcp = GCP(project=args.project, zone=args.zone)
-    gcp.access()  # no project or no credentials: one clear line, not a traceback
-    return gcp
-
-
-def _gcp_command(args: argparse.Namespace) -> int:
-    """`skyward ls --cloud gcp` / `skyward down --cloud gcp`: the project's skyward resources."""
-    from skyward.errors import SkywardError
-
-    try:
-        from google.api_core.exceptions import GoogleAPIError
-
-        from skyward.providers.gcp import tpus  # noqa: F401  # both clients are installed
-    except ModuleNotFoundError as exc:
-        print(f"skyward {args.command}: {exc.name} is missing: pip install 'skyward[gcp]'")
-        return 1
-
-    def command() -> int:
-        gcp = _gcp(args)
-        return _ls_or_down(args, gcp.find, lambda pool: gcp.cleanup(pool=pool), "project")
-
-    return _cloud_command(args, command, (SkywardError, GoogleAPIError, OSError))
-
-
-def _slurm_command(args: argparse.Namespace) -> int:
-    """`skyward ls --provider slurm` / `skyward down --provider slurm`: this user's pools' jobs
-    in the queue (through `--login`, a login node over SSH, or this machine's Slurm commands)."""
-    from skyward.errors import SkywardError
-    from skyward.providers.slurm.provider import Slurm
-
-    def command() -> int:
-        slurm = Slurm(login=args.login)
-        return _ls_or_down(args, slurm.find, lambda pool: slurm.cleanup(pool), "cluster's queue")
-
-    return _cloud_command(args, command, (SkywardError, OSError))
+def _provider_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The provider settings `skyward run`'s flags give, by key (None: not given); a flag the
+    chosen provider does not take is refused when the pool's provider is built."""
+    return {
+        option.key: option.value(getattr(args, option.key, None))
+        for entry in registry.entries().values()
+        for option in entry.options
+        if option.run
+    }
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -229,20 +206,7 @@ def _run(args: argparse.Namespace) -> int:
         "requirements": args.requirements,
         "indexes": args.index,
         "find_links": args.find_links,
-        "options": {
-            "hosts": args.hosts.split(",") if args.hosts else None,
-            "user": args.user,
-            "key": args.key,
-            "region": args.region,
-            "instance_type": args.instance_type,
-            "spot": True if args.spot else None,
-            "project": args.project,
-            "zone": args.zone,
-            "partition": args.partition,
-            "account": args.account,
-            "time_limit": args.time_limit,
-            "login": args.login,
-        },
+        "options": _provider_options(args),
     }
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
@@ -281,19 +245,13 @@ def _status(args: argparse.Namespace) -> int:
     seen: set[str] = set()
     for profile in chosen:
         key = f"{profile.provider} {sorted(profile.options.items())}"
-        if profile.provider == "local" or key in seen:
+        if key in seen:
             continue
         seen.add(key)
-        if profile.provider == "aws":
-            found += runner.print_aws_pools(profile)
-        elif profile.provider == "gcp":
-            found += runner.print_gcp_pools(profile)
-        elif profile.provider == "ssh":
-            found += runner.print_ssh_pools(profile)
-        elif profile.provider == "slurm":
-            found += runner.print_slurm_pools(profile)
-        else:
+        count = runner.print_live_pools(profile.build_provider())
+        if count is None:
             print(f"{profile.provider:<6} profile {profile.name!r}: not checked")
+        found += count or 0
     if not found:
         print("no live pools")
     return 0
@@ -378,22 +336,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DOLLARS",
         help="a budget: the pool stops and is torn down once it has spent this much",
     )
-    run.add_argument("--hosts", help="ssh: comma-separated hosts ('user@host:port' each)")
-    run.add_argument("--user", help="ssh/aws: the login user")
-    run.add_argument("--key", help="ssh: the private key file")
-    run.add_argument("--region", help="aws: the region")
-    run.add_argument("--instance-type", help="aws: the instance type")
-    run.add_argument("--spot", action="store_true", help="aws, gcp: spot instances or VMs")
-    run.add_argument("--project", help="gcp: the project")
-    run.add_argument("--zone", help="gcp: the zone")
-    run.add_argument("--partition", help="slurm: the partition")
-    run.add_argument("--account", help="slurm: the account")
-    run.add_argument(
-        "--time-limit",
-        help="slurm: the allocation's time limit as Slurm writes it, e.g. 2:00:00 (a bare "
-        "number is minutes, as for sbatch)",
-    )
-    run.add_argument("--login", help="slurm: a login node over SSH, user@host (default: here)")
+    _provider_flags(run, listing=False)
     run.add_argument(
         "--detach",
         "-d",
@@ -420,7 +363,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="--detach on AWS/GCP: how long the machines wait after the run for its outputs",
+        help="--detach on machines the run made (a cloud's): how long they wait after the run "
+        "for its outputs",
     )
     run.add_argument("script", help="the script, as you would give it to python")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -450,23 +394,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     cache.add_argument("action", choices=["list", "clear"])
     for name, text in (
-        ("ls", "list skyward's cloud resources (or Slurm jobs)"),
+        ("ls", "list the pools a provider can see (a cloud's resources, a cluster's jobs)"),
         ("down", "remove them"),
     ):
         sub = commands.add_parser(name, parents=[common], help=text)
         sub.add_argument(
-            "--cloud",
             "--provider",
-            dest="cloud",
-            choices=["aws", "gcp", "slurm"],
-            default="aws",
-            help="default: aws",
+            "--cloud",
+            dest="provider",
+            help="a provider that can list pools, e.g. the cloud's (default: the default "
+            "profile's)",
         )
-        sub.add_argument("--region", help="AWS region (default: the standard resolution)")
-        sub.add_argument("--profile", help="AWS profile")
-        sub.add_argument("--project", help="GCP project (default: the standard resolution)")
-        sub.add_argument("--zone", help="GCP zone (default: the standard resolution)")
-        sub.add_argument("--login", help="Slurm login node over SSH, user@host (default: here)")
+        _provider_flags(sub, listing=True)
         if name == "down":
             sub.add_argument("pool", nargs="?", help="the pool id (see `skyward ls`)")
             sub.add_argument("--all", action="store_true", help="every skyward pool")
@@ -487,11 +426,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    if args.command in ("ls", "down"):
-        if args.cloud == "slurm":
-            return _slurm_command(args)
-        return _gcp_command(args) if args.cloud == "gcp" else _aws_command(args)
     try:
+        if args.command in ("ls", "down"):
+            return _listing(args)
         if args.command == "run":
             return _run(args)
         if args.command == "status":

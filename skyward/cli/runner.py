@@ -13,17 +13,14 @@ the run and the pool; its status is the run's.
 from __future__ import annotations
 
 import contextlib
-import getpass
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Protocol
 
 from skyward.calls import compute
 from skyward.cli.packages import (
@@ -35,6 +32,7 @@ from skyward.cli.packages import (
     unresolved,
 )
 from skyward.cli.profiles import Profile
+from skyward.console.progress import clock
 from skyward.detached.submit import script_target
 from skyward.errors import BootstrapError
 from skyward.plugins.base import Plugin
@@ -42,6 +40,7 @@ from skyward.plugins.jax_plugin import jax
 from skyward.plugins.launcher import LauncherEnv
 from skyward.plugins.torch_plugin import torch
 from skyward.pool import ComputePool
+from skyward.providers.base import Provider
 from skyward.worker.script import run_script
 
 
@@ -177,7 +176,7 @@ def local_pools() -> list[LocalPool]:
         except OSError:
             command = "?"
         if command.startswith("sshd"):
-            command = f"agents started over SSH: {command}"
+            command = f"agents started by sshd: {command}"
         oldest = min(started for _, started in agents)
         pids = tuple(sorted(pid for pid, _ in agents))
         found.append(LocalPool(client, command, pids, now - oldest))
@@ -191,14 +190,6 @@ def _boot_time() -> float:
     return 0.0
 
 
-def describe_age(seconds: float) -> str:
-    """``3m12s``, ``2h05m``: how long something has been up."""
-    seconds = max(0, int(seconds))
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
 def print_local_pools() -> int:
     """`skyward status` for this machine; how many pools it found."""
     pools = local_pools()
@@ -206,133 +197,20 @@ def print_local_pools() -> int:
         command = pool.command if len(pool.command) <= 60 else pool.command[:57] + "..."
         print(
             f"local  client pid {pool.client} ({command}): {len(pool.agents)} agent(s) "
-            f"[{', '.join(map(str, pool.agents))}], up {describe_age(pool.age)}"
+            f"[{', '.join(map(str, pool.agents))}], up {clock(pool.age)}"
         )
     return len(pools)
 
 
-def print_aws_pools(profile: Profile) -> int:
-    """`skyward status` for one AWS profile: the pools this user@host made there, alive."""
-    from skyward.providers.aws import prices, resources
-
-    provider = profile.build_provider()
-    ec2 = provider.client("ec2")  # type: ignore[attr-defined]
-    region = ec2.meta.region_name
-    pricing = prices.pricing_client(provider.session())  # type: ignore[attr-defined]
-
-    def cost(pool: _CloudPool) -> list[str]:
-        line = prices.running_cost(pricing, ec2, getattr(pool, "instances", []))
-        return [f"cost: {line}"] if line else []
-
-    found = resources.find(ec2)
-    return _print_cloud_pools(f"aws    {region}", found, resources.created_by(), cost)
-
-
-def print_gcp_pools(profile: Profile) -> int:
-    """`skyward status` for one GCP profile: the pools this user@host made in its project."""
-    from skyward.providers.gcp import resources
-
-    provider = profile.build_provider()
-    project = provider.access().project  # type: ignore[attr-defined]
-    me = resources.pool_labels("-")[resources.CREATED_BY_LABEL]
-    found = resources.find(provider.clients(), project)  # type: ignore[attr-defined]
-
-    def cost(pool: _CloudPool) -> list[str]:
-        assert isinstance(pool, resources.PoolResources)
-        line = provider.running_cost(pool)  # type: ignore[attr-defined]
-        return [f"cost: {line}"] if line else []
-
-    return _print_cloud_pools(f"gcp    {project}", found, me, cost)
-
-
-def print_slurm_pools(profile: Profile) -> int:
-    """`skyward status` for one Slurm profile: this user's pools' jobs in the queue."""
-    from skyward.providers.slurm.provider import Slurm
-
-    provider = profile.build_provider()
-    assert isinstance(provider, Slurm)
-    found = provider.find()
-    # squeue was asked for this user's jobs only: every one found is this user's
-    me = next((job.created_by for job in found.values() if job.created_by), getpass.getuser())
-    return _print_cloud_pools(f"slurm  {provider.login or 'here'}", found, me)
-
-
-class _CloudPool(Protocol):
-    """What `skyward status` reads of a pool found on a cloud (AWS's or GCP's resources)."""
-
-    @property
-    def pool_id(self) -> str: ...
-    @property
-    def created_at(self) -> datetime | None: ...
-    @property
-    def created_by(self) -> str | None: ...
-
-    def describe(self) -> list[str]: ...
-
-
-def _print_cloud_pools(
-    where: str,
-    found: Mapping[str, _CloudPool],
-    me: str,
-    more: Callable[[_CloudPool], list[str]] = lambda pool: [],
-) -> int:
-    """Print the pools of `found` that `me` (this user@host) made, each under its resources
-    and what `more` says of it (its cost), with `where` (the cloud and its region or project)
-    first; how many there were."""
-    count = 0
-    for pool in sorted(found.values(), key=lambda p: p.pool_id):
-        if pool.created_by != me:
-            continue
-        count += 1
-        when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
-        print(f"{where}  {pool.pool_id}  created {when}")
-        for line in [*pool.describe(), *more(pool)]:
+def print_live_pools(provider: Provider) -> int | None:
+    """`skyward status` for one provider: this user's live pools it can see, each a heading
+    and its lines; how many (None: the provider cannot tell)."""
+    live = provider.live_pools()
+    for pool in live or []:
+        print(pool.heading)
+        for line in pool.lines:
             print(f"           {line}")
-    return count
-
-
-# This login's agents on a host: pid, seconds since start, command line.
-_AGENTS = 'ps -o pid=,etimes=,args= -u "$(id -u)" | grep "[s]kyward.worker$" || true'
-
-
-def print_ssh_pools(profile: Profile) -> int:
-    """`skyward status` for one SSH profile: this login's agents on each host (a pool's agents
-    live as long as its client, or `heartbeat_timeout` past a client cut off from them)."""
-    import asyncio
-
-    from skyward.errors import SkywardError
-    from skyward.providers.ssh import SSH
-
-    provider = profile.build_provider()
-    assert isinstance(provider, SSH)
-
-    async def ask(index: int) -> tuple[str, str]:
-        endpoint = provider.endpoints[index]
-        try:
-            host = await provider.connect_options.connect(endpoint)
-        except SkywardError as exc:
-            return str(endpoint), f"unreachable: {str(exc).splitlines()[0]}"
-        try:
-            done = await asyncio.wait_for(host.run(_AGENTS), 30)
-            return str(endpoint), done.stdout.decode(errors="replace")
-        finally:
-            await host.close()
-
-    async def ask_all() -> list[tuple[str, str]]:
-        return list(await asyncio.gather(*(ask(i) for i in range(len(provider.endpoints)))))
-
-    count = 0
-    for host, answer in asyncio.run(ask_all()):
-        if answer.startswith("unreachable"):
-            print(f"ssh    {host}: {answer}")
-            continue
-        agents = [line.split(None, 2) for line in answer.splitlines() if line.strip()]
-        if agents:
-            count += 1
-            pids = ", ".join(pid for pid, _, _ in agents)
-            oldest = max(int(age) for _, age, _ in agents)
-            print(f"ssh    {host}: {len(agents)} agent(s) [{pids}], up {describe_age(oldest)}")
-    return count
+    return None if live is None else len(live)
 
 
 def out(line: str) -> None:

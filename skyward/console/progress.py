@@ -75,3 +75,13 @@ class Progress:
 
 def _who(node: int | None) -> str:
     return "every node" if node is None else f"node {node}"
+
+
+def clock(seconds: float) -> str:
+    """Time in a phase as the region shows it: ``7s``, ``3m05s``, ``2h14m``."""
+    whole = int(max(seconds, 0))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"

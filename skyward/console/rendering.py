@@ -18,7 +18,7 @@ from rich.console import Console as RichConsole
 from rich.table import Column, Table
 from rich.text import Text
 
-from skyward.console.progress import Phase
+from skyward.console.progress import Phase, clock
 from skyward.reports import Report
 
 _NODE_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
@@ -121,16 +121,6 @@ def _tally(rows: Iterable[Row]) -> str:
     counts = Counter(phase for _, phase, _, _ in rows)
     ordered = sorted(counts.items(), key=lambda item: _PHASE_ORDER[item[0]])
     return ", ".join(f"{count} {phase.value}" for phase, count in ordered)
-
-
-def clock(seconds: float) -> str:
-    """Time in a phase as the region shows it: ``7s``, ``3m05s``, ``2h14m``."""
-    whole = int(max(seconds, 0))
-    if whole < 60:
-        return f"{whole}s"
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
 def metrics(report: Report) -> str:

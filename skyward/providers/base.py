@@ -33,6 +33,15 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
 
 What a provider can do beyond the abstract verbs it declares in `capabilities` (`Capability`:
 replace, prestart, signals, price, list); the pool refuses a feature that needs one it lacks.
+Outside a pool, the command line asks a provider built from its flags (its registry entry,
+`skyward.providers.registry`):
+
+- `find()`                 every pool skyward made that it can see, by pool id (`skyward ls`);
+- `cleanup(pool)`          removes one pool's leftovers, or every pool's (`skyward down`);
+- `live_pools()`           this user's pools that are alive (`skyward status`), or None when
+                           it cannot tell.
+
+`find` and `cleanup` need `Capability.LIST`; `live_pools` by default lists what `find` finds.
 
 Per-pool state lives in the `Cluster` a provider returns from `launch` (subclass it), never on
 the provider object: one provider object may serve several pools at once.
@@ -51,7 +60,9 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 from skyward import checks
 from skyward.cluster import Accelerator, ClusterSpec, Hardware
@@ -114,6 +125,36 @@ class Capability(enum.Enum):
     LIST = "list and clean up what a pool left (skyward ls/down)"
 
 
+class FoundPool(Protocol):
+    """What `Provider.find` says of one pool: what ``skyward ls`` and ``status`` print."""
+
+    @property
+    def pool_id(self) -> str: ...
+    @property
+    def created_at(self) -> datetime | None: ...
+    @property
+    def created_by(self) -> str | None: ...
+
+    def describe(self) -> list[str]:
+        """What the pool holds, a line each (``instance i-0abc (running)``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LivePool:
+    """One of this user's live pools as ``skyward status`` prints it: a heading (where it is,
+    which pool) and the lines under it."""
+
+    heading: str
+    lines: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, where: str, pool: FoundPool, *more: str) -> LivePool:
+        """A found pool under `where` (``aws us-east-1``), with `more` lines (its cost)."""
+        when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
+        return cls(f"{where}  {pool.pool_id}  created {when}", (*pool.describe(), *more))
+
+
 class Provider(ABC):
     """What a `ComputePool` needs from a provider; subclass and implement the abstract verbs."""
 
@@ -129,6 +170,27 @@ class Provider(ABC):
                 f"{feature} needs a provider that can {capability.value}; the {self.name} "
                 "provider cannot: leave it out, or use a provider that can"
             )
+
+    # -- what pools left behind, for the command line (Capability.LIST) ---------------------
+
+    def find(self) -> Mapping[str, FoundPool]:
+        """Every pool skyward made that this provider can see (in its region, project or
+        queue), by pool id, whoever made it: what ``skyward ls`` prints."""
+        self.require(Capability.LIST, "skyward ls")
+        return {}
+
+    def cleanup(self, pool: str | None = None) -> list[str]:
+        """Remove what `pool` left (every pool's with None): the sweep for pools whose client
+        died before its teardown (``skyward down``). Returns what was removed, a line each."""
+        self.require(Capability.LIST, "skyward down")
+        return []
+
+    def live_pools(self) -> list[LivePool] | None:
+        """This user's pools that are alive here, for ``skyward status`` (None: this provider
+        cannot tell). By default every pool `find` lists."""
+        if Capability.LIST not in self.capabilities:
+            return None
+        return [LivePool.of(self.name, pool) for _, pool in sorted(self.find().items())]
 
     def default_nodes(self) -> int:
         """How many nodes a pool has when the user does not say."""

@@ -1,61 +1,107 @@
-"""The providers skyward knows by name: the built-in ones and those registered from outside.
+"""The providers skyward knows by name: its own and those registered from outside.
 
-A provider is known by a `ProviderEntry`: its name (what a profile's ``provider =`` and
-``skyward run --provider`` take), where its class is (imported only when used, so a provider
-whose extra is not installed costs nothing until it is asked for) and the extra it needs.
+A provider is known by a `ProviderEntry`: its name (what ``sky.ComputePool``'s profiles, a
+profile's ``provider =`` and ``skyward run/ls/down --provider`` take), where its class is
+(imported only when used, so a provider whose extra is not installed costs nothing until it is
+asked for), the extra it needs and the command-line options it takes (`Option`).
+
+Each of skyward's providers is a folder under ``skyward/providers/`` with an ``entry`` module
+holding its ``ENTRY``: the registry finds them by folder, so adding one edits no shared file.
 A provider living outside skyward registers with `register`, or through the
 ``skyward.providers`` entry point group, whose entries load to a `ProviderEntry`::
 
     [project.entry-points."skyward.providers"]
     k8s = "mypackage.skyward_entry:ENTRY"
 
-An unknown name is a `ConfigError` that lists the known ones.
+What a provider can do beyond running a pool (list and clean up what pools left, say which of
+this user's pools are alive) are methods of its class, asked for by its `Capability`
+(`skyward.providers.base`). An unknown name is a `ConfigError` that lists the known ones.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
+import importlib.util
+import pkgutil
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from skyward.errors import ConfigError
 from skyward.providers.base import Provider
 
 ENTRY_POINT_GROUP = "skyward.providers"
 
+# How a flag's text becomes the provider's argument: as it is, a comma-separated list, or
+# True when the flag is given (a switch).
+OptionKind = Literal["text", "list", "switch"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One command-line flag of a provider: ``--region`` giving ``region=`` to its class.
+
+    `run`: ``skyward run`` takes it (and a profile's key of the same name sets it); `listing`:
+    ``skyward ls`` and ``down`` take it too, to say where to look (a region, a project). Two
+    providers may declare one flag (``--zone``): the command line shows it once."""
+
+    flag: str
+    key: str
+    help: str
+    kind: OptionKind = "text"
+    run: bool = True
+    listing: bool = False
+
+    def value(self, given: Any) -> Any:
+        """The provider's argument for what the command line parsed (None: not given)."""
+        if given is None or given is False:
+            return None
+        if self.kind == "switch":
+            return True
+        if self.kind == "list":
+            return [part.strip() for part in str(given).split(",") if part.strip()]
+        return given
+
 
 @dataclass(frozen=True)
 class ProviderEntry:
     """One provider as the command line and profiles know it.
 
-    `module` and `attr` name its class (``skyward.providers.aws``, ``AWS``), imported when the
-    provider is used; `extra` is the skyward extra its dependencies come with (None: none)."""
+    `module` and `attr` name its class (``skyward.providers.aws.provider``, ``AWS``), imported
+    when the provider is used; `extra` is the skyward extra its dependencies come with (None:
+    none); `options` are its command-line flags; `position` orders the command line's list of
+    providers (skyward's own are 0-40, so the embedded default comes first)."""
 
     name: str
     module: str
     attr: str
     extra: str | None = None
+    options: tuple[Option, ...] = ()
+    position: int = 100
 
     def load(self) -> type[Provider]:
         """The provider class; a missing dependency is a `ConfigError` naming the extra."""
         try:
             cls: type[Provider] = getattr(importlib.import_module(self.module), self.attr)
         except ImportError as exc:
-            install = f"pip install 'skyward[{self.extra}]'" if self.extra else "install it"
-            raise ConfigError(
-                f"provider {self.name!r} needs a package that is not installed: {install} ({exc})"
-            ) from None
+            raise ConfigError(f"provider {self.name!r} {self.missing(exc)}") from None
         return cls
 
+    def missing(self, exc: ImportError) -> str:
+        """Words for a dependency of this provider that is not installed."""
+        install = f"pip install 'skyward[{self.extra}]'" if self.extra else "install it"
+        return f"needs a package that is not installed: {install} ({exc})"
 
-# The built-in providers, in the order the command line lists them.
-_BUILT_IN = (
-    ProviderEntry("local", "skyward.providers.local", "Local"),
-    ProviderEntry("ssh", "skyward.providers.ssh", "SSH", "ssh"),
-    ProviderEntry("aws", "skyward.providers.aws", "AWS", "aws"),
-    ProviderEntry("gcp", "skyward.providers.gcp", "GCP", "gcp"),
-    ProviderEntry("slurm", "skyward.providers.slurm.provider", "Slurm", "slurm"),
-)
+    def arguments(self, parsed: Mapping[str, Any], listing: bool = False) -> dict[str, Any]:
+        """The class's keyword arguments from parsed flags (by `Option.key`): those of
+        ``skyward run``, or with `listing` those of ``skyward ls``/``down``; flags not given are
+        left out, so the class's (or the profile's) own defaults hold."""
+        chosen = [o for o in self.options if (o.listing if listing else o.run)]
+        found = {o.key: o.value(parsed.get(o.key)) for o in chosen}
+        return {key: value for key, value in found.items() if value is not None}
+
 
 _registered: dict[str, ProviderEntry] = {}
 
@@ -66,26 +112,48 @@ def register(entry: ProviderEntry) -> None:
 
 
 def unregister(name: str) -> None:
-    """Forget a provider registered with `register` (a built-in one stays)."""
+    """Forget a provider registered with `register` (one of skyward's own stays)."""
     _registered.pop(name, None)
 
 
-def _from_entry_points() -> list[ProviderEntry]:
+@functools.cache
+def _own() -> tuple[ProviderEntry, ...]:
+    """skyward's own providers: every folder under ``skyward/providers`` with an ``entry``
+    module (in name order)."""
+    package = importlib.import_module("skyward.providers")
     found = []
-    for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        entry = point.load()
-        if not isinstance(entry, ProviderEntry):
-            raise ConfigError(
-                f"entry point {point.name!r} of group {ENTRY_POINT_GROUP!r} ({point.value}) "
-                f"must be a skyward.providers.registry.ProviderEntry, got {entry!r}"
-            )
-        found.append(entry)
-    return found
+    for module in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        name = f"skyward.providers.{module.name}.entry"
+        if module.ispkg and importlib.util.find_spec(name) is not None:
+            found.append(_checked(importlib.import_module(name).ENTRY, name))
+    return tuple(found)
+
+
+def own_entries() -> tuple[ProviderEntry, ...]:
+    """skyward's own providers (the root exports their classes: ``sky.AWS``)."""
+    return _own()
+
+
+def _from_entry_points() -> list[ProviderEntry]:
+    return [
+        _checked(point.load(), f"entry point {point.name!r} ({point.value})")
+        for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    ]
+
+
+def _checked(entry: Any, where: str) -> ProviderEntry:
+    if not isinstance(entry, ProviderEntry):
+        raise ConfigError(
+            f"{where} of group {ENTRY_POINT_GROUP!r} must be a "
+            f"skyward.providers.registry.ProviderEntry, got {entry!r}"
+        )
+    return entry
 
 
 def entries() -> dict[str, ProviderEntry]:
-    """Every known provider by name: built-in, then entry points, then `register`ed."""
-    known = {entry.name: entry for entry in _BUILT_IN}
+    """Every known provider by name: skyward's own, then entry points, then `register`ed (a
+    later one of the same name replaces an earlier one)."""
+    known = {entry.name: entry for entry in sorted(_own(), key=lambda e: e.position)}
     for entry in [*_from_entry_points(), *_registered.values()]:
         known[entry.name] = entry
     return known

@@ -430,21 +430,23 @@ def test_cli_ls_and_down(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from skyward.cli import main as cli
+    from skyward.providers.aws.provider import AWS
 
-    monkeypatch.setattr(cli, "_aws_session", lambda region, profile: new_session(stubs))
+    session = new_session(stubs)
+    monkeypatch.setattr(AWS, "session", lambda self: session)
     orphan(ec2, "pool-a", 2, subnet)
     orphan(ec2, "pool-b", 0, subnet)
-    assert cli.main(["ls"]) == 0
+    assert cli.main(["ls", "--provider", "aws"]) == 0
     out = capsys.readouterr().out
     assert "pool-a" in out and "pool-b" in out and "security group" in out
-    assert cli.main(["down", "pool-a"]) == 0
+    assert cli.main(["down", "pool-a", "--provider", "aws"]) == 0
     assert "pool-a" in capsys.readouterr().out
     assert leftovers(ec2, "pool-a") == [] and leftovers(ec2, "pool-b")
     assert cli.main(["down"]) == 2  # neither a pool nor --all: refuse
     capsys.readouterr()
-    assert cli.main(["down", "--all"]) == 0
+    assert cli.main(["down", "--all", "--provider", "aws"]) == 0
     assert leftovers(ec2) == []
-    assert cli.main(["ls"]) == 0
+    assert cli.main(["ls", "--provider", "aws"]) == 0
     assert "no skyward resources" in capsys.readouterr().out
 
 

@@ -102,13 +102,16 @@ def test_a_call_that_fails_for_good_is_named_and_skyward_down_removes_the_rest(
     assert remaining[0] == f"key pair {name}", message
     assert remaining[1].startswith("DeleteKeyPair failed: InternalError"), message
     assert len(remaining) == 2, message  # the key pair, and the one call that failed
-    assert message.endswith(f"skyward down {pool.pool_id}"), message
+    assert message.endswith(f"skyward down {pool.pool_id} --provider aws"), message
     assert len(failed) >= 2, "the loop tried again before it gave up"
     ec2 = new_session(stubs).client("ec2")
     assert leftovers(ec2, pool.pool_id) == [f"key pair {name}"]  # instances and group are gone
 
-    monkeypatch.setattr(cli, "_aws_session", lambda region, profile: new_session(stubs))
-    assert cli.main(["down", pool.pool_id]) == 0
+    from skyward.providers.aws.provider import AWS
+
+    session = new_session(stubs)
+    monkeypatch.setattr(AWS, "session", lambda self: session)
+    assert cli.main(["down", pool.pool_id, "--provider", "aws"]) == 0
     assert f"removed {pool.pool_id}: key pair {name}" in capsys.readouterr().out
     assert leftovers(ec2) == []
 
@@ -144,7 +147,7 @@ def test_a_listing_that_fails_for_good_still_removes_what_the_client_made(
     remaining = [line.strip() for line in message.splitlines() if line.startswith("  ")]
     assert remaining[:2] == [f"instance {i}" for i in sorted(ids)], message
     assert remaining[2].startswith("DescribeInstances failed: Unable to parse"), message
-    assert message.endswith(f"skyward down {pool.pool_id}"), message
+    assert message.endswith(f"skyward down {pool.pool_id} --provider aws"), message
     ec2 = new_session(stubs).client("ec2")
     assert leftovers(ec2, pool.pool_id) == []
     states = ec2.describe_instances(InstanceIds=ids)["Reservations"][0]["Instances"]

@@ -34,13 +34,13 @@ def test_status_lists_this_users_gcp_pools(
     api_fake: FakeGCP, capsys: pytest.CaptureFixture[str]
 ) -> None:
     profile = profile_for(api_fake)
-    assert runner.print_gcp_pools(profile) == 0
+    assert runner.print_live_pools(profile.build_provider()) == 0
     assert capsys.readouterr().out == ""
     spec = ClusterSpec(nodes=2, pool_id="pool-status1", provider="gcp")
     settings = MachineSettings(use_private_ips=True)
     clients, _, made = launch(api_fake, spec, settings, None)
     try:
-        assert runner.print_gcp_pools(profile) == 1
+        assert runner.print_live_pools(profile.build_provider()) == 1
         out = capsys.readouterr().out
         assert f"gcp    {PROJECT}  pool-status1  created " in out
         assert out.count("instance ") == 2 and "firewall rule skyward-pool-status1-ssh" in out
@@ -55,13 +55,13 @@ def test_status_lists_this_users_gcp_pools(
         )
         # The catalog read a moment ago (no SKU then) is kept on disk: read it afresh.
         shutil.rmtree(pricecache.folder(), ignore_errors=True)
-        assert runner.print_gcp_pools(profile) == 1
+        assert runner.print_live_pools(profile.build_provider()) == 1
         out = capsys.readouterr().out
         # two VMs just started, each billed its first minute: $0.0022
         assert "cost: $0.134/hour, about $0.0022 so far" in out, out
     finally:
         teardown.remove_pool(clients, PROJECT, spec.pool_id, made, timeout=20, poll=0.05)
-    assert runner.print_gcp_pools(profile) == 0
+    assert runner.print_live_pools(profile.build_provider()) == 0
 
 
 def test_the_cli_knows_every_provider() -> None:

@@ -158,9 +158,9 @@ def test_a_delete_that_keeps_failing_names_what_remains_and_skyward_down_removes
     # `skyward ls/down` look for TPU nodes too: the fake answers the TPU API as well.
     monkeypatch.setenv("CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU", sim.fake.url + "/")
     monkeypatch.setenv("CLOUDSDK_COMPUTE_ZONE", "us-central1-a")
-    assert cli.main(["ls", "--cloud", "gcp"]) == 0
+    assert cli.main(["ls", "--provider", "gcp"]) == 0
     assert pool.pool_id in capsys.readouterr().out
-    assert cli.main(["down", pool.pool_id, "--cloud", "gcp"]) == 0
+    assert cli.main(["down", pool.pool_id, "--provider", "gcp"]) == 0
     assert "removed" in capsys.readouterr().out
     nothing_left(sim)
 

@@ -119,10 +119,10 @@ def test_skyward_ls_and_down_include_tpu_nodes(
     monkeypatch.setenv("CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE", api_fake.url + "/compute/v1/")
     monkeypatch.setenv("CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU", api_fake.url + "/")
     monkeypatch.setenv("CLOUDSDK_COMPUTE_ZONE", ZONE)
-    assert cli.main(["ls", "--cloud", "gcp"]) == 0
+    assert cli.main(["ls", "--provider", "gcp"]) == 0
     out = capsys.readouterr().out
     assert "TPU skyward-left-1-tpu v4-16" in out and "queued resource skyward-left-2-tpu" in out
     assert "TPU skyward-left-3-tpu v4-16" in out
-    assert cli.main(["down", "--all", "--cloud", "gcp"]) == 0
+    assert cli.main(["down", "--all", "--provider", "gcp"]) == 0
     assert "removed" in capsys.readouterr().out
     assert api_fake.labelled() == []

@@ -31,7 +31,9 @@ def test_ls_lists_a_pools_job_and_down_cancels_it(
     assert main(["ls", "--provider", "slurm"]) == 0
     listed = capsys.readouterr().out
     assert pool_id in listed and "running on node[0-1]" in listed, listed
-    assert runner.print_slurm_pools(Profile(provider="slurm")) == 1  # `skyward status`
+    assert (
+        runner.print_live_pools(Profile(provider="slurm").build_provider()) == 1
+    )  # `skyward status`
     assert f"slurm  here  {pool_id}" in capsys.readouterr().out
     assert main(["down", "--provider", "slurm", pool_id]) == 0
     assert "removed job" in capsys.readouterr().out

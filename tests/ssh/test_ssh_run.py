@@ -86,14 +86,14 @@ def test_status_lists_this_logins_agents_on_each_ssh_host(
     # agent, not for a count.
     with sky.ComputePool(provider=profile.build_provider(), stream_output=False) as pool:
         pid = agent_pid() >> pool
-        assert runner.print_ssh_pools(profile) == 1
+        assert runner.print_live_pools(profile.build_provider()) == 1
         line = capsys.readouterr().out.strip()
         assert line.startswith(f"ssh    {local_sshd.host()}: "), line
         assert pid in listed_agents(line) and ", up " in line, line
-    runner.print_ssh_pools(profile)
+    runner.print_live_pools(profile.build_provider())
     assert pid not in listed_agents(capsys.readouterr().out)
     down = Profile(provider="ssh", options={**profile.options, "hosts": ["root@127.0.0.1:1"]})
-    assert runner.print_ssh_pools(down) == 0
+    assert runner.print_live_pools(down.build_provider()) == 1  # said unreachable
     assert "root@127.0.0.1:1: unreachable" in capsys.readouterr().out
 
 

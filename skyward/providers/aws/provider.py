@@ -52,7 +52,7 @@ from skyward.providers.aws import (
     teardown,
 )
 from skyward.providers.aws.instances import logger
-from skyward.providers.base import Cluster, Node, NodeLoss, count
+from skyward.providers.base import Cluster, LivePool, Node, NodeLoss, count
 from skyward.providers.cloud import failover
 from skyward.providers.cloud.provider import (
     CloudCluster,
@@ -355,12 +355,38 @@ class AWS(CloudProvider):
         return {"region": pool.region}
 
     def remove_pool(self, pool_id: str) -> list[str]:
-        return self.cleanup(older_than=0, pool=pool_id)
+        return self.cleanup(pool_id)
+
+    def find(self) -> dict[str, resources.PoolResources]:
+        """Everything tagged ``skyward:pool`` in the region, by pool: what ``skyward ls``
+        prints."""
+        self.check_access()  # no region or no credentials: one clear line
+        try:
+            return resources.find(self.client("ec2"))
+        except (ClientError, BotoCoreError, ResponseParserError) as exc:
+            raise ProvisionError(f"listing skyward's resources failed: {exc}") from None
+
+    def live_pools(self) -> list[LivePool]:
+        """The pools this user@host made in the region that still hold something, each with
+        what its running instances cost so far (``skyward status``)."""
+        found = self.find()
+        ec2 = self.client("ec2")
+        pricing = prices.pricing_client(self.session())
+        where = f"{self.name:<6} {ec2.meta.region_name}"
+        mine = [
+            pool for _, pool in sorted(found.items()) if pool.created_by == resources.created_by()
+        ]
+        live = []
+        for pool in mine:
+            cost = prices.running_cost(pricing, ec2, pool.instances)
+            live.append(LivePool.of(where, pool, *([f"cost: {cost}"] if cost else [])))
+        return live
 
     def cleanup(
-        self, older_than: timedelta | float = timedelta(hours=1), pool: str | None = None
+        self, pool: str | None = None, older_than: timedelta | float = timedelta(0)
     ) -> list[str]:
-        """Remove skyward resources (all pools, or `pool`) created more than `older_than` ago.
+        """Remove skyward resources (all pools, or `pool`) created more than `older_than` ago
+        (default: whatever their age, as ``skyward down`` does).
 
         Pools whose clients died leave at most a security group and a key pair (the watchdog
         powers their instances off); this removes those and any instance still running, each
@@ -368,6 +394,7 @@ class AWS(CloudProvider):
         listing what could not be.
         """
         age = older_than if isinstance(older_than, timedelta) else timedelta(seconds=older_than)
+        self.check_access()
         ec2 = self.client("ec2")
         if pool is not None and age <= timedelta(0):
             pools = [pool]  # no age to check: the loop's own listing (with its retries) will do

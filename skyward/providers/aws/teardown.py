@@ -41,7 +41,7 @@ _NOT_YET = ("DependencyViolation", "InvalidPlacementGroup.InUse")
 _NAMED_FIRST = (PLACEMENT_GROUP, KEY_PAIR)
 # Failed listings of a kind the pool never made before the teardown stops asking.
 NEVER_MADE_TRIES = 2
-_WORDS = Words("EC2", "removing", "")
+_WORDS = Words("EC2", "removing", " --provider aws")
 
 
 @dataclass

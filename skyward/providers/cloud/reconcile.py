@@ -34,7 +34,7 @@ class Words:
 
     service: str  # "EC2"
     removing: str  # what the service does to the rest: "removing"
-    down: str  # the ``skyward down`` arguments after the pool id ("" or " --cloud gcp")
+    down: str  # the ``skyward down`` arguments after the pool id (" --provider gcp")
 
 
 def reconcile(

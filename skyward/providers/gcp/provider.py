@@ -38,7 +38,7 @@ from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
-from skyward.providers.base import Cluster, Node, NodeLoss, count
+from skyward.providers.base import Cluster, LivePool, Node, NodeLoss, count
 from skyward.providers.cloud.provider import (
     CloudCluster,
     CloudProvider,
@@ -383,13 +383,7 @@ class GCP(CloudProvider):
     def cleanup(self, pool: str | None = None) -> list[str]:
         """Remove skyward's resources in the project: one pool's, or every pool's. Returns what
         was removed; raises `ProvisionError` listing what could not be."""
-        if pool is not None:
-            pools = [pool]
-        else:
-            try:
-                pools = sorted(self.find())
-            except api.ApiError as exc:
-                raise ProvisionError(f"listing skyward's resources failed: {exc}") from None
+        pools = [pool] if pool is not None else sorted(self.find())
         return remove_pools(
             pools, lambda pool_id: self._remove_pool(pool_id, tpu_zone=tpus.ALL_LOCATIONS)
         )
@@ -398,12 +392,28 @@ class GCP(CloudProvider):
         """Everything of skyward in the project, in every zone (VMs, firewall rules, TPU nodes
         and queued resources), by pool: what ``skyward ls`` prints."""
         clients, access = self.clients(), self.access()
-        return resources.find(
-            clients,
-            access.project,
-            pool,
-            tpus.found(clients, access.project, tpus.ALL_LOCATIONS, pool),
-        )
+        try:
+            return resources.find(
+                clients,
+                access.project,
+                pool,
+                tpus.found(clients, access.project, tpus.ALL_LOCATIONS, pool),
+            )
+        except api.ApiError as exc:
+            raise ProvisionError(f"listing skyward's resources failed: {exc}") from None
+
+    def live_pools(self) -> list[LivePool]:
+        """The pools this user@host made in the project that still hold something, each with
+        what its running VMs cost so far (``skyward status``)."""
+        found = self.find()
+        me = resources.pool_labels("-")[resources.CREATED_BY_LABEL]
+        where = f"{self.name:<6} {self.access().project}"
+        live = []
+        for _, pool in sorted(found.items()):
+            if pool.created_by == me:
+                cost = self.running_cost(pool)
+                live.append(LivePool.of(where, pool, *([f"cost: {cost}"] if cost else [])))
+        return live
 
     # -- launch: the API half runs in a thread (`provision`), then SSH ----------------------
 

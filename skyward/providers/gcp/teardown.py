@@ -34,7 +34,7 @@ TPU = tpus.TPU
 QUEUED = tpus.QUEUED
 KINDS = (INSTANCE, FIREWALL, TPU, QUEUED)
 REDELETE = 60.0
-_WORDS = Words("GCE", "deleting", " --cloud gcp")
+_WORDS = Words("GCE", "deleting", " --provider gcp")
 
 
 @dataclass

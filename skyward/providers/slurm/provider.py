@@ -44,6 +44,7 @@ from skyward.info import cache_root
 from skyward.providers.base import (
     Capability,
     Cluster,
+    LivePool,
     Log,
     Node,
     NodeLoss,
@@ -187,6 +188,12 @@ class Slurm(Provider):
     def cleanup(self, pool: str | None = None) -> list[str]:
         """Cancel the job of `pool` (of every pool with None): what a crashed client left."""
         return asyncio.run(self._with_login(lambda login: jobs.cancel(login, pool)))
+
+    def live_pools(self) -> list[LivePool]:
+        """This user's pools' jobs in the queue (``skyward status``): squeue is asked for this
+        user's jobs only."""
+        where = f"{self.name:<6} {self.login or 'here'}"
+        return [LivePool.of(where, job) for _, job in sorted(self.find().items())]
 
     async def _with_login(self, work: Callable[[Login], Awaitable[T]]) -> T:
         login = await self._open_login()

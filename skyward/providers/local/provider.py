@@ -1,7 +1,7 @@
 """The Local provider: every node is a child process on this machine.
 
 GPUs: a pool without an accelerator runs on the CPU (its nodes see no GPU); one that names an
-accelerator gives every node its own GPUs (`local_gpus`).
+accelerator gives every node its own GPUs (`devices`).
 
 The embedded default. Nodes talk to each other over loopback; the client talks to each agent over
 its stdin/stdout pipes. What the nodes run is decided as on a remote host, by
@@ -30,9 +30,9 @@ from skyward.cluster import ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
 from skyward.errors import BootstrapError
 from skyward.image import Image
-from skyward.providers import local_gpus
-from skyward.providers.base import Capability, Cluster, Log, Node, Provider, count
+from skyward.providers.base import Capability, Cluster, LivePool, Log, Node, Provider, count
 from skyward.providers.environment import env_spec, packaged_uv
+from skyward.providers.local import devices
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.agentwire import LINGER_ENV
 from skyward.transport.base import AgentStream
@@ -87,7 +87,7 @@ class LocalNode(Node):
             raise BootstrapError("the environment was not prepared before the agent started")
         full_env = {
             **os.environ,
-            **local_gpus.device_env(self.gpus),  # what the pool's own env= says still wins
+            **devices.device_env(self.gpus),  # what the pool's own env= says still wins
             **env,
             "PYTHONPATH": _pythonpath(),
             "PYTHONUNBUFFERED": "1",
@@ -107,12 +107,17 @@ class Local(Provider):
     name = "local"
     capabilities = frozenset({Capability.REPLACE, Capability.SIGNALS})
 
+    def live_pools(self) -> list[LivePool] | None:
+        """None to add: ``skyward status`` lists this machine's pools itself, whatever started
+        them."""
+        return []
+
     def __init__(self, python: str | None = None) -> None:
         self._base_python = checks.optional_text(python, "sky.Local(python=)")
 
     def validate(self, spec: ClusterSpec) -> None:
         if spec.accelerator is not None:  # a request the machine cannot serve fails here
-            local_gpus.assign(machine_gpus(), spec.accelerator, spec.nodes)
+            devices.assign(machine_gpus(), spec.accelerator, spec.nodes)
 
     async def survey(self, cluster: Cluster, image: Image, progress: Progress) -> Hardware:
         """The GPUs `launch` dealt the nodes (none in a CPU pool) and this machine's CUDA."""
@@ -125,8 +130,8 @@ class Local(Provider):
         # are most of a small call's round trip. With fewer cores, polling would steal them.
         linger = LINGER_SECONDS if spec.nodes + 1 <= _usable_cores() else 0.0
         inventory = await asyncio.to_thread(machine_gpus)
-        owned = local_gpus.assign(inventory, spec.accelerator, spec.nodes)
-        if spec.accelerator is None and local_gpus.usable(inventory, os.environ):
+        owned = devices.assign(inventory, spec.accelerator, spec.nodes)
+        if spec.accelerator is None and devices.usable(inventory, os.environ):
             progress(
                 f"this machine has {inventory.describe()}; the nodes run on the CPU: pass "
                 "accelerator='GPU' (or e.g. 'GPU:2' per node) to give each its own"
@@ -135,8 +140,8 @@ class Local(Provider):
         if spec.outputs is None or spec.outputs.startswith("s3://"):
             cluster.scratch = tempfile.mkdtemp(prefix=f"skyward-{spec.pool_id}-")
         cluster.nodes = [LocalNode(i, cluster) for i in range(spec.nodes)]
-        for node, devices in zip(cluster.nodes, owned, strict=True):
-            node.gpus = devices
+        for node, mine in zip(cluster.nodes, owned, strict=True):
+            node.gpus = mine
         return cluster
 
     async def replace(self, cluster: Cluster, index: int) -> Node:

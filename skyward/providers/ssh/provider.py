@@ -13,20 +13,32 @@ image on the same hosts costs one check command and the agent start per host.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata as metadata
 import os
 from collections.abc import Mapping, Sequence
 
 from skyward import checks
 from skyward.cluster import ClusterSpec, Hardware
-from skyward.console.progress import Phase, Progress
+from skyward.console.progress import Phase, Progress, clock
 from skyward.cost import Price
-from skyward.errors import ConfigError
+from skyward.errors import ConfigError, SkywardError
 from skyward.image import Image
-from skyward.providers.base import Capability, Cluster, Node, Provider, count, given_rate
+from skyward.providers.base import (
+    Capability,
+    Cluster,
+    LivePool,
+    Node,
+    Provider,
+    count,
+    given_rate,
+)
 from skyward.providers.remote import bootstrap, connect, hoststeps
 from skyward.providers.remote.datasync import RemoteData, remove_outputs
 from skyward.transport.sshhost import Endpoint, KnownHosts
+
+# This login's agents on a host: pid, seconds since start, command line.
+_AGENTS = 'ps -o pid=,etimes=,args= -u "$(id -u)" | grep "[s]kyward.worker$" || true'
 
 
 class SSH(RemoteData, Provider):
@@ -127,6 +139,40 @@ class SSH(RemoteData, Provider):
 
     async def prepare(self, cluster: Cluster, image: Image, progress: Progress) -> None:
         await bootstrap.prepare_nodes(cluster, image, self.bootstrap, progress)
+
+    def live_pools(self) -> list[LivePool]:
+        """This login's agents on each host (``skyward status``): a pool's agents live as long
+        as its client, or `heartbeat_timeout` past a client cut off from them. A host that
+        cannot be reached is listed as such."""
+
+        async def ask(endpoint: Endpoint) -> str:
+            try:
+                host = await self.connect_options.connect(endpoint)
+            except SkywardError as exc:
+                return f"unreachable: {str(exc).splitlines()[0]}"
+            try:
+                done = await asyncio.wait_for(host.run(_AGENTS), 30)
+                return done.stdout.decode(errors="replace")
+            finally:
+                await host.close()
+
+        async def ask_all() -> list[str]:
+            return list(await asyncio.gather(*(ask(e) for e in self.endpoints)))
+
+        live = []
+        for endpoint, answer in zip(self.endpoints, asyncio.run(ask_all()), strict=True):
+            where = f"{self.name:<6} {endpoint}"
+            if answer.startswith("unreachable"):
+                live.append(LivePool(f"{where}: {answer}"))
+                continue
+            agents = [line.split(None, 2) for line in answer.splitlines() if line.strip()]
+            if agents:
+                pids = ", ".join(pid for pid, _, _ in agents)
+                oldest = max(int(age) for _, age, _ in agents)
+                live.append(
+                    LivePool(f"{where}: {len(agents)} agent(s) [{pids}], up {clock(oldest)}")
+                )
+        return live
 
     def teardown_summary(self, cluster: Cluster) -> str:
         return f"closed {count(len(cluster.nodes), 'connection')}"

@@ -1,5 +1,9 @@
 """The provider contract: every provider passes these (launch, run, broadcast, fail, terminate,
-build an image once, fail half-way and leave nothing, name a failing plugin).
+build an image once, fail half-way and leave nothing, name a failing plugin), and each
+capability it declares (`skyward.providers.base.Capability`) is exercised through the public
+API: signals (`pool.stacks()` names what a node is doing), replace (a dead node replaced and
+the pool whole again), list (`find` sees a live pool and not a closed one). A capability it
+does not declare is refused where a feature needs it (`ConfigError`), never a silent no-op.
 
 A provider's test module subclasses `ProviderContract` and supplies the `make_provider` fixture
 (a fresh provider object each call), `make_broken_provider` (a provider whose 2-node pool fails
@@ -16,6 +20,7 @@ import contextlib
 import os
 import shutil
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,6 +29,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
+from skyward.providers.base import Capability, Provider
 from tests.support import wheels
 
 PROBE = "skyward-contract-probe"
@@ -48,6 +54,12 @@ def crash_node(node: int) -> str:
         os._exit(9)
     time.sleep(60)
     return "late"
+
+
+@sky.compute
+def wait_a_while(seconds: float) -> str:
+    threading.Event().wait(seconds)  # a rank waiting for a peer, say
+    return "waited"
 
 
 @sky.compute
@@ -401,6 +413,65 @@ class ProviderContract:
         self.assert_outputs_removed(where)
 
     # -- what "nothing remains" means; override for each provider ----------------------------
+
+    # -- the declared capabilities ----------------------------------------------------------
+
+    def _declares(self, make_provider: Callable[[], object], capability: Capability) -> bool:
+        provider = make_provider()
+        assert isinstance(provider, Provider)
+        return capability in provider.capabilities
+
+    def test_signals_reach_every_agent_or_stall_timeout_is_refused(
+        self, make_provider: Callable[[], object]
+    ) -> None:
+        if not self._declares(make_provider, Capability.SIGNALS):
+            with pytest.raises(sky.ConfigError, match="signals"):
+                sky.ComputePool(provider=make_provider(), nodes=1, stall_timeout=30)  # type: ignore[arg-type]
+            return
+        with self._pool(make_provider, 1) as pool:
+            call = pool.submit(wait_a_while(8), node=0)
+            deadline = time.monotonic() + 6
+            stacks = pool.stacks(timeout=5)
+            while "wait_a_while" not in stacks.get(0, "") and time.monotonic() < deadline:
+                time.sleep(0.2)  # the call may not have reached the agent's thread yet
+                stacks = pool.stacks(timeout=5)
+            assert "wait_a_while" in stacks[0], stacks
+            assert call.result(timeout=30) == "waited"  # asking did not disturb the call
+
+    def test_a_dead_node_is_replaced_or_restarts_are_refused(
+        self, make_provider: Callable[[], object]
+    ) -> None:
+        if not self._declares(make_provider, Capability.REPLACE):
+            with pytest.raises(sky.ConfigError, match="replace"):
+                sky.ComputePool(provider=make_provider(), nodes=1, restarts=1)  # type: ignore[arg-type]
+            return
+        with self._pool(make_provider, 1) as pool:
+            before = identity() >> pool
+            with pytest.raises(sky.WorkerError):
+                crash_node(0) >> pool
+            pool.replace(0)
+            after = identity() >> pool
+            assert after[0] == 0 and after[3] == pool.pool_id
+            assert after[1] != before[1] or after[2] != before[2], "the same agent answered"
+
+    def test_a_live_pool_is_found_and_a_closed_one_is_not_or_listing_is_refused(
+        self, make_provider: Callable[[], object]
+    ) -> None:
+        provider = make_provider()
+        assert isinstance(provider, Provider)
+        if Capability.LIST not in provider.capabilities:
+            with pytest.raises(sky.ConfigError, match="list"):
+                provider.find()
+            with pytest.raises(sky.ConfigError, match="list"):
+                provider.cleanup("pool-none")
+            return
+        with sky.ComputePool(provider=provider, nodes=1, stream_output=False) as pool:
+            assert identity() >> pool
+            assert pool.pool_id in provider.find()
+        deadline = time.monotonic() + 30  # a queue or an API may take a moment to forget it
+        while pool.pool_id in provider.find() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert pool.pool_id not in provider.find()
 
     def assert_outputs_removed(self, where: str) -> None:
         """A node's output directory is gone with its pool. Every provider's test hosts share

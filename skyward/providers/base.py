@@ -48,6 +48,39 @@ the provider object: one provider object may serve several pools at once.
 
 A `Node` knows its index, its addresses and how to start the agent on itself.
 
+A worked minimal provider: every node a process of this machine's interpreter, which already
+has what the nodes need (a sketch of `Local`, without its environments, GPUs or outputs). The
+pool starts the agents (`Node.start_agent`), talks to them over their pipes and stops them;
+`tests/test_provider_example.py` runs a pool on exactly this code::
+
+    import os
+    import sys
+
+    from skyward.providers.base import Cluster, Node, Provider
+    from skyward.transport.pipes import spawn
+
+    class ProcessNode(Node):
+        async def start_agent(self, env):
+            argv = [sys.executable, "-m", "skyward.worker"]
+            return await spawn(argv, {**os.environ, **env}, os.getcwd())
+
+    class Processes(Provider):
+        name = "processes"
+
+        async def launch(self, spec, progress):
+            nodes = [ProcessNode(i, "127.0.0.1", "127.0.0.1") for i in range(spec.nodes)]
+            return Cluster(spec, nodes)
+
+        async def prepare(self, cluster, image, progress):
+            pass  # this interpreter is the nodes' environment
+
+        async def terminate(self, cluster):
+            pass  # the pool stops the agents; nothing else was made
+
+Registered (`skyward.providers.registry`) it is ``provider = "processes"`` for profiles and
+``skyward run``; declaring `capabilities` and their methods adds restarts, ``pool.stacks()``,
+prices and ``skyward ls/down``.
+
 `launch` and `prepare` report each node's phase to their `Progress` (`skyward.console.progress`):
 booting, connecting, building environment (with the build's output lines as detail); the pool
 sets the phases around them (requested, starting agent, ready, stopping). `Progress` is also a

@@ -416,5 +416,5 @@ def test_status_lists_this_users_local_pools(
         assert [p.agents for p in mine] == [agents]
         assert main(["status"]) == 0
         out = capsys.readouterr().out
-        assert f"local  client pid {os.getpid()} (" in out and "2 agent(s)" in out
+        assert f"here   client pid {os.getpid()} (" in out and "2 agent(s)" in out
     assert [p for p in runner.local_pools() if p.client == os.getpid()] == []

@@ -18,7 +18,7 @@ def example_namespace() -> dict[str, object]:
     lines = found.group(1).splitlines()
     code = "\n".join(line[4:] for line in lines)
     namespace: dict[str, object] = {"__name__": "provider_example"}
-    exec(compile(code, "providers/base.py docstring", "exec"), namespace)  # noqa: S102
+    exec(compile(code, "providers/base.py docstring", "exec"), namespace)
     return namespace
 
 

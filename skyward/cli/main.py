@@ -283,7 +283,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_RUN_EPILOG,
     )
     run.add_argument("--profile", help="the profile to start from (default: 'default', if any)")
-    run.add_argument("--provider", help=f"one of {', '.join(registry.names())} (default: local)")
+    run.add_argument(
+        "--provider", help=f"one of {', '.join(registry.names())} (default: {registry.DEFAULT})"
+    )
     run.add_argument("--nodes", type=int, help="how many nodes (default: the provider's)")
     run.add_argument("--accelerator", help="what each node must have, e.g. A100 or A100:8")
     run.add_argument(

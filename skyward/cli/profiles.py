@@ -45,7 +45,7 @@ class Profile:
     """What ``skyward run`` launches: the provider and its arguments, and the pool's settings."""
 
     name: str = "default"
-    provider: str = "local"
+    provider: str = registry.DEFAULT
     options: dict[str, Any] = field(default_factory=dict)  # the provider's constructor arguments
     nodes: int | None = None
     accelerator: str | None = None
@@ -158,10 +158,10 @@ def parse_profile(name: str, table: Any, source: str) -> Profile:
     if not isinstance(table, dict):
         raise ConfigError(f"{where} must be a table of keys")
     options = {k: v for k, v in table.items() if k not in (*POOL_KEYS, *PACKAGE_KEYS)}
-    provider = table.get("provider", "local")
+    provider = table.get("provider", registry.DEFAULT)
     if not isinstance(provider, str):
         raise ConfigError(
-            f'{where}: provider must be one name, e.g. provider = "aws", got {provider!r}'
+            f'{where}: provider must be one name, e.g. provider = "NAME", got {provider!r}'
         )
     if provider not in registry.names():
         raise ConfigError(

@@ -196,7 +196,7 @@ def print_local_pools() -> int:
     for pool in pools:
         command = pool.command if len(pool.command) <= 60 else pool.command[:57] + "..."
         print(
-            f"local  client pid {pool.client} ({command}): {len(pool.agents)} agent(s) "
+            f"here   client pid {pool.client} ({command}): {len(pool.agents)} agent(s) "
             f"[{', '.join(map(str, pool.agents))}], up {clock(pool.age)}"
         )
     return len(pools)

@@ -34,6 +34,9 @@ from skyward.providers.base import Provider
 
 ENTRY_POINT_GROUP = "skyward.providers"
 
+DEFAULT = "local"
+"""The provider a profile or ``skyward run`` uses when none is named: the embedded one."""
+
 # How a flag's text becomes the provider's argument: as it is, a comma-separated list, or
 # True when the flag is given (a switch).
 OptionKind = Literal["text", "list", "switch"]

@@ -1093,6 +1093,7 @@ class NetnsHosts(HostSet[NetnsHost]):
         self._claim = claim_subnet(str(self.subnet), self.subnet_wait)
         try:
             self._remove_all()  # leftovers of a crashed run with the same names
+            self._remove_stale_sets()
             self._check_guard_network_is_free()
         except BaseException:
             self._claim.close()  # nothing was built: the subnet is free again
@@ -1125,6 +1126,36 @@ class NetnsHosts(HostSet[NetnsHost]):
             self.close(raise_on_leftovers=False)
             raise
         return self
+
+    def _remove_stale_sets(self) -> None:
+        """Remove every other set of hosts on this subnet: a run killed before its teardown
+        (a timeout, a worker killed at the end of a session, a CI job cancelled) leaves its
+        bridge with this subnet's first address, and the machine then routes this set's
+        traffic into that dead bridge: the new sshd listens and no connection reaches it.
+        Holding the subnet's claim, any other bridge on it is such a leftover (a live set
+        would hold the claim)."""
+        ip = _ip()
+        out = _run([ip, "-o", "-4", "addr", "show"], check=False).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) < 4 or not parts[1].startswith(f"{NAME_PREFIX}br-"):
+                continue
+            with contextlib.suppress(ValueError):
+                if (
+                    parts[1] == self.bridge
+                    or ipaddress.IPv4Interface(parts[3]).ip not in self.subnet
+                ):
+                    continue
+                run_id = parts[1].removeprefix(f"{NAME_PREFIX}br-")
+                for netns in _netns_names():
+                    if netns.startswith(f"{NAME_PREFIX}-{run_id}-"):
+                        _delete_netns(netns)  # kills its processes first
+                links = _run([ip, "-o", "link", "show"], check=False).stdout
+                for entry in links.splitlines():
+                    name = entry.split(":")[1].strip().split("@")[0] if ":" in entry else ""
+                    if name.startswith(f"{NAME_PREFIX}{run_id}h") and _link_exists(name):
+                        _run([ip, "link", "del", name], check=False)
+                _run([ip, "link", "del", parts[1]], check=False)
 
     def _check_guard_network_is_free(self) -> None:
         """Refuse to build when a real network of this machine overlaps the guard /16.

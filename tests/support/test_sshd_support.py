@@ -19,6 +19,7 @@ from .sshd import (
     NetnsHosts,
     SshdServer,
     SshUser,
+    _netns_names,
     ensure_openssh_server,
     is_root,
     kill_processes_of,
@@ -393,6 +394,32 @@ def test_netns_hosts_clean_up_after_failure(sshd_path: Path) -> None:
     assert "tclean" not in netns + links
     assert "10.213.1." not in routes
     assert not any(pid_alive(pid) for pid in sshd_pids)
+
+
+def test_a_set_killed_before_its_teardown_does_not_take_its_subnet_from_the_next(
+    sshd_path: Path,
+) -> None:
+    """A run killed mid-way (a timeout, a cancelled CI job) leaves a live bridge on its subnet
+    under another run id; the next set on that subnet must still be reachable (it was not:
+    the machine routed into the dead bridge, and every test of the folder errored)."""
+    if (reason := netns_unavailable_reason()) is not None:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    killed = NetnsHosts(1, subnet="10.213.1.0/24", run_id="tdead").build()
+    assert killed._claim is not None
+    killed._claim.close()  # what the dead process's exit does to its lock; nothing else ran
+    killed._claim = None
+    try:
+        with NetnsHosts(1, subnet="10.213.1.0/24", run_id="tnext") as hosts:
+            assert hosts.hosts[0].server is not None and hosts.hosts[0].server.running
+            links = subprocess.run(
+                ["ip", "-o", "link"], capture_output=True, text=True, check=False
+            ).stdout
+            assert "tdead" not in links and "tdead" not in " ".join(_netns_names())
+            dead = killed.hosts[0].server
+            assert dead is not None and dead._proc is not None
+            assert dead._proc.wait(timeout=10) is not None  # its sshd was killed with it
+    finally:
+        killed._built = False  # its remains went with the next set's build
 
 
 def test_netns_hosts_setup_failure_cleans_up(sshd_path: Path) -> None:

@@ -153,11 +153,11 @@ class ComputePool:
             checks.whole(restarts, "restarts", minimum=0), _exception_types(restart_on)
         )
         self._resume: dict[str, str] = {}  # the agents' env after a restart: what to resume
-        for candidate, _ in self._candidates:  # a feature its provider cannot serve: refused now
+        for candidate, spec in self._candidates:  # a feature one cannot serve: refused now
             if self._policy.restarts:
-                candidate.require(Capability.REPLACE, f"restarts={self._policy.restarts}")
+                candidate.require(Capability.REPLACE, f"restarts={self._policy.restarts}", spec)
             if self.stall_timeout is not None:
-                candidate.require(Capability.SIGNALS, f"stall_timeout={self.stall_timeout:g}")
+                candidate.require(Capability.SIGNALS, f"stall_timeout={self.stall_timeout:g}", spec)
         self.collect_timeout = checks.seconds(collect_timeout, "collect_timeout")
         if max_cost is not None:
             max_cost = checks.dollars(max_cost, "max_cost", zero=False)

@@ -195,13 +195,23 @@ class Provider(ABC):
     # What it can do beyond the abstract verbs (see `Capability`); none unless declared.
     capabilities: frozenset[Capability] = frozenset()
 
-    def require(self, capability: Capability, feature: str) -> None:
+    def capabilities_for(self, spec: ClusterSpec) -> frozenset[Capability]:
+        """What it can do for a pool of `spec`: `capabilities`, less what such a pool's
+        machines rule out (GCP: a TPU slice's hosts cannot be replaced one by one)."""
+        return self.capabilities
+
+    def require(
+        self, capability: Capability, feature: str, spec: ClusterSpec | None = None
+    ) -> None:
         """Raise `ConfigError` when `feature` (e.g. ``restarts=2``) needs `capability`, which
-        this provider does not declare: a clear refusal rather than a silent no-op."""
-        if capability not in self.capabilities:
+        this provider does not declare (for a pool of `spec`, when given): a clear refusal
+        rather than a silent no-op."""
+        able = self.capabilities if spec is None else self.capabilities_for(spec)
+        if capability not in able:
+            which = "" if capability in self.capabilities else " for this pool"
             raise ConfigError(
                 f"{feature} needs a provider that can {capability.value}; the {self.name} "
-                "provider cannot: leave it out, or use a provider that can"
+                f"provider cannot{which}: leave it out, or use a provider that can"
             )
 
     # -- what pools left behind, for the command line (Capability.LIST) ---------------------

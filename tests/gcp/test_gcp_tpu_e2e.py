@@ -31,6 +31,9 @@ _ONE_NODE_TESTS = (
     "test_client_side_plugin_failure_is_named_before_anything_launches",
     "test_outputs_are_collected_on_ctrl_c",
     "test_outputs_without_output_dir_go_with_the_pool",
+    "test_signals_reach_every_agent_or_stall_timeout_is_refused",
+    "test_a_dead_node_is_replaced_or_restarts_are_refused",
+    "test_a_live_pool_is_found_and_a_closed_one_is_not_or_listing_is_refused",
 )
 
 

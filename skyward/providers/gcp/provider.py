@@ -38,7 +38,7 @@ from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
-from skyward.providers.base import Cluster, LivePool, Node, NodeLoss, count
+from skyward.providers.base import Capability, Cluster, LivePool, Node, NodeLoss, count
 from skyward.providers.cloud.provider import (
     CloudCluster,
     CloudProvider,
@@ -267,6 +267,13 @@ class GCP(CloudProvider):
         tpu, machine_type = self._shape(gcp.spec)
         price = self._catalog_price(tpu, machine_type, zone, gcp.spot)
         return price.launched("spot" if gcp.spot else "on-demand", zone)
+
+    def capabilities_for(self, spec: ClusterSpec) -> frozenset[Capability]:
+        """A TPU slice is made and removed whole: its hosts cannot be replaced one by one, nor
+        a replacement started ahead of a notice."""
+        if spec.accelerator is not None and spec.accelerator.is_tpu:
+            return self.capabilities - {Capability.REPLACE, Capability.PRESTART}
+        return self.capabilities
 
     def _shape(self, spec: ClusterSpec) -> tuple[tpu_types.TpuType | None, str]:
         """What a node of `spec` is: a host of a TPU slice, or a VM of a machine type."""

@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -291,6 +292,27 @@ def test_the_knock_refuses_a_listener_that_is_not_the_coordinator() -> None:
         with pytest.raises(RuntimeError, match=f"something listens at {address}.*not a JAX"):
             jaxenv.wait_for_listener(address, 0.5)
     jaxenv.wait_for_listener(address, 0.2)  # nobody there: JAX itself will say so
+
+
+def test_the_knock_leaves_a_late_listener_to_jax() -> None:
+    """Nothing there at first, then a listener that does not answer within a look (a
+    coordinator coming up late on a loaded node reads so too): not called a stranger."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+
+    def listen_late() -> None:
+        time.sleep(0.3)
+        with socket.create_server(("127.0.0.1", port)):
+            time.sleep(2.5)
+
+    late = threading.Thread(target=listen_late)
+    late.start()
+    try:
+        jaxenv.wait_for_listener(address, 1.5)  # returns: JAX decides what that listener is
+    finally:
+        late.join()
 
 
 def check_sharded_sums(pool: sky.ComputePool, nodes: int, rows: int = 3) -> None:

@@ -106,14 +106,18 @@ def wait_for_listener(address: str, timeout: float) -> None:
     if not port.isdigit():
         return  # JAX will say what is wrong with it
     deadline = time.monotonic() + timeout
-    other = False
+    # Judged on every look, not the last: a coordinator that came up late and, on a loaded
+    # node, answered slower than a look waits, reads as "something else" at the end; only a
+    # stranger is there at every look (nothing listening at any look: JAX decides).
+    stranger = nothing = False
     while time.monotonic() < deadline:
         answer = _coordinator_answers(host.strip("[]"), int(port))
         if answer:
             return
-        other = answer is False
+        stranger |= answer is False
+        nothing |= answer is None
         time.sleep(0.02)
-    if other:
+    if stranger and not nothing:
         raise RuntimeError(
             f"something listens at {address}, the pool's JAX coordinator address, but it is not "
             f"a JAX coordinator (it does not answer gRPC's HTTP/2 greeting): another program "

@@ -20,7 +20,7 @@ import pytest
 from skyward.client.checkpoints import Checkpoints
 from skyward.cluster import ClusterSpec
 from skyward.providers.base import Cluster, Log, Node
-from skyward.providers.local import Local, LocalCluster, LocalNode
+from skyward.providers.local.provider import Local, LocalCluster, LocalNode
 from skyward.reports import Report
 from skyward.transport.eventloop import LoopThread
 

@@ -337,24 +337,31 @@ class SSHHost:
         await asyncio.gather(*(asyncio.shield(k) for k in pending.values()))
         self.groups.difference_update(pids)
 
-    async def _kill(self, pids: Sequence[int]) -> None:
+    async def _kill(self, pids: Sequence[int], then: str = "") -> None:
         targets = " ".join(f"-{pid}" for pid in pids)
+        kill = f"kill -KILL -- {targets} 2>/dev/null; " if pids else ""
         with contextlib.suppress(Exception):
             # Not through `start`: a kill must work even after close() began.
-            await asyncio.wait_for(
-                self.conn.run(f"kill -KILL -- {targets} 2>/dev/null; true", check=False), 10
-            )
+            await asyncio.wait_for(self.conn.run(f"{kill}{then}{'; ' if then else ''}true",
+                                                 check=False), 10)  # fmt: skip
 
-    async def kill_all(self) -> None:
-        """Kill every group this connection started, then wait for scheduled kills."""
-        self.closed = True
+    async def kill_all(self, last: str = "") -> None:
+        """Kill every group this connection started, run `last` (a shell command line, best
+        effort) in the same command on the host, then wait for scheduled kills. One command:
+        each is a channel and a shell on the host, which a pool's end pays for every host."""
+        already, self.closed = self.closed, True
+        if last and not already:
+            fresh = sorted(pid for pid in self.groups if pid not in self._killing and pid > 1)
+            await self._kill(fresh, last)
+            self.groups.difference_update(fresh)
         await self.kill_groups(sorted(self.groups))
         if self._kills:
             await asyncio.gather(*self._kills, return_exceptions=True)
 
-    async def close(self) -> None:
-        """Kill what we started and close the connection; idempotent."""
-        await self.kill_all()
+    async def close(self, last: str = "") -> None:
+        """Kill what we started, run `last` on the host (see `kill_all`) and close the
+        connection; idempotent."""
+        await self.kill_all(last)
         self.conn.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.conn.wait_closed(), 5)

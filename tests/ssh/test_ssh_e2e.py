@@ -111,10 +111,9 @@ def test_second_pool_builds_nothing(
             assert len(where() @ pool) == 3
     # The hosts share this machine's disk, so the first pool's hosts race to build; one wins.
     assert marker.read_text() == "ran\n"
-    # Per host: one check to start, and at the end the removal of the pool's output directory.
-    starting = [c for c in commands if " rm -rf " not in c]
-    assert len(starting) == 3, f"second pool ran more than one check per host: {commands}"
-    assert len(commands) == 6, commands
+    # Per host: one check to start; nothing else runs as a command of its own (the removal of
+    # the pool's output directory rides in the command that ends the pool's processes).
+    assert len(commands) == 3, f"second pool ran more than one command per host: {commands}"
 
 
 @pytest.mark.slow

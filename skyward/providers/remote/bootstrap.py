@@ -132,10 +132,11 @@ def remote_nodes(cluster: Cluster) -> list[RemoteNode]:
     return nodes
 
 
-async def close_hosts(cluster: Cluster) -> None:
-    """Close every node's connection (killing what it started); idempotent."""
+async def close_hosts(cluster: Cluster, last: str = "") -> None:
+    """Close every node's connection (killing what it started, then running `last` on the
+    host in the same command: see `SSHHost.kill_all`); idempotent."""
     hosts = {id(n.host): n.host for n in remote_nodes(cluster)}
-    await asyncio.gather(*(h.close() for h in hosts.values()), return_exceptions=True)
+    await asyncio.gather(*(h.close(last) for h in hosts.values()), return_exceptions=True)
 
 
 async def all_or_none(*steps: Awaitable[T]) -> list[T]:

@@ -108,10 +108,14 @@ async def _collect_one(cluster: Cluster, node: RemoteNode, output_dir: str) -> N
         )
 
 
+def outputs_removal(cluster: Cluster) -> str:
+    """The shell command that removes the pool's output directory from a host."""
+    return f"rm -rf {HOST_CACHE}/{shlex.quote(f'outputs/{cluster.spec.pool_id}')}"
+
+
 async def remove_outputs(cluster: Cluster) -> None:
     """Remove the pool's output directories from its hosts (best effort, bounded)."""
-    folder = shlex.quote(f"outputs/{cluster.spec.pool_id}")
-    command = f"rm -rf {HOST_CACHE}/{folder}"
+    command = outputs_removal(cluster)
     hosts = {id(n.host): n.host for n in remote_nodes(cluster) if not n.host.closed}
     await asyncio.gather(
         *(asyncio.wait_for(h.run(command), 30) for h in hosts.values()), return_exceptions=True

@@ -35,8 +35,9 @@ class Host(Protocol):
         stderr lines go to `log`. Cancelled: what it started is killed."""
         ...
 
-    async def close(self) -> None:
-        """Kill what was started through this host and let it go; idempotent."""
+    async def close(self, last: str = "") -> None:
+        """Kill what was started through this host, run `last` (a shell command line, best
+        effort) on it, and let it go; idempotent."""
         ...
 
 

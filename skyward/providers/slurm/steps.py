@@ -8,6 +8,8 @@ srun's, so the agent's stream is the same pipe or SSH channel a Local or SSH nod
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import shlex
 
 from skyward.providers.remote.bootstrap import RemoteNode
@@ -42,8 +44,11 @@ class StepHost:
         step = commands.step(self.job_id, self.name, command, gres=self.gres)
         return await self.login.run(step, input, log)
 
-    async def close(self) -> None:
-        return None  # the login, shared by every node of the job, is the provider's to close
+    async def close(self, last: str = "") -> None:
+        # The login, shared by every node of the job, is the provider's to close.
+        if last and not self.closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.run(last), 30)
 
     def agent_step(self, command: str) -> str:
         """The agent's step: every CPU (and GPU) of the allocation on the node, and an

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import sys
 import threading
@@ -412,24 +413,27 @@ class ProviderContract:
                 pool.collect_outputs()
         self.assert_outputs_removed(where)
 
-    # -- what "nothing remains" means; override for each provider ----------------------------
-
     # -- the declared capabilities ----------------------------------------------------------
 
-    def _declares(self, make_provider: Callable[[], object], capability: Capability) -> bool:
-        """Whether the provider declares `capability` for a 1-node pool (what these tests
-        make; a TPU slice rules out some)."""
+    def _refused_without(
+        self, make_provider: Callable[[], object], capability: Capability, **feature: float
+    ) -> bool:
+        """Whether the provider lacks `capability` for a 1-node pool (what these tests make; a
+        TPU slice rules out some); when it does, a pool asking for `feature` (which needs it)
+        must be refused when it is made, naming the capability."""
         provider = make_provider()
         assert isinstance(provider, Provider)
         pool = sky.ComputePool(provider=provider, nodes=1, stream_output=False)  # made, not started
-        return capability in provider.capabilities_for(pool.spec)
+        if capability in provider.capabilities_for(pool.spec):
+            return False
+        with pytest.raises(sky.ConfigError, match=re.escape(capability.value)):
+            sky.ComputePool(provider=make_provider(), nodes=1, **feature)  # type: ignore[arg-type]
+        return True
 
     def test_signals_reach_every_agent_or_stall_timeout_is_refused(
         self, make_provider: Callable[[], object]
     ) -> None:
-        if not self._declares(make_provider, Capability.SIGNALS):
-            with pytest.raises(sky.ConfigError, match="signals"):
-                sky.ComputePool(provider=make_provider(), nodes=1, stall_timeout=30)  # type: ignore[arg-type]
+        if self._refused_without(make_provider, Capability.SIGNALS, stall_timeout=30):
             return
         with self._pool(make_provider, 1) as pool:
             call = pool.submit(wait_a_while(8), node=0)
@@ -444,9 +448,7 @@ class ProviderContract:
     def test_a_dead_node_is_replaced_or_restarts_are_refused(
         self, make_provider: Callable[[], object]
     ) -> None:
-        if not self._declares(make_provider, Capability.REPLACE):
-            with pytest.raises(sky.ConfigError, match="replace"):
-                sky.ComputePool(provider=make_provider(), nodes=1, restarts=1)  # type: ignore[arg-type]
+        if self._refused_without(make_provider, Capability.REPLACE, restarts=1):
             return
         with self._pool(make_provider, 1) as pool:
             before = identity() >> pool
@@ -475,6 +477,8 @@ class ProviderContract:
         while pool.pool_id in provider.find() and time.monotonic() < deadline:
             time.sleep(0.5)
         assert pool.pool_id not in provider.find()
+
+    # -- what "nothing remains" means; override for each provider ----------------------------
 
     def assert_outputs_removed(self, where: str) -> None:
         """A node's output directory is gone with its pool. Every provider's test hosts share

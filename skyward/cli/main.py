@@ -15,6 +15,7 @@ import argparse
 import shutil
 import sys
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from skyward import checks
 from skyward.errors import ConfigError
 from skyward.info import cache_root
 from skyward.providers import registry
-from skyward.providers.base import Capability, Provider
+from skyward.providers.base import Capability, Provider, created
 from skyward.providers.source import source_hash
 from skyward.version import __version__
 from skyward.worker import envbuild
@@ -135,8 +136,7 @@ def _ls(provider: Provider) -> int:
     if not pools:
         print(f"no skyward resources found by the {provider.name} provider")
     for _, pool in sorted(pools.items()):
-        when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
-        print(f"{pool.pool_id}  created {when} by {pool.created_by or '?'}")
+        print(f"{pool.pool_id}  created {created(pool)} by {pool.created_by or '?'}")
         for line in pool.describe():
             print(f"    {line}")
     return 0
@@ -162,11 +162,13 @@ def _listing(args: argparse.Namespace) -> int:
     return _ls(provider) if args.command == "ls" else _down(provider, args)
 
 
-def _provider_flags(parser: argparse.ArgumentParser, listing: bool) -> None:
-    """Every provider's flags for `skyward run` (or, with `listing`, `ls`/`down`), from the
-    registry: a flag two providers take is added once, its help naming both."""
+def _provider_flags(
+    parser: argparse.ArgumentParser, entries: Mapping[str, registry.ProviderEntry], listing: bool
+) -> None:
+    """Every provider's flags for `skyward run` (or, with `listing`, `ls`/`down`), from their
+    registry `entries`: a flag two providers take is added once, its help naming both."""
     flags: dict[str, tuple[list[str], registry.Option]] = {}
-    for name, entry in registry.entries().items():
+    for name, entry in entries.items():
         for option in entry.options:
             if option.listing if listing else option.run:
                 flags.setdefault(option.flag, ([], option))[0].append(name)
@@ -181,14 +183,10 @@ def _provider_flags(parser: argparse.ArgumentParser, listing: bool) -> None:
 
 
 def _provider_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The provider settings `skyward run`'s flags give, by key (None: not given); a flag the
-    chosen provider does not take is refused when the pool's provider is built."""
-    return {
-        option.key: option.value(getattr(args, option.key, None))
-        for entry in registry.entries().values()
-        for option in entry.options
-        if option.run
-    }
+    """The provider settings `skyward run`'s flags give, by key (those not given left out); a
+    flag the chosen provider does not take is refused when the pool's provider is built."""
+    given = vars(args)
+    return {k: v for e in registry.entries().values() for k, v in e.arguments(given).items()}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -271,6 +269,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
     )
+    entries = registry.entries()  # every provider's flags, read once for every command
     parser = argparse.ArgumentParser(prog="skyward", description=_DESCRIPTION)
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("--version", action="version", version=f"skyward {__version__}")
@@ -284,7 +283,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--profile", help="the profile to start from (default: 'default', if any)")
     run.add_argument(
-        "--provider", help=f"one of {', '.join(registry.names())} (default: {registry.DEFAULT})"
+        "--provider", help=f"one of {', '.join(entries)} (default: {registry.DEFAULT})"
     )
     run.add_argument("--nodes", type=int, help="how many nodes (default: the provider's)")
     run.add_argument("--accelerator", help="what each node must have, e.g. A100 or A100:8")
@@ -338,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DOLLARS",
         help="a budget: the pool stops and is torn down once it has spent this much",
     )
-    _provider_flags(run, listing=False)
+    _provider_flags(run, entries, listing=False)
     run.add_argument(
         "--detach",
         "-d",
@@ -407,7 +406,7 @@ def _parser() -> argparse.ArgumentParser:
             help="a provider that can list pools, e.g. the cloud's (default: the default "
             "profile's)",
         )
-        _provider_flags(sub, listing=True)
+        _provider_flags(sub, entries, listing=True)
         if name == "down":
             sub.add_argument("pool", nargs="?", help="the pool id (see `skyward ls`)")
             sub.add_argument("--all", action="store_true", help="every skyward pool")

@@ -173,6 +173,11 @@ class FoundPool(Protocol):
         ...
 
 
+def created(pool: FoundPool) -> str:
+    """When `pool` was made, as ``skyward ls`` and ``status`` print it (``?``: unknown)."""
+    return pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
+
+
 @dataclass(frozen=True)
 class LivePool:
     """One of this user's live pools as ``skyward status`` prints it: a heading (where it is,
@@ -184,8 +189,7 @@ class LivePool:
     @classmethod
     def of(cls, where: str, pool: FoundPool, *more: str) -> LivePool:
         """A found pool under `where` (``aws us-east-1``), with `more` lines (its cost)."""
-        when = pool.created_at.strftime("%Y-%m-%d %H:%M UTC") if pool.created_at else "?"
-        return cls(f"{where}  {pool.pool_id}  created {when}", (*pool.describe(), *more))
+        return cls(f"{where}  {pool.pool_id}  created {created(pool)}", (*pool.describe(), *more))
 
 
 class Provider(ABC):

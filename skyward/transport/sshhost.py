@@ -319,42 +319,41 @@ class SSHHost:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.conn.run(command, check=False), 10)
 
-    async def kill_groups(self, pids: Sequence[int]) -> None:
-        """``kill -KILL`` the process groups `pids` on the host (best effort, bounded). A group
-        whose kill is already on its way waits for that one: each kill is a channel and a shell
-        on the host, and a pool's end asks for the same agent's several times (its stream, then
-        the connection's close)."""
+    async def kill_groups(self, pids: Sequence[int], then: str = "") -> None:
+        """``kill -KILL`` the process groups `pids` on the host (best effort, bounded), and run
+        `then` (a shell command line, best effort) in the same command. A group whose kill is
+        already on its way waits for that one: each kill is a channel and a shell on the host,
+        and a pool's end asks for the same agent's several times (its stream, then the
+        connection's close)."""
         pids = [pid for pid in pids if pid > 1]
-        if not pids:
+        if not pids and not then:
             return
         fresh = [pid for pid in pids if pid not in self._killing]
-        if fresh:
-            kill = asyncio.ensure_future(self._kill(fresh))
-            for pid in fresh:
-                self._killing[pid] = kill
         pending = {id(k): k for pid in pids if (k := self._killing.get(pid)) is not None}
+        if fresh or then:
+            mine = asyncio.ensure_future(self._kill(fresh, then))
+            for pid in fresh:
+                self._killing[pid] = mine
+            pending[id(mine)] = mine
         # Shielded: a caller cancelled while it waits leaves the kill to finish for the others.
         await asyncio.gather(*(asyncio.shield(k) for k in pending.values()))
         self.groups.difference_update(pids)
 
     async def _kill(self, pids: Sequence[int], then: str = "") -> None:
         targets = " ".join(f"-{pid}" for pid in pids)
-        kill = f"kill -KILL -- {targets} 2>/dev/null; " if pids else ""
+        steps = [f"kill -KILL -- {targets} 2>/dev/null"] if pids else []
+        command = "; ".join([*steps, *([then] if then else []), "true"])
         with contextlib.suppress(Exception):
             # Not through `start`: a kill must work even after close() began.
-            await asyncio.wait_for(self.conn.run(f"{kill}{then}{'; ' if then else ''}true",
-                                                 check=False), 10)  # fmt: skip
+            await asyncio.wait_for(self.conn.run(command, check=False), 10)
 
     async def kill_all(self, last: str = "") -> None:
-        """Kill every group this connection started, run `last` (a shell command line, best
-        effort) in the same command on the host, then wait for scheduled kills. One command:
-        each is a channel and a shell on the host, which a pool's end pays for every host."""
+        """Kill every group this connection started, running `last` (a shell command line,
+        best effort; once, on the first call) in the same command on the host, then wait for
+        scheduled kills. One command: each is a channel and a shell on the host, which a pool's
+        end pays for every host."""
         already, self.closed = self.closed, True
-        if last and not already:
-            fresh = sorted(pid for pid in self.groups if pid not in self._killing and pid > 1)
-            await self._kill(fresh, last)
-            self.groups.difference_update(fresh)
-        await self.kill_groups(sorted(self.groups))
+        await self.kill_groups(sorted(self.groups), "" if already else last)
         if self._kills:
             await asyncio.gather(*self._kills, return_exceptions=True)
 

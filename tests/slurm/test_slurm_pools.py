@@ -104,6 +104,12 @@ def test_a_pool_that_waits_in_the_queue_pays_only_from_its_allocation(
 ) -> None:
     """Every node held by another job for ~25 s: at $1 a second a node, $20 would be spent
     three times over while the job pends; billed from the allocation, it runs its call."""
+    # The nodes' environment first: built on the allocation, it is billed too, and on a machine
+    # whose caches are empty (a fresh clone, where this pool may be the cluster's first) its
+    # build alone took the measured pool past $20 at this price.
+    with sky.ComputePool(provider=sky.Slurm(), nodes=3, stream_output=False) as warm:
+        assert nap(0) @ warm == [0, 1, 2]
+    assert wait_for_empty_queue(login, 10) == []
     blocker = login.submit(["--exclusive", "-N3", "-J", "blocker", "--wrap", "sleep 25"])
     try:
         began = time.monotonic()

@@ -89,6 +89,7 @@ class NodeSession:
         self._on_notice = on_notice  # called with the node's index on a preemption notice
         self._control: asyncio.Queue[messages.Message | None] = asyncio.Queue()
         self._stopping = False
+        self._ending = False  # `close(ending=True)`: the pool's nodes go next
         # Held while calls are registered (`register`) and the pending calls are taken away.
         self.lock = threading.Lock()
         self._decoder = ReplyDecoder(
@@ -313,7 +314,7 @@ class NodeSession:
             )
         except Exception:
             self.exit_status = None
-        self.stream.kill()
+        self._kill_leftovers()
         self._control.put_nowait(None)
         if self._stopping or self.dead is not None:
             return
@@ -382,17 +383,28 @@ class NodeSession:
             )
         self.stream.kill()
 
+    def _kill_leftovers(self) -> None:
+        """The agent ended: what it may have left in its group goes now, or, when the pool is
+        ending, with its node's connection."""
+        if self._ending:
+            self.stream.kill_at_end()
+        else:
+            self.stream.kill()
+
     def abort_soon(self, reason: str) -> None:
         """`abort`, from any thread."""
         self._loop.call_soon_threadsafe(self.abort, reason)
 
-    async def close(self, timeout: float) -> None:
+    async def close(self, timeout: float, ending: bool = False) -> None:
         """Ask the agent to finish (plugins unwind), then make sure it is gone. Once: a
         second close (a restart stops the agents before `_recover` would) finds it done and
-        does not signal a process ID the host may have given to another process since."""
+        does not signal a process ID the host may have given to another process since.
+        `ending`: the pool's nodes or their connections go next, and an agent that finished
+        on its own has what is left of its group killed with them (`kill_at_end`)."""
         if self._stopping:
             return
         self._stopping = True
+        self._ending = ending
         # Only an idle agent is asked to finish: a busy one may not be reading, and a write to
         # its full pipe would block this loop; it is killed after `timeout` like any laggard.
         if self.dead is None and self._ended_task is None and not self.pending:
@@ -404,7 +416,9 @@ class NodeSession:
             self.output.line(
                 f"[skyward] node {self.node} did not stop within {timeout:g} s; killing it"
             )
-        self.stream.kill()
+            self.stream.kill()
+        else:
+            self._kill_leftovers()
         self.stream.close_input()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.stream.exit_status(), timeout=2)

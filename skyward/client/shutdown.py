@@ -50,7 +50,7 @@ def tear_down(
         busy = any(session.pending for session in sessions)
         timeout = shutdown_timeout if graceful and not busy else _HURRIED
         with contextlib.suppress(Exception):
-            loop.run(stop_agents(sessions, timeout))
+            loop.run(stop_agents(sessions, timeout, ending=True))
         collected = transfers.collect_at_close()
         summary = f"removing the pool failed after {duration(time.monotonic() - began)} s"
         try:
@@ -72,16 +72,19 @@ def tear_down(
         console.finish(summary)
 
 
-async def stop_agents(sessions: Sequence[NodeSession], timeout: float) -> None:
-    """Ask every agent to unwind its plugins and exit; kill one still there after `timeout` s."""
-    await asyncio.gather(*(session.close(timeout) for session in sessions))
+async def stop_agents(
+    sessions: Sequence[NodeSession], timeout: float, ending: bool = False
+) -> None:
+    """Ask every agent to unwind its plugins and exit; kill one still there after `timeout` s.
+    `ending`: the nodes go next (`NodeSession.close`)."""
+    await asyncio.gather(*(session.close(timeout, ending) for session in sessions))
 
 
 async def _terminate(
     provider: Provider, cluster: Cluster | None, sessions: Sequence[NodeSession], keep: bool
 ) -> None:
     for session in sessions:
-        session.stream.kill()
+        session.stream.kill_at_end()
     if cluster is not None:
         await (provider.release(cluster) if keep else provider.terminate(cluster))
 

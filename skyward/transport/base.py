@@ -58,6 +58,12 @@ class AgentStream(Protocol):
         """End the agent and every process it started, now."""
         ...
 
+    def kill_at_end(self) -> None:
+        """The pool is ending, and its nodes or their connections go next: end the agent and
+        every process it started with them, where that saves a command on the node (an SSH
+        host's close kills all its groups in one), and now otherwise."""
+        ...
+
     def signal(self, signum: int) -> None:
         """Send the agent signal `signum` (best effort; callable from any thread)."""
         ...

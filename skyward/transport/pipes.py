@@ -151,6 +151,9 @@ class SubprocessStream:
         if self.control is not None:
             self.control.wake()
 
+    def kill_at_end(self) -> None:
+        self.kill()  # a local signal: nothing to save
+
     def signal(self, signum: int) -> None:
         # The child itself: the agent, or the srun that forwards it to the agent's step.
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -306,6 +306,15 @@ class SSHHost:
         self._kills.add(task)
         task.add_done_callback(self._kills.discard)
 
+    def kill_at_close(self, pid: int) -> None:
+        """Kill group `pid` in the one command of this connection's close (`kill_all`), or now
+        when that close has begun: a pool's end then costs one channel and shell a host, not
+        one for each agent and another for the rest (on the loop)."""
+        if self.closed:
+            self.schedule_kill(pid)
+        else:
+            self.groups.add(pid)
+
     def schedule_signal(self, pid: int, signum: int) -> None:
         """Send process `pid` on the host signal `signum` (best effort; on the loop)."""
         if self.closed:

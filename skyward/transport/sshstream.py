@@ -194,6 +194,12 @@ class ChannelStream(asyncssh.SSHClientSession[bytes]):
         if self.pid:
             self.host.schedule_kill(self.pid)
 
+    def kill_at_end(self) -> None:
+        """Leave the agent's group to its connection's close (`SSHHost.kill_at_close`; on the
+        running loop, as `kill`)."""
+        if self.pid:
+            self.host.kill_at_close(self.pid)
+
     def signal(self, signum: int) -> None:
         """Send the agent `signum` on its host (a command on the connection, from the loop)."""
         if self.pid:

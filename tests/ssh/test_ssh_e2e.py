@@ -116,6 +116,30 @@ def test_second_pool_builds_nothing(
     assert len(commands) == 3, f"second pool ran more than one command per host: {commands}"
 
 
+def test_a_pool_ends_with_one_command_a_host_that_kills_every_agent(
+    netns_hosts: Hosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each kill is a channel and a shell on the host (about 0.1 s of a small host's time):
+    the agents that finished on their own are killed in the command that ends the rest of the
+    host's processes and removes the pool's outputs, one a host, and none of them is left."""
+    kills: list[tuple[str, list[int], str]] = []
+    real_kill = SSHHost._kill
+
+    async def counting_kill(self: SSHHost, pids: list[int], then: str = "") -> None:
+        kills.append((str(self), list(pids), then))
+        await real_kill(self, pids, then)
+
+    monkeypatch.setattr(SSHHost, "_kill", counting_kill)
+    with sky.ComputePool(provider=netns_hosts.provider(2), nodes=2, stream_output=False) as pool:
+        assert len(where() @ pool) == 2
+        agents = {str(s.stream.host): s.stream.pid for s in pool._sessions}  # type: ignore[attr-defined]
+    assert sorted(host for host, _, _ in kills) == sorted(agents), kills
+    for host, pids, then in kills:
+        assert agents[host] in pids and "rm -rf" in then, kills
+    for pid in agents.values():  # the hosts share this machine's process table
+        assert not Path(f"/proc/{pid}").exists(), f"agent {pid} outlived its pool"
+
+
 @pytest.mark.slow
 def test_uv_environment_is_built_once_and_reused(local_sshd: Server) -> None:
     """As skyward-test with the system python3: the agent's pins are not there, so uv builds."""

@@ -10,6 +10,7 @@ connections go, the run stays with its nodes, and the client keeps a record.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -204,15 +205,36 @@ def _start_on_nodes(
     once every rank has started."""
     count = pool.spec.nodes
     keys = launch.leader_keys(kind, count)
+    source = None
+    if cwd is None and isinstance(target, Data):
+        # A lone script travels in the call that prepares each node, into the run's own
+        # directory: no data channel to open on each host for it (one is most of a detached
+        # start's cost on SSH), and the run keeps its copy whatever the pool's cache does.
+        source, target = Path(script).read_bytes(), Path(script).name
     prepare = compute(supervisor.prepare_node)
     asked = [
         pool.submit(
-            prepare(name, target, args, cwd, grace, restarts, keys.public.get(i), keep_for, bucket),
+            prepare(
+                name,
+                target,
+                args,
+                cwd,
+                grace,
+                restarts,
+                keys.public.get(i),
+                keep_for,
+                bucket,
+                source,
+            ),
             node=i,
         )
         for i in range(count)
     ]
-    setups: list[dict[str, Any]] = [future.result() for future in asked]
+    try:
+        setups: list[dict[str, Any]] = [future.result() for future in asked]
+    except BaseException:
+        _abandon(pool, name)
+        raise
     record.save(
         record.RunRecord(
             name=name,
@@ -229,18 +251,36 @@ def _start_on_nodes(
         )
     )
     start = compute(supervisor.start_leader)
-    return pool.run(
-        start(
-            name,
-            launch.launchers(kind, pool, setups),
-            keys.private,
-            keys.known_hosts(pool),
-            restarts,
-            float(grace),
-            START_TIMEOUT,
-        ),
-        node=0,
-    )
+    try:
+        return pool.run(
+            start(
+                name,
+                launch.launchers(kind, pool, setups),
+                keys.private,
+                keys.known_hosts(pool),
+                restarts,
+                float(grace),
+                START_TIMEOUT,
+                others_started=kind == "ssh",  # each started by its agent in `prepare_node`
+            ),
+            node=0,
+        )
+    except BaseException:
+        _abandon(pool, name)
+        raise
+
+
+def _abandon(pool: ComputePool, name: str) -> None:
+    """The run could not start on every node: each node that can still be reached stops what
+    it started for it (an early follower's rank would otherwise wait for a leader a while)."""
+    stop = compute(supervisor.abandon)
+    asked = []
+    for node in range(pool.spec.nodes):
+        with contextlib.suppress(Exception):  # a node that is gone has nothing left to stop
+            asked.append(pool.submit(stop(name), node=node))
+    for future in asked:
+        with contextlib.suppress(Exception):
+            future.result(timeout=10)
 
 
 def _start_batch(

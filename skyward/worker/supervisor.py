@@ -9,9 +9,17 @@ Two roles, both ``python -m skyward.worker.supervisor ROLE DIR``, standard libra
   ``exit N`` when it ends (``-N``: signal N). When its stdin ends (the leader stopped it, or the
   leader's node or channel is gone) it stops the rank: SIGTERM to its group, SIGKILL after the
   spec's ``grace`` seconds. Its state is ``DIR/node.json``.
+- ``early DIR`` and ``attach DIR``: on an SSH node other than node 0, the follower starts
+  with the pool, from the node's agent (``early``), before the leader exists: the rank runs at
+  once, and what the follower says goes to ``DIR/said``. The leader's ``ssh`` (a key that runs
+  ``attach DIR`` and nothing else) then claims that file and relays it, and the leader's
+  stdin to the follower: its end (or 30 s of silence) stops the rank. An early follower that
+  no leader attaches within `ATTACH_SECONDS`, or whose ``attach`` is gone, stops its rank.
+  ``attach`` finding no early follower (a restart) is the follower itself. So the one ``ssh``
+  login between nodes is not between the command and "every rank started".
 - ``lead DIR``: one per run, on node 0 (or in the Slurm batch job). It starts one follower per
   rank through the launcher ``DIR/leader.json`` names for it: the follower itself for its own
-  node, ``ssh`` to a key that only runs that node's follower (an SSH host, a cloud VM), or a
+  node, ``ssh`` to a key that only runs that node's ``attach`` (an SSH host, a cloud VM), or a
   ``srun`` step (Slurm). It enforces the gang rule: one rank that fails (or whose node is lost)
   stops the others; with restarts left and no node lost, every rank starts again. SIGTERM asks
   it to stop the run. The run's state is ``DIR/run.json``: ``starting``, ``running``,
@@ -53,7 +61,12 @@ LEADER_LOG = "leader.log"
 KEYS = "keys"
 KNOWN_HOSTS = "known_hosts"
 KEY_TAG = "skyward-run"  # the comment that marks a run's line in authorized_keys
+SAID = "said"  # what an early follower says, for its `attach` (renamed to CLAIMED by it)
+CLAIMED = "said.attached"
+ATTACH_LOCK = "attach.lock"  # held by a live `attach`
+EARLY_LOG = "early.log"  # an early follower's own stderr
 OUTPUTS = "outputs"  # the rank's sky.output_dir(), in its node's directory
+SCRIPT = "script"  # a lone script's copy (`prepare_node`'s `source`)
 
 FINAL = ("succeeded", "failed", "stopped")
 # A launcher that is this word and a node's directory: the leader follows that rank itself.
@@ -117,35 +130,21 @@ LEADER_SILENT = 30.0
 def follow(directory: Path) -> int:
     """Run this node's rank as a process of its own (see the module's docstring)."""
     stop = threading.Event()
-    heard = [time.monotonic()]
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     # A leader whose channel closes leaves our stdout without a reader: EPIPE, not a death.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-
-    def watch_stdin() -> None:
-        with contextlib.suppress(OSError):
-            while os.read(0, 4096):
-                heard[0] = time.monotonic()
-        stop.set()
-
-    def watch_silence() -> None:
-        while not stop.wait(1.0):
-            if time.monotonic() - heard[0] > LEADER_SILENT:
-                stop.set()
+    _watch_leader(stop)
 
     def say(word: str) -> None:
         with contextlib.suppress(OSError):
             print(word, flush=True)
 
-    threading.Thread(target=watch_stdin, daemon=True).start()
-    threading.Thread(target=watch_silence, daemon=True).start()
     return 0 if run_node(directory, stop, say) is not None else 2
 
 
-def run_node(directory: Path, stop: threading.Event, say: Any) -> int | None:
+def run_node(directory: Path, stop: threading.Event, say: Any, finish: bool = True) -> int | None:
     """One attempt of this node's rank: `say` hears ``started`` and ``exit N``; `stop` set
-    stops it. Returns its status, or None when the node has no spec."""
+    stops it. Returns its status, or None when the node has no spec. `finish`: the last
+    attempt removes what the run left here (`finish_node`) once it has said how it ended."""
     spec = read_json(directory / SPEC)
     if not spec:
         say(f"no run spec in {directory}")
@@ -160,9 +159,14 @@ def run_node(directory: Path, stop: threading.Event, say: Any) -> int | None:
     if float(spec.get("keep_for", 0)) > 0:
         _hold(directory, float(spec["keep_for"]))
     say(f"exit {status}")
-    if spec["starts"] > int(spec.get("restarts", 0)):
+    if finish and last_attempt(spec):
         finish_node(directory, spec.get("key_tag"))
     return status
+
+
+def last_attempt(spec: Mapping[str, Any]) -> bool:
+    """Whether the attempt `spec` counts (its ``starts``) is the last the leader may make."""
+    return int(spec["starts"]) > int(spec.get("restarts", 0))
 
 
 def _run_rank(
@@ -260,6 +264,188 @@ def finish_node(directory: Path, key_tag: str | None) -> None:
         (directory / SPEC).unlink()
     if key_tag:
         remove_authorized(key_tag)
+
+
+# -- the early follower and its attach -----------------------------------------------------------
+
+# How long an early follower waits for its leader's `attach` before it stops its rank: as long
+# as a follower bears a silent leader (a leader that dies before its ``ssh`` reaches this node
+# leaves no channel to close).
+ATTACH_SECONDS = LEADER_SILENT
+# How long `prepare_node` waits for an early follower's rank to start (a process to spawn).
+START_SECONDS = 60.0
+
+
+def start_early(directory: Path, timeout: float) -> None:
+    """In node i's agent: start its follower now, in a session of its own (it outlives the
+    agent and the client), and wait until its rank runs; a `RuntimeError` if it does not."""
+    write_private(directory / SAID, "")
+    out = os.open(directory / EARLY_LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        follower = subprocess.Popen(
+            [*interpreter(), "-m", MODULE, "early", str(directory)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            close_fds=True,
+        )
+    finally:
+        os.close(out)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        said = (directory / SAID).read_text(errors="replace").split()
+        if "started" in said or "exit" in said:
+            return
+        if follower.poll() is not None:
+            raise RuntimeError(
+                f"the run's follower on this node ended at once ({follower.returncode}): "
+                f"{_tail(directory / EARLY_LOG)}"
+            )
+        time.sleep(0.005)
+    follower.kill()
+    raise RuntimeError(f"the run's follower on this node did not start within {timeout:.0f} s")
+
+
+def follow_early(directory: Path) -> int:
+    """``early DIR``: run this node's rank now and say how it goes in ``DIR/said``, for the
+    leader's `attach` to relay; stop it when no leader attaches in time or its attach is gone
+    (see the module's docstring)."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    said = open(directory / SAID, "a", encoding="utf-8")  # noqa: SIM115  (open for our life)
+    said.write(f"pid {os.getpid()}\n")
+    said.flush()
+
+    def say(word: str) -> None:
+        said.write(word + "\n")
+        said.flush()
+
+    within = float(read_json(directory / SPEC).get("attach_within", ATTACH_SECONDS))
+    deadline = time.monotonic() + within
+    threading.Thread(target=_watch_attach, args=(directory, stop, deadline), daemon=True).start()
+    if run_node(directory, stop, say, finish=False) is None:
+        return 2  # no spec: nothing ran (`start_early` says so)
+    # The leader learns how the rank ended from `attach`: wait for one to claim what we said.
+    while (directory / SAID).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    spec = read_json(directory / SPEC)
+    if spec and last_attempt({**spec, "starts": 1}):  # an early follower's is the first
+        finish_node(directory, spec.get("key_tag"))
+    return 0
+
+
+def abandon(name: str) -> None:
+    """In a node's agent, when run `name` could not start on every node: stop what this node
+    started for it (`stop_early`), and leave no spec or key."""
+    from skyward.info import instance_info
+
+    directory = run_root(name) / f"node-{instance_info().node}"
+    stop_early(directory)
+    spec = read_json(directory / SPEC)
+    if spec and not spec.get("key_tag"):  # an early follower removes its own as it ends
+        finish_node(directory, None)
+
+
+def stop_early(directory: Path) -> None:
+    """Stop the rank this node's early follower runs, if any, before any leader came: its
+    ``said`` is claimed here (no leader will: it ends without waiting for one), then it gets
+    SIGTERM and stops its rank as for a leader's end."""
+    with contextlib.suppress(OSError):
+        os.rename(directory / SAID, directory / CLAIMED)
+    follower = int(read_json(directory / NODE_STATE).get("follower", 0))
+    if follower > 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(follower, signal.SIGTERM)
+
+
+def _watch_attach(directory: Path, stop: threading.Event, deadline: float) -> None:
+    """Set `stop` when no attach came by `deadline`, or when the one that came is gone (its
+    lock on ``attach.lock`` free: the kernel lets it go with its process)."""
+    while not stop.wait(0.2):
+        if (directory / SAID).exists():  # not claimed yet
+            if time.monotonic() > deadline:
+                stop.set()
+            continue
+        fd = os.open(directory / ATTACH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # the attach holds it
+        finally:
+            os.close(fd)  # (and with it a lock we got)
+        stop.set()
+
+
+def attach(directory: Path) -> int:
+    """``attach DIR``, what the leader's ``ssh`` runs: relay this node's early follower (what
+    it said, and the leader's stdin: its end or silence stops the rank), or, when none waits
+    to be claimed, be the follower (a restart's attempt)."""
+    lock = os.open(directory / ATTACH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # held for our life: the early follower's sign we live
+    try:
+        os.rename(directory / SAID, directory / CLAIMED)
+    except FileNotFoundError:
+        return follow(directory)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a leader gone: EPIPE, not a death
+    stop = threading.Event()
+    _watch_leader(stop)
+    follower = 0
+    asked = False
+    with open(directory / CLAIMED, encoding="utf-8") as said:
+        while True:
+            line = said.readline()
+            if line.endswith("\n"):
+                word = line.strip()
+                if word.startswith("pid "):
+                    follower = int(word.split()[1])
+                    continue
+                with contextlib.suppress(OSError):
+                    print(word, flush=True)
+                if word.startswith("exit "):
+                    return 0
+                continue
+            if not _alive(follower):
+                return 1  # it died without saying how its rank ended: the leader calls it lost
+            if stop.is_set() and not asked:
+                asked = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(follower, signal.SIGTERM)  # it stops its rank, then says so
+            time.sleep(0.02)
+
+
+def _watch_leader(stop: threading.Event) -> None:
+    """Set `stop` when our stdin (the leader's channel) ends or is silent for LEADER_SILENT s."""
+    heard = [time.monotonic()]
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+
+    def watch_stdin() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(0, 4096):
+                heard[0] = time.monotonic()
+        stop.set()
+
+    def watch_silence() -> None:
+        while not stop.wait(1.0):
+            if time.monotonic() - heard[0] > LEADER_SILENT:
+                stop.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    threading.Thread(target=watch_silence, daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not said yet: it writes its pid first thing
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # -- authorized_keys: the leader's way in, one line per node and run --------------------------
@@ -532,10 +718,13 @@ def prepare_node(
     leader_key: str | None,
     keep_for: float = 0.0,
     upload: str | None = None,
+    source: bytes | None = None,
 ) -> dict[str, Any]:
     """Write this node's spec for run `name` (in the agent, whose environment the rank gets) and,
-    with `leader_key`, let that key start this node's follower and nothing else. Returns the
-    node's directory, interpreter and login user, for the leader's launchers."""
+    with `leader_key` (a node the leader reaches over SSH), start its rank now under an early
+    follower and let that key run this node's ``attach`` and nothing else. Returns the
+    node's directory and login user, for the leader's launchers. With `source`, `script` is
+    a file name: the script is `source`, written in the run's directory here."""
     import getpass
 
     from skyward.info import instance_info
@@ -546,6 +735,15 @@ def prepare_node(
     for parent in (directory.parent, directory.parent.parent):
         with contextlib.suppress(OSError):
             os.chmod(parent, 0o700)
+    for stale in (NODE_STATE, RUN_STATE, SAID, CLAIMED):  # an earlier run's of this name
+        (directory / stale).unlink(missing_ok=True)
+    if source is not None:  # in a folder of its own: its name may be any of the run's files'
+        (directory / SCRIPT).mkdir(mode=0o700, exist_ok=True)
+        path = directory / SCRIPT / os.path.basename(script)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(source)
+        script = str(path)
     tag = f"{KEY_TAG}:{name}:node-{node}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", OUTPUT_ENV: output_dir(directory)}
     spec = {
@@ -559,17 +757,19 @@ def prepare_node(
         "keep_for": keep_for,
         "upload": upload,
         "key_tag": tag if leader_key else None,
+        "attach_within": ATTACH_SECONDS,
     }
     write_private(directory / SPEC, json.dumps(spec))
-    follow_argv = follower_command(directory)
     if leader_key:
-        authorize(leader_key, " ".join(_shell_word(w) for w in follow_argv), tag)
+        attach_argv = [*interpreter(), "-m", MODULE, "attach", str(directory)]
+        authorize(leader_key, " ".join(_shell_word(w) for w in attach_argv), tag)
+        start_early(directory, START_SECONDS)
     return {
         "directory": str(directory),
-        "follow": follow_argv,
         "here": [IN_PROCESS, str(directory)],
         "user": getpass.getuser(),
         "key_tag": tag if leader_key else None,
+        "attach_within": ATTACH_SECONDS,
     }
 
 
@@ -607,9 +807,12 @@ def start_leader(
     restarts: int,
     grace: float,
     timeout: float,
+    others_started: bool = False,
 ) -> RunState:
     """On node 0: start the run's leader outside the agent (its own session: it outlives the
-    agent and the client) and wait until every rank has started or the run has ended."""
+    agent and the client) and wait until every rank has started or the run has ended.
+    `others_started`: the other nodes' ranks run already (early followers, which the leader
+    attaches to after this returns): node 0's own rank running is every rank started."""
     directory = run_root(name) / "node-0"
     keydir = directory / KEYS
     keydir.mkdir(mode=0o700, exist_ok=True)
@@ -624,7 +827,7 @@ def start_leader(
     write_private(directory / LEADER, json.dumps(plan))
     (directory / RUN_STATE).unlink(missing_ok=True)
     leader = spawn_leader(directory, interpreter())
-    return wait_started(directory, leader, timeout)
+    return wait_started(directory, leader, timeout, own=others_started)
 
 
 def spawn_leader(directory: Path, prefix: Sequence[str]) -> subprocess.Popen[bytes]:
@@ -644,14 +847,18 @@ def spawn_leader(directory: Path, prefix: Sequence[str]) -> subprocess.Popen[byt
 
 
 def wait_started(
-    directory: Path, leader: subprocess.Popen[bytes] | None, timeout: float
+    directory: Path, leader: subprocess.Popen[bytes] | None, timeout: float, own: bool = False
 ) -> RunState:
-    """Wait until ``run.json`` says every rank started (or the run ended) within `timeout`."""
+    """Wait until ``run.json`` says every rank started (or the run ended) within `timeout`;
+    with `own`, until this node's rank has started, the others' being known to run."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = read_json(directory / RUN_STATE)
         if state.get("state") in ("running", *FINAL):
             return state  # type: ignore[return-value]
+        node = read_json(directory / NODE_STATE) if own else {}
+        if node.get("state") in ("running", "exited"):
+            return {**state, "state": "running", "running_at": float(node["at"])}  # type: ignore[typeddict-item]
         if leader is not None and leader.poll() is not None and not state:
             tail = _tail(directory / LEADER_LOG)
             return {"state": "failed", "reason": f"the supervisor did not start: {tail}"}
@@ -759,11 +966,18 @@ def _free_port(address: str) -> int:
 
 def main(argv: Sequence[str]) -> int:
     keep_private()
-    roles = {"lead": lead, "follow": follow, "batch": lead_batch}
+    roles = {
+        "lead": lead,
+        "follow": follow,
+        "early": follow_early,
+        "attach": attach,
+        "batch": lead_batch,
+    }
     if len(argv) == 3 and argv[0] == "linger":
         return linger(Path(argv[1]), argv[2])
     if len(argv) != 2 or argv[0] not in roles:
-        print("usage: python -m skyward.worker.supervisor lead|follow|batch DIR", file=sys.stderr)
+        usage = "lead|follow|early|attach|batch DIR"
+        print(f"usage: python -m skyward.worker.supervisor {usage}", file=sys.stderr)
         return 2
     return roles[argv[0]](Path(argv[1]))
 

@@ -194,6 +194,9 @@ def test_a_node_lost_mid_run_fails_the_run_and_ends_it(
 ) -> None:
     name = "lost"
     assert main(["run", "--detach", "--name", name, "job.py", "600", f"token-{name}"]) == 0
+    node0 = Path(record.load(name).directories[0])
+    # Mid-run: the leader has reached node 1 (it says `running` once every follower did).
+    assert wait_until(lambda: "running" in (node0 / "run.json").read_text(), 15)
     # Node 1 dies: every process of its namespace but the sshd that the other tests share.
     host = netns_hosts.net.hosts[1]
     listener = host.server.pid if host.server is not None else None
@@ -213,15 +216,45 @@ def test_a_node_lost_mid_run_fails_the_run_and_ends_it(
 def test_a_leader_that_dies_takes_the_run_down_and_says_lost(
     netns_hosts: Hosts, project: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Node 0's supervisor killed (its node failing): node 1's rank stops too, and the run is
-    `lost`, not `running` for ever."""
+    """Node 0's supervisor killed (its node failing) mid-run: node 1's rank stops too, and the
+    run is `lost`, not `running` for ever. (One that dies before it reaches node 1: see
+    tests/test_supervisor.py's early rank no leader attaches to.)"""
     name = "headless"
     assert main(["run", "--detach", "--name", name, "job.py", "600", f"token-{name}"]) == 0
     capsys.readouterr()
     node0 = Path(record.load(name).directories[0])
+    # Mid-run: the leader has reached node 1 (it says `running` once every follower did).
+    assert wait_until(lambda: "running" in (node0 / "run.json").read_text(), 15)
     os.kill(json.loads((node0 / "run.json").read_text())["leader_pid"], signal.SIGKILL)
     os.killpg(json.loads((node0 / "node.json").read_text())["pid"], signal.SIGKILL)  # its rank
     assert wait_until(lambda: not processes_with(f"token-{name}"), 15)
     assert "lost (the supervisor on node 0 is gone)" in _status_line(name, capsys)
     assert main(["stop", name]) == 0  # what is left of it (its files) is cleaned
     assert _authorized_lines(name) == []
+
+
+@pytest.mark.slow
+def test_a_run_that_cannot_start_on_one_node_leaves_nothing_running_on_the_others(
+    netns_hosts: Hosts, project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 1 cannot make its run directory (a file is in the way); node 2's rank had already
+    started under its early follower: the command fails, and node 2's rank is stopped at once
+    (not after the 30 s an early follower waits for a leader) with its key line gone."""
+    name = "halfway"
+    hosts = netns_hosts.net.addresses
+    profile = (project / "skyward.toml").read_text()
+    profile = profile.replace(repr(hosts[:2]), repr(hosts)).replace("nodes = 2", "nodes = 3")
+    (project / "skyward.toml").write_text(profile)
+    # The hosts share this machine's disk: node 1's directory is blocked for node 1 only.
+    runs = Path(os.environ["SKYWARD_TEST_HOST_CACHE"]) / "runs" / name  # (tests/conftest.py)
+    runs.mkdir(parents=True, exist_ok=True)
+    (runs / "node-1").write_text("in the way")
+    try:
+        assert main(["run", "--detach", "--name", name, "job.py", "600", f"token-{name}"]) == 1
+        assert "node-1" in capsys.readouterr().err
+        assert wait_until(lambda: not processes_with(f"token-{name}"), 10)
+        assert wait_until(lambda: not processes_with(f"runs/{name}/"), 10)
+        assert _authorized_lines(name) == []
+        assert not (runs / "node-2" / "spec.json").exists()
+    finally:
+        (runs / "node-1").unlink()

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from skyward import checks
+from skyward.cachedir import cache_root
 from skyward.errors import ConfigError
-from skyward.info import cache_root
 from skyward.providers import registry
 from skyward.providers.base import Capability, Provider, created
 from skyward.providers.source import source_hash

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from skyward.cachedir import cache_root
 from skyward.errors import ConfigError
-from skyward.info import cache_root
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,47}")
 _ADJECTIVES = [

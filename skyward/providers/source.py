@@ -58,7 +58,7 @@ def unpack_command(src_root: str) -> str:
     # Unpack beside, then rename: a host sharing the home never sees half a tree. mv -T fails
     # when another bootstrap won the race, which is fine. In a subshell with umask 077 and
     # tar's modes narrowed by it (root keeps the archive's otherwise): the cache is the
-    # user's alone (`skyward.info.cache_root`), and this may make its first directories.
+    # user's alone (`skyward.cachedir.cache_root`), and this may make its first directories.
     target = f"{src_root}/{source_hash()}"
     return (
         f'(set -e; umask 077; mkdir -p "{target}"; T=$(mktemp -d "{src_root}/.tmp-XXXXXX"); '

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 from skyward import info as info_module
 from skyward import preemption, reports
+from skyward.cachedir import keep_private
 from skyward.errors import PluginError, SerializationError
 from skyward.plugins import hooks
 from skyward.transport import frames, messages, pickling
@@ -340,7 +341,7 @@ def _take_over_stdio() -> AgentWire:
 
 def main() -> None:
     """Run the agent on this process's stdin/stdout."""
-    info_module.keep_private()
+    keep_private()
     wire = _take_over_stdio()
     signal.signal(signal.SIGTERM, lambda *_: _exit_hard(143))
     try:

@@ -265,8 +265,8 @@ def main() -> None:
     ``{"ok": true}``.
     A failure prints ``{"error", "output"}`` and exits 1."""
     # What the build writes (the environment, `.skyward-ready` with the image's env) is owner-only,
-    # as `skyward.info.keep_private` makes it for the other node programs. Not imported from
-    # there: this runs under whatever python3 the host has (3.8 on some), and skyward.info needs
+    # as `skyward.cachedir.keep_private` makes it for the other node programs. Not imported from
+    # there: this runs under whatever python3 the host has (3.8 on some), and skyward needs
     # 3.10.
     os.umask(0o077)
     cache, uv = Path(sys.argv[1]).expanduser(), sys.argv[2]

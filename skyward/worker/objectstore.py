@@ -32,13 +32,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from skyward.info import cache_root
+from skyward.cachedir import cache_root
 from skyward.worker.filelock import locked
 from skyward.worker.treemanifest import DIR, LINK, Entry, Manifest
 
 
 def store_root() -> Path:
-    """``<cache>/data`` on this machine (`skyward.info.cache_root`)."""
+    """``<cache>/data`` on this machine (`skyward.cachedir.cache_root`)."""
     return Path(cache_root()).absolute() / "data"
 
 

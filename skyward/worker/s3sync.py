@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from skyward.cachedir import cache_root as cache_root_dir
+from skyward.cachedir import keep_private
 from skyward.errors import DataError
-from skyward.info import cache_root as cache_root_dir
-from skyward.info import keep_private
 from skyward.worker import s3cache
 from skyward.worker.filelock import locked
 from skyward.worker.s3client import (
@@ -66,7 +66,7 @@ class UploadStats:
 
 
 def cache_dir() -> Path:
-    """``$SKYWARD_CACHE_DIR`` or ``~/.cache/skyward`` (`skyward.info.cache_root`)."""
+    """``$SKYWARD_CACHE_DIR`` or ``~/.cache/skyward`` (`skyward.cachedir.cache_root`)."""
     return Path(cache_root_dir())
 
 

@@ -48,9 +48,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
-from skyward.info import OUTPUT_ENV_VAR as OUTPUT_ENV
-from skyward.info import keep_private
-from skyward.worker.script import die_with_parent
+# Nothing more of skyward here: a supervisor process starts between `skyward run --detach` and
+# "every rank started" (an early follower, the leader), and skyward.info or .worker.script
+# would double its imports. The functions that run in an agent or in the leader's launchers
+# import what they need themselves.
+from skyward.cachedir import keep_private
 
 SPEC = "spec.json"
 LOG = "rank.log"
@@ -112,7 +114,7 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def run_root(name: str) -> Path:
     """Where a run's directories live on this node: ``<cache>/runs/<name>``."""
-    from skyward.info import cache_root
+    from skyward.cachedir import cache_root
 
     return Path(cache_root()) / "runs" / name
 
@@ -516,6 +518,8 @@ class _Rank:
         if self.argv[0] == IN_PROCESS:
             self._start_here(Path(self.argv[1]))
             return
+        from skyward.worker.script import die_with_parent  # (see the imports)
+
         try:
             self.process = subprocess.Popen(
                 self.argv,
@@ -727,6 +731,7 @@ def prepare_node(
     a file name: the script is `source`, written in the run's directory here."""
     import getpass
 
+    from skyward.info import OUTPUT_ENV_VAR as OUTPUT_ENV
     from skyward.info import instance_info
 
     node = instance_info().node
@@ -900,6 +905,8 @@ def lead_batch(root: Path) -> int:
     """The batch job of a detached Slurm run: learn the job's nodes, write each rank's spec
     (its JAX_* variables for a coordinator on this node), then lead the run with one
     ``srun`` step per rank as its launcher."""
+    from skyward.info import OUTPUT_ENV_VAR as OUTPUT_ENV  # (see the imports)
+
     plan = read_json(root / SLURM_PLAN)
     hosts = _slurm_out(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]]).split()
     head = _node_address(hosts[0])

@@ -38,8 +38,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from skyward.cachedir import cache_root, keep_private
 from skyward.errors import DataError
-from skyward.info import cache_root, keep_private
 from skyward.worker.objectstore import Build, Store, StoreError, store_root
 from skyward.worker.treemanifest import (
     FILE,

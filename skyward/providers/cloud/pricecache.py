@@ -26,7 +26,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from skyward import info
+from skyward import cachedir
 
 ON_DEMAND = timedelta(days=7)
 """How long a list (on-demand) price or a catalog of SKUs is kept."""
@@ -62,7 +62,7 @@ class CachedPrice(Generic[T]):
 
 def folder() -> Path:
     """Where the entries live: ``prices/`` under skyward's cache directory."""
-    return Path(info.cache_root()) / "prices"
+    return Path(cachedir.cache_root()) / "prices"
 
 
 def cached(

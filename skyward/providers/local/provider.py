@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from skyward import checks, info
+from skyward import cachedir, checks
 from skyward.cluster import ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
 from skyward.errors import BootstrapError
@@ -45,7 +45,7 @@ LOOPBACK = "127.0.0.1"
 
 def cache_dir() -> Path:
     """Where built environments live: ``$SKYWARD_CACHE_DIR`` or ``~/.cache/skyward``."""
-    return Path(info.cache_root())
+    return Path(cachedir.cache_root())
 
 
 # How long each end of a small call polls for the other's answer before it sleeps: several

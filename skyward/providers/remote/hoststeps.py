@@ -47,7 +47,7 @@ class NodeOnHost(Protocol):
 
 
 # skyward's cache directory on a host as its shell spells it, by the rule of
-# `skyward.info.cache_root` (which the agent follows there): $SKYWARD_CACHE_DIR in the host's
+# `skyward.cachedir.cache_root` (which the agent follows there): $SKYWARD_CACHE_DIR in the host's
 # environment, else $XDG_CACHE_HOME/skyward, else ~/.cache/skyward. Valid inside double quotes.
 CACHE = "${SKYWARD_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/skyward}"
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
+
+import pytest
 
 import skyward as sky
 from skyward.providers import base
@@ -36,3 +39,16 @@ def test_the_docstrings_minimal_provider_runs_a_pool() -> None:
     assert [node for node, _, _ in answers] == [0, 1]
     assert len({pid for _, pid, _ in answers} | {os.getpid()}) == 3  # two processes of its own
     assert {name for _, _, name in answers} == {"processes"}
+
+
+def test_a_provider_that_does_not_say_how_a_detached_run_reaches_its_nodes_refuses_one(
+    tmp_path: Path,
+) -> None:
+    """`Provider.detached_kind` is not part of the minimal provider: `sky.submit` on it says
+    the provider cannot run detached, before any pool starts."""
+    processes = example_namespace()["Processes"]
+    assert isinstance(processes, type) and issubclass(processes, base.Provider)
+    script = tmp_path / "job.py"
+    script.write_text("print('never')\n")
+    with pytest.raises(sky.ConfigError, match="processes provider cannot run detached"):
+        sky.submit(str(script), provider=processes(), nodes=1)

@@ -1,15 +1,16 @@
-"""How a detached run's leader reaches its followers, per kind of node, and what the client
-records to reach the run later.
+"""How a detached run's leader reaches its followers, per kind of node (the provider says
+which: `Provider.detached_kind`), and what the client records to reach the run later.
 
 - ``local``: the nodes are processes on this machine (`sky.Local`): the leader follows every
   rank itself.
 - ``slurm``: the run is a batch job (`skyward.detached.batch`): its leader starts each
   follower as an ``srun`` step.
 - ``ssh``: the nodes are SSH hosts (`sky.SSH`, and the machines `sky.AWS` and `sky.GCP`
-  make, which the run then keeps up: see `holds_nodes`). The leader on node 0 starts node
-  i's follower with ``ssh`` and a key made for this run and node, which node i's
-  authorized_keys lets run that follower and nothing else (``restrict,command=...``); node 0
-  trusts only the host keys the client verified. No port is opened: sshd is already there.
+  make, which the run then keeps up: see `holds_nodes`). Node i's agent starts its follower
+  (an early one: `skyward.worker.supervisor`); the leader on node 0 reaches it with ``ssh``
+  and a key made for this run and node, which node i's authorized_keys lets run that node's
+  ``attach`` and nothing else (``restrict,command=...``); node 0 trusts only the host keys the
+  client verified. No port is opened: sshd is already there.
 """
 
 from __future__ import annotations
@@ -19,40 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from skyward.detached import record
-from skyward.errors import ConfigError
 from skyward.pool import ComputePool
 from skyward.providers.base import Provider
 from skyward.worker import supervisor
 
 if TYPE_CHECKING:  # asyncssh, which an SSH node needs, is an extra: loaded where one is used
     from skyward.providers.remote.bootstrap import RemoteNode
-
-
-def kind_of(provider: Provider) -> str:
-    """How the run's nodes are reached, or `ConfigError` for a provider without detached runs."""
-    from skyward.providers.local import Local
-
-    if isinstance(provider, Local):
-        return "local"
-    # Not before: these need asyncssh, an extra that a provider of theirs had to have.
-    from skyward.providers.cloud.provider import CloudProvider
-    from skyward.providers.slurm.provider import Slurm
-    from skyward.providers.ssh import SSH
-
-    if isinstance(provider, SSH | CloudProvider):
-        return "ssh"
-    if isinstance(provider, Slurm):
-        if provider.login is not None:
-            raise ConfigError(
-                "a detached Slurm run is submitted from the login node itself: run "
-                "`skyward run --detach` there (without --login)"
-            )
-        return "slurm"
-    raise ConfigError(
-        f"the {provider.name} provider cannot run detached: detached runs work on sky.Local, "
-        "sky.SSH, sky.AWS, sky.GCP and sky.Slurm (see docs/detach.md); run it attached "
-        "(without --detach)"
-    )
 
 
 @dataclass

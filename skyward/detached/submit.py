@@ -121,7 +121,7 @@ def submit(
     from skyward.providers.local import Local
 
     provider = provider if provider is not None else Local()
-    kind = launch.kind_of(provider)
+    kind = provider.detached_kind()
     name = record.check_name(name) if name is not None else record.new_name()
     if record.exists(name):
         raise ConfigError(f"a detached run named {name!r} exists already; choose another --name")

@@ -288,6 +288,16 @@ class Provider(ABC):
     async def terminate(self, cluster: Cluster) -> None:
         """Remove the nodes and what was created for them; idempotent."""
 
+    def detached_kind(self) -> str:
+        """How a detached run (``skyward run --detach``, docs/detach.md) reaches this
+        provider's nodes: ``"local"`` (processes of this machine, which the leader follows
+        itself), ``"ssh"`` (hosts node 0's leader logs into), ``"slurm"`` (a batch job); a
+        `ConfigError` saying why where it cannot hold one (the default)."""
+        raise ConfigError(
+            f"the {self.name} provider cannot run detached (docs/detach.md lists the providers "
+            "that can); run it attached (without --detach)"
+        )
+
     async def release(self, cluster: Cluster) -> None:
         """Let the client go but leave the nodes running: a detached run holds them, and ends
         them itself (a cloud machine's watchdog). The default is `terminate`: processes of this

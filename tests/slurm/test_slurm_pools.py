@@ -408,3 +408,55 @@ def test_slurms_signal_is_a_preemption_notice_on_the_node(login: SlurmCluster) -
         job = queue(login)[0].split()[0]
         login.run(["scancel", "--signal=USR1", job], check=True)
         assert [f.result(timeout=30)[0] for f in futures] == ["SIGUSR1", "SIGUSR1"]
+
+
+@sky.compute
+def nap_on(host: str, seconds: float) -> tuple[str, str]:
+    """Sleep on machine `host` only (not on the machine that replaces it)."""
+    if socket.gethostname() == host:
+        time.sleep(seconds)
+    return socket.gethostname(), os.environ["SKYWARD_SLURM_JOB_ID"]
+
+
+def test_a_notice_starts_the_replacement_allocation_before_the_node_is_lost(
+    login: SlurmCluster,
+) -> None:
+    """restarts=1: Slurm's signal on node 1's agent step (what it sends ahead of a preemption)
+    makes the pool ask for node 1's replacement at once, a one-node allocation on the third
+    machine; when node 1's machine is then lost, the restart takes it and asks Slurm for
+    nothing more."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lost = ""
+    try:
+        with sky.ComputePool(
+            provider=sky.Slurm(), nodes=2, restarts=1, broadcast_grace=1, stream_output=False
+        ) as pool:
+            before = whereabouts() @ pool
+            lost, job = before[1][0], before[1][1]
+            steps = login.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %N"], check=True)
+            agent = [
+                line.split()[0]
+                for line in steps.stdout.splitlines()
+                if line.split()[1:] == [lost] and line.split()[0].split(".")[-1].isdigit()
+            ]
+            assert len(agent) == 1, steps.stdout
+            login.run(["scancel", "--signal=USR1", agent[0]], check=True)
+            deadline = time.monotonic() + 60
+            while len(jobs_of(pool, login)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            ahead = jobs_of(pool, login)
+            assert len(ahead) == 2, ahead  # the pool's, and the one started ahead
+            spare_job = next(line.split()[0] for line in ahead if line.split()[0] != job)
+            with ThreadPoolExecutor(1) as running:
+                call = running.submit(lambda: nap_on(lost, 300) @ pool)
+                time.sleep(2)
+                login.kill_node(lost)
+                after = call.result(timeout=180)
+            assert len(jobs_of(pool, login)) == 2  # nothing more asked at the loss
+        assert after[0] == before[0][:2]
+        assert after[1][0] not in (lost, before[0][0]) and after[1][1] == spare_job, after
+    finally:
+        if lost:
+            login.start_node(lost)
+    assert wait_for_empty_queue(login, 10) == []

@@ -258,3 +258,33 @@ def test_a_run_that_cannot_start_on_one_node_leaves_nothing_running_on_the_other
         assert not (runs / "node-2" / "spec.json").exists()
     finally:
         (runs / "node-1").unlink()
+
+
+RESTARTING = """\
+import os, sys, time
+rank, attempt = int(os.environ["JAX_PROCESS_ID"]), int(os.environ["SKYWARD_RESTART"])
+print(f"rank {rank} attempt {attempt}", flush=True)
+if rank == 1 and attempt == 0:
+    sys.exit(3)
+time.sleep(1)
+"""
+
+
+@pytest.mark.slow
+def test_restarts_start_every_rank_again_through_the_same_launchers(
+    netns_hosts: Hosts, project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 1's first attempt ran under the follower its agent started; the restart's comes
+    through the leader's ssh, whose `attach` finds no early follower and is the follower."""
+    name = "again"
+    (project / "restarting.py").write_text(RESTARTING)
+    assert main(["run", "--detach", "--name", name, "--restarts", "1", "restarting.py"]) == 0
+    capsys.readouterr()
+    assert main(["logs", "-f", name]) == 0
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        for attempt in (0, 1):
+            assert f"(node {rank}) rank {rank} attempt {attempt}" in out, out
+    assert "succeeded" in _status_line(name, capsys)
+    assert wait_until(lambda: not processes_with(f"runs/{name}/"), 10)
+    assert _authorized_lines(name) == []

@@ -57,13 +57,13 @@ from skyward.providers.cloud import failover
 from skyward.providers.cloud.provider import (
     CloudCluster,
     CloudProvider,
-    Reached,
     check_cidr,
     remove_pools,
 )
 from skyward.providers.remote.bootstrap import (
     RemoteNode,
 )
+from skyward.providers.remote.replacing import Made
 from skyward.worker.notices import NOTICES_ENV
 
 T = TypeVar("T")
@@ -334,7 +334,7 @@ class AWS(CloudProvider):
 
     async def reach(
         self, pool: CloudCluster, found: list[Any], indexes: Sequence[int]
-    ) -> list[Reached]:
+    ) -> list[Made]:
         return await self._connect(_aws(pool), found, indexes)
 
     def teardown_summary(self, cluster: Cluster) -> str:
@@ -523,7 +523,7 @@ class AWS(CloudProvider):
         found: list[dict[str, Any]],
         indexes: Sequence[int],
         progress: Progress | None = None,
-    ) -> list[Reached]:
+    ) -> list[Made]:
         """Connect to the instances `found` (as nodes `indexes`), each trusted with only the host
         key it printed on its console output."""
         key = "PrivateIpAddress" if self.machine_settings.use_private_ips else "PublicIpAddress"
@@ -553,12 +553,12 @@ class AWS(CloudProvider):
             "console output",
             "ec2:GetConsoleOutput",
         )
-        reached: list[Reached] = []
+        reached: list[Made] = []
         for index, host, instance in zip(indexes, hosts, found, strict=True):
             node = RemoteNode(index, host, instance.get("PrivateIpAddress"))
             # The agent watches the spot interruption notice (sky.preempting()) itself.
             node.provider_env = {NOTICES_ENV: "skyward.worker.notices:watch_aws"}
-            reached.append((node, str(instance["InstanceId"])))
+            reached.append(Made(node, str(instance["InstanceId"])))
         return reached
 
     # -- teardown --------------------------------------------------------------------------

@@ -25,23 +25,24 @@ from skyward.console.progress import Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
 from skyward.image import Image
-from skyward.providers.base import Capability, Cluster, Node, Provider
+from skyward.providers.base import Capability, Cluster
 from skyward.providers.cloud.bootscript import known_hosts_line
 from skyward.providers.cloud.threads import in_thread
 from skyward.providers.remote.bootstrap import (
-    RemoteNode,
     close_hosts,
     prepare_nodes,
-    remote_nodes,
     survey_nodes,
 )
 from skyward.providers.remote.connect import BootWait, ConnectOptions, connect_all
 from skyward.providers.remote.datasync import RemoteData
 from skyward.providers.remote.hoststeps import Bootstrap
+from skyward.providers.remote.replacing import (
+    Made,
+    ReplacingCluster,
+    ReplacingProvider,
+    drop_spares,
+)
 from skyward.transport.sshhost import Endpoint, SSHHost, load_known_hosts
-
-# A machine made and reached: its node (not yet placed in the pool) and the machine's name.
-Reached = tuple[Node, str]
 
 # How long the price of what a launch made may hold up reaching it (it is usually cached: the
 # quote asked the same); past it, the machines are counted at the quote.
@@ -49,21 +50,17 @@ GRANT_PRICE_SECONDS = 15.0
 
 
 @dataclass
-class CloudCluster(Cluster):
-    """What one pool has made so far; the cloud's tags or labels are the durable record."""
+class CloudCluster(ReplacingCluster):
+    """What one pool has made so far; the cloud's tags or labels are the durable record. Its
+    `tell` is where the launch, the replacements and the teardown say what they do (the
+    attempts, the grants, what a teardown retries and why): the pool's console, once launched
+    (a user who waits on a teardown sees why), the log before."""
 
     key_dir: Path  # the pool's login key, removed with the pool
     cancel: threading.Event = field(default_factory=threading.Event)
     provisioning: Future[list[Any]] | None = None  # the launch's thread
     node_instances: dict[int, str] = field(default_factory=dict)  # node index -> machine
     removed: bool = False
-    # Replacements started ahead (`CloudProvider.prestart`, on a preemption notice): node index
-    # -> the machine being made and reached, not yet in `nodes`.
-    spares: dict[int, asyncio.Future[Reached]] = field(default_factory=dict)
-    # Where the launch, the replacements and the teardown say what they do (the attempts, the
-    # grants, what a teardown retries and why): the pool's console, once launched (a user who
-    # waits on a teardown sees why), the log before.
-    tell: Progress = field(default_factory=Progress)
 
     @property
     def pool_id(self) -> str:
@@ -78,13 +75,14 @@ class CloudCluster(Cluster):
             raise ProvisionError(f"the launch of pool {self.pool_id} was cancelled")
 
 
-class CloudProvider(RemoteData, Provider):
+class CloudProvider(RemoteData, ReplacingProvider):
     """What a provider that makes its machines shares (AWS, GCP): the settings every one of them
     takes, the verified SSH connection to a pool's machines, the remote bootstrap (`survey`,
     `prepare`) and a teardown that a cancelled event loop cannot stop half-way.
 
-    A subclass makes the machines (`launch`, `replace`) and removes a pool's cloud resources
-    (`remove_resources`, called in a non-daemon thread)."""
+    A subclass makes the machines (`launch`; one more for a replacement: `make_one`, which
+    `ReplacingProvider`'s path calls) and removes a pool's cloud resources (`remove_resources`,
+    called in a non-daemon thread)."""
 
     # Machines it makes it can replace, start ahead, price and find again: every capability.
     capabilities = frozenset(Capability)
@@ -114,7 +112,7 @@ class CloudProvider(RemoteData, Provider):
         self,
         cluster: CloudCluster,
         make: Callable[[], list[Any]],
-        reach: Callable[[list[Any]], Awaitable[list[Reached]]],
+        reach: Callable[[list[Any]], Awaitable[list[Made]]],
     ) -> Cluster:
         """`cluster` with its nodes: `make` (the cloud calls that make the machines) runs in a
         thread, then `reach` connects to what it made. On any failure or cancellation, what was
@@ -124,8 +122,8 @@ class CloudProvider(RemoteData, Provider):
             found = await asyncio.shield(asyncio.wrap_future(cluster.provisioning))
             await self._grant(cluster, found, range(len(found)))
             reached = await reach(found)
-            cluster.nodes = [node for node, _ in reached]
-            cluster.node_instances.update((node.index, name) for node, name in reached)
+            cluster.nodes = [made.node for made in reached]
+            cluster.node_instances.update((made.node.index, made.machine) for made in reached)
             return cluster
         except BaseException as exc:
             cluster.cancel.set()
@@ -137,14 +135,10 @@ class CloudProvider(RemoteData, Provider):
                 exc.add_note(str(cleanup))
             raise
 
-    # -- one machine in place of another ---------------------------------------------------
+    # -- one machine in place of another (`ReplacingProvider` holds the path) ----------------
     # A subclass says how to make one more machine as the pool's were (`make_one`, blocking),
     # how to reach it (`reach`), how to let a lost one go (`retire`, blocking), and whether
     # node `index` can be replaced at all (`check_replaceable`).
-
-    def check_replaceable(self, pool: CloudCluster, index: int) -> None:
-        """Raise `ConfigError` when node `index` cannot be replaced on its own."""
-        return None
 
     def make_one(self, pool: CloudCluster) -> list[Any]:
         """Make one machine as the pool's were and wait until it runs (in a thread)."""
@@ -157,7 +151,7 @@ class CloudProvider(RemoteData, Provider):
 
     async def reach(
         self, pool: CloudCluster, found: list[Any], indexes: Sequence[int]
-    ) -> list[Reached]:
+    ) -> list[Made]:
         """Connect to the machines `found` (for nodes `indexes`)."""
         raise ConfigError(f"the {self.name} provider cannot replace nodes")
 
@@ -194,44 +188,17 @@ class CloudProvider(RemoteData, Provider):
         for index in indexes:
             pool.tell.granted(index, made, at)
 
-    async def replace(self, cluster: Cluster, index: int) -> Node:
-        """Node `index` on a fresh machine: the one started ahead (`prestart`) if there is one,
-        else one made now, once the lost machine is let go."""
-        pool = self._own(cluster)
-        self.check_replaceable(pool, index)
-        await remote_nodes(pool)[index].host.close()
-        lost = pool.node_instances[index]
-        spare = pool.spares.pop(index, None)
+    async def retire_node(self, pool: ReplacingCluster, index: int) -> None:
+        cloud = self._own(pool)
+        lost = cloud.node_instances[index]
         retiring = in_thread(
-            lambda: self.retire(pool, lost), f"skyward-{self.name}-retire-{pool.pool_id}"
+            lambda: self.retire(cloud, lost), f"skyward-{self.name}-retire-{cloud.pool_id}"
         )
-        reached: Reached | None = None
-        if spare is not None:
-            try:
-                reached = await spare
-            except ProvisionError as exc:  # made now instead, as if none had been started
-                pool.tell(f"node {index}'s replacement started ahead failed ({exc}); again")
-        # The lost machine goes before one is made now: it may hold the quota or the capacity
-        # its replacement needs.
         await asyncio.shield(asyncio.wrap_future(retiring))
-        node, name = reached or await self._spare(pool, index)
-        pool.node_instances[index] = name
-        pool.nodes[index] = node
-        return node
 
-    async def prestart(self, cluster: Cluster, index: int) -> bool:
-        pool = self._own(cluster)
-        if index in pool.spares or pool.removed:
-            return False
-        try:
-            self.check_replaceable(pool, index)
-        except ConfigError:
-            return False
-        pool.spares[index] = asyncio.ensure_future(self._spare(pool, index))
-        return True
-
-    async def _spare(self, pool: CloudCluster, index: int) -> Reached:
-        made = in_thread(lambda: self.make_one(pool), f"skyward-{self.name}-spare-{pool.pool_id}")
+    async def make_node(self, pool: ReplacingCluster, index: int) -> Made:
+        cloud = self._own(pool)
+        made = in_thread(lambda: self.make_one(cloud), f"skyward-{self.name}-spare-{cloud.pool_id}")
         try:
             found = await asyncio.shield(asyncio.wrap_future(made))
         except (ConfigError, ProvisionError):  # already in words (NoCapacity: each zone's)
@@ -240,9 +207,13 @@ class CloudProvider(RemoteData, Provider):
             raise ProvisionError(
                 f"launching a replacement for node {index}: {self.describe_failure(exc)}"
             ) from None
-        await self._grant(pool, found, [index])
-        (reached,) = await self.reach(pool, found, [index])
+        await self._grant(cloud, found, [index])
+        (reached,) = await self.reach(cloud, found, [index])
         return reached
+
+    def place(self, pool: ReplacingCluster, index: int, made: Made) -> None:
+        super().place(pool, index, made)
+        self._own(pool).node_instances[index] = made.machine
 
     def _own(self, cluster: Cluster) -> CloudCluster:
         if not isinstance(cluster, CloudCluster):
@@ -260,11 +231,14 @@ class CloudProvider(RemoteData, Provider):
         if cluster.removed:
             return
         await close_hosts(cluster)
-        await _drop_spares(cluster)
+        await drop_spares(cluster)
         name = f"skyward-{self.name}-teardown-{cluster.pool_id}"
         done = in_thread(lambda: self._remove(cluster), name)
         # Shielded: if the pool's loop is cancelled, the thread still finishes the job.
         await asyncio.shield(asyncio.wrap_future(done))
+
+    def detached_kind(self) -> str:
+        return "ssh"  # the machines' sshd; the run keeps them up (`release`)
 
     async def release(self, cluster: Cluster) -> None:
         """The machines stay up for a detached run: only the connections go. Their watchdog
@@ -272,7 +246,7 @@ class CloudProvider(RemoteData, Provider):
         end, seen by a later command) removes the rules and keys."""
         cluster = self._own(cluster)
         await close_hosts(cluster)
-        await _drop_spares(cluster)
+        await drop_spares(cluster)
         shutil.rmtree(cluster.key_dir, ignore_errors=True)  # the run keeps its own copy
 
     def _remove(self, pool: CloudCluster) -> None:
@@ -340,19 +314,6 @@ class CloudProvider(RemoteData, Provider):
         )
         wait = BootWait(deadline, self.poll_interval, budget)
         return await connect_all([Endpoint(a, 22, user) for a in addresses], options, wait, labels)
-
-
-async def _drop_spares(pool: CloudCluster) -> None:
-    """Replacements started ahead and never used: stop reaching them and close what connected
-    (their machines carry the pool's tags: the teardown removes them with the rest)."""
-    spares, pool.spares = list(pool.spares.values()), {}
-    for spare in spares:
-        spare.cancel()
-    for outcome in await asyncio.gather(*spares, return_exceptions=True):
-        if isinstance(outcome, tuple):
-            node = outcome[0]
-            if isinstance(node, RemoteNode):
-                await node.host.close()
 
 
 def remove_pools(pool_ids: Sequence[str], remove: Callable[[str], list[str]]) -> list[str]:

@@ -42,7 +42,6 @@ from skyward.providers.base import Capability, Cluster, LivePool, Node, NodeLoss
 from skyward.providers.cloud.provider import (
     CloudCluster,
     CloudProvider,
-    Reached,
     check_cidr,
     remove_pools,
 )
@@ -70,6 +69,7 @@ from skyward.providers.gcp.settings import (
     zone_list,
 )
 from skyward.providers.remote.bootstrap import RemoteNode
+from skyward.providers.remote.replacing import Made, ReplacingCluster
 from skyward.worker.notices import NOTICES_ENV
 
 
@@ -330,11 +330,11 @@ class GCP(CloudProvider):
             lambda found: self._connect(cluster, found, range(len(found)), progress),
         )
 
-    def check_replaceable(self, pool: CloudCluster, index: int) -> None:
+    def check_replaceable(self, pool: ReplacingCluster, index: int) -> None:
         if _gcp(pool).tpu is not None:
             raise ConfigError(
-                f"node {index} is a host of TPU slice {tpus.node_name(pool.pool_id)}: a slice's "
-                "hosts cannot be replaced one by one; start a new pool"
+                f"node {index} is a host of TPU slice {tpus.node_name(pool.spec.pool_id)}: a "
+                "slice's hosts cannot be replaced one by one; start a new pool"
             )
 
     def make_one(self, pool: CloudCluster) -> list[Any]:
@@ -348,7 +348,7 @@ class GCP(CloudProvider):
 
     async def reach(
         self, pool: CloudCluster, found: list[Any], indexes: Sequence[int]
-    ) -> list[Reached]:
+    ) -> list[Made]:
         return await self._connect(_gcp(pool), found, indexes)
 
     def describe_failure(self, exc: BaseException) -> str:
@@ -439,7 +439,7 @@ class GCP(CloudProvider):
         found: list[provision.MachineAddress],
         indexes: Sequence[int],
         progress: Progress | None = None,
-    ) -> list[Reached]:
+    ) -> list[Made]:
         """Connect to the VMs (or TPU hosts) `found` (as nodes `indexes`), each trusted with only
         the host key it published as a guest attribute."""
         addresses = [h.address for h in found]
@@ -462,12 +462,12 @@ class GCP(CloudProvider):
             "guest attributes",
             "tpu.nodes.getGuestAttributes" if pool.tpu else "compute.instances.getGuestAttributes",
         )
-        reached: list[Reached] = []
+        reached: list[Made] = []
         for index, ssh, host in zip(indexes, connected, found, strict=True):
             node = RemoteNode(index, ssh, host.private or None)
             # The agent watches the preemption notice (sky.preempting()) itself.
             node.provider_env = {NOTICES_ENV: "skyward.worker.notices:watch_gcp"}
-            reached.append((node, host.name))
+            reached.append(Made(node, host.name))
         return reached
 
     # -- teardown --------------------------------------------------------------------------

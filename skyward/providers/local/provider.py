@@ -225,6 +225,9 @@ class Local(Provider):
     def teardown_summary(self, cluster: Cluster) -> str:
         return f"stopped {count(len(cluster.nodes), 'process', 'processes')}"
 
+    def detached_kind(self) -> str:
+        return "local"
+
     async def terminate(self, cluster: Cluster) -> None:
         # Agents are killed by the pool with their process groups; what is left is the
         # scratch output directory.

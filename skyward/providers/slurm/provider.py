@@ -48,7 +48,6 @@ from skyward.providers.base import (
     Log,
     Node,
     NodeLoss,
-    Provider,
     count,
     given_rate,
     local_outputs,
@@ -58,6 +57,12 @@ from skyward.providers.environment import env_spec
 from skyward.providers.remote import bootstrap, connect, datasync, hoststeps
 from skyward.providers.remote.bootstrap import RemoteNode
 from skyward.providers.remote.hoststeps import CACHE
+from skyward.providers.remote.replacing import (
+    Made,
+    ReplacingCluster,
+    ReplacingProvider,
+    drop_spares,
+)
 from skyward.providers.slurm import commands, jobs
 from skyward.providers.slurm.login import Held, LocalLogin, Login, SSHLogin
 from skyward.providers.slurm.steps import SlurmNode, StepHost
@@ -85,15 +90,15 @@ class Allocation:
 
 
 @dataclass
-class SlurmCluster(Cluster):
+class SlurmCluster(ReplacingCluster):
     """A pool's allocations (the first for every node; one more per replaced node) and the
-    login the commands go through."""
+    login the commands go through; its `tell` is the pool's console (a replacement's pending
+    reason)."""
 
     login: Login | None = None
     allocations: list[Allocation] = field(default_factory=list)
     shared_cache: bool | None = None  # whether the nodes share one cache directory
     client_shares: bool = False  # whether it is this machine's own (login=None, shared home)
-    progress: Progress | None = None  # the pool's console: a replacement's pending reason
 
     @property
     def job_id(self) -> str:
@@ -101,7 +106,7 @@ class SlurmCluster(Cluster):
         return self.allocations[0].job_id if self.allocations else ""
 
 
-class Slurm(Provider):
+class Slurm(ReplacingProvider):
     """Nodes from a Slurm cluster: one allocation of N nodes, one agent per node as a job step.
 
     Args:
@@ -130,7 +135,9 @@ class Slurm(Provider):
     """
 
     name = "slurm"
-    capabilities = frozenset({Capability.REPLACE, Capability.SIGNALS, Capability.LIST})
+    capabilities = frozenset(
+        {Capability.REPLACE, Capability.PRESTART, Capability.SIGNALS, Capability.LIST}
+    )
 
     def __init__(
         self,
@@ -268,7 +275,7 @@ class Slurm(Provider):
 
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
         login = await self._open_login()
-        cluster = SlurmCluster(spec, [], login=login, progress=progress)
+        cluster = SlurmCluster(spec, [], login=login, tell=progress)
         try:
             await self._find_gres(login, spec.accelerator)
             request = self._request(spec)
@@ -283,31 +290,31 @@ class Slurm(Provider):
             raise
         return cluster
 
-    async def replace(self, cluster: Cluster, index: int) -> Node:
-        """Node `index` again. Where its machine is still the job's and healthy (the agent
-        died, not the node), a new step in the same job on it; otherwise a node from a new
-        one-node allocation (Slurm does not grow a running job), on none of the machines the
-        rest of the pool uses. Either way the rest of the pool keeps its job, which survives
-        a node's loss (``--no-kill``)."""
-        slurm = _slurm(cluster)
+    # A lost node (`ReplacingProvider.replace`): where its machine is still the job's and
+    # healthy (the agent died, not the node), a new step in the same job on it; otherwise a
+    # node from a new one-node allocation (Slurm does not grow a running job), on none of the
+    # pool's machines, started ahead on a preemption notice (`prestart`) where one came.
+    # Either way the rest of the pool keeps its job, which survives a node's loss
+    # (``--no-kill``).
+
+    async def reuse(self, pool: ReplacingCluster, index: int) -> Node | None:
+        slurm = _slurm(pool)
         assert slurm.login is not None
-        lost = cluster.nodes[index]
+        lost = slurm.nodes[index]
         if isinstance(lost, SlurmNode) and await self._still_in_job(slurm.login, lost.step_host):
-            cluster.nodes[index] = SlurmNode(index, lost.step_host)
-            return cluster.nodes[index]
-        # One node per machine, as at launch; the lost machine is not excluded: Slurm gives
-        # no node that is down or drained, and one that is back is as good as any.
-        taken = ",".join(
-            n.step_host.name
-            for i, n in enumerate(cluster.nodes)
-            if isinstance(n, SlurmNode) and i != index
-        )
-        request = self._request(dataclasses.replace(cluster.spec, nodes=1))
+            return SlurmNode(index, lost.step_host)
+        return None
+
+    async def make_node(self, pool: ReplacingCluster, index: int) -> Made:
+        slurm = _slurm(pool)
+        # One node per machine, as at launch, on none of the pool's machines: node `index`'s
+        # own is going (a notice: `prestart`) or gone.
+        taken = ",".join(n.step_host.name for n in slurm.nodes if isinstance(n, SlurmNode))
+        request = self._request(dataclasses.replace(slurm.spec, nodes=1))
         if taken:
             request = dataclasses.replace(request, options=(*self.options, f"--exclude={taken}"))
-        (host,) = await self._allocate(slurm, request, slurm.progress or Progress(), index)
-        cluster.nodes[index] = SlurmNode(index, host)
-        return cluster.nodes[index]
+        (host,) = await self._allocate(slurm, request, slurm.tell, index)
+        return Made(SlurmNode(index, host), host.name)
 
     async def _still_in_job(self, login: Login, host: StepHost) -> bool:
         """Whether `host`'s machine is up, in its job, and the job still runs."""
@@ -546,6 +553,14 @@ class Slurm(Provider):
         which = f"job {jobs[0]}" if len(jobs) == 1 else f"jobs {', '.join(jobs)}"
         return f"cancelled {which} ({count(len(cluster.nodes), 'node')})"
 
+    def detached_kind(self) -> str:
+        if self.login is not None:
+            raise ConfigError(
+                "a detached Slurm run is submitted from the login node itself: run "
+                "`skyward run --detach` there (without --login)"
+            )
+        return "slurm"
+
     async def terminate(self, cluster: Cluster) -> None:
         await self._release(_slurm(cluster))
 
@@ -555,6 +570,7 @@ class Slurm(Provider):
         login = cluster.login
         if login is None:
             return
+        await drop_spares(cluster)  # a spare's allocation is among those cancelled below
         if cluster.client_shares:
             await asyncio.to_thread(shutil.rmtree, _client_outputs(cluster), True)
         elif cluster.nodes and cluster.job_id:

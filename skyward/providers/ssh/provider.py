@@ -177,6 +177,9 @@ class SSH(RemoteData, Provider):
     def teardown_summary(self, cluster: Cluster) -> str:
         return f"closed {count(len(cluster.nodes), 'connection')}"
 
+    def detached_kind(self) -> str:
+        return "ssh"
+
     async def terminate(self, cluster: Cluster) -> None:
         # The hosts stay: what the pool wrote on them goes, in the command that kills the
         # pool's processes (one channel a host, not two in a row: 0.7 -> 0.4 s for a 2-host

@@ -416,8 +416,11 @@ class ComputePool:
 
     def _noticed(self, node: int) -> None:
         """A node got a preemption notice: with restarts left, its replacement starts now, so
-        it is on its way before the node is gone (from any thread)."""
-        if self._policy.restarts > 0 and self._loop is not None and not self._closed:
+        it is on its way before the node is gone, where the provider can start one ahead
+        (`Capability.PRESTART`; from any thread)."""
+        if self._policy.restarts <= 0 or self._loop is None or self._closed:
+            return
+        if Capability.PRESTART in self.provider.capabilities_for(self.spec):
             self._loop.submit(self._prestart(node))
 
     async def _prestart(self, index: int) -> None:

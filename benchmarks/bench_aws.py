@@ -27,7 +27,7 @@ import boto3  # noqa: E402
 from botocore.awsrequest import AWSResponse  # noqa: E402
 from moto import mock_aws  # noqa: E402
 
-from skyward.cluster import Accelerator, ClusterSpec  # noqa: E402
+from skyward.hardware import Accelerator, ClusterSpec  # noqa: E402
 from skyward.providers.aws import AWS, instance_types, userdata  # noqa: E402
 from skyward.providers.aws.provider import AWSCluster  # noqa: E402
 

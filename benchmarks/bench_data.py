@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import skyward as sky
-from skyward.cluster import ClusterSpec
+from skyward.hardware import ClusterSpec
 from skyward.providers.remote.bootstrap import RemoteNode, close_hosts, remote_nodes
 from skyward.providers.remote.files import PushStats, pull_tree, push_tree
 from skyward.worker.treestore import scan

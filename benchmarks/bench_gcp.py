@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from google.auth.credentials import AnonymousCredentials
 
-from skyward.cluster import ClusterSpec
+from skyward.hardware import ClusterSpec
 from skyward.providers.cloud.bootscript import HostKey
 from skyward.providers.gcp import instances, machine_types, startup, teardown
 from skyward.providers.gcp.settings import Access, Clients, Placement

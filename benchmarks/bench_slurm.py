@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["SKYWARD_QUIET"] = "1"  # no status lines between the table's
 
 import skyward as sky
-from skyward.cluster import Hardware
 from skyward.console.progress import Progress
+from skyward.hardware import Hardware
 from skyward.image import Image
 from skyward.providers.base import Cluster
 from tests.support import slurmcluster, sshd

@@ -43,7 +43,7 @@ _EXPORTS = {
     "Report": "skyward.reports",
     "report": "skyward.reports",
     "Plugin": "skyward.plugins.base",
-    "ClusterSpec": "skyward.cluster",
+    "ClusterSpec": "skyward.hardware",
     "SkywardError": "skyward.errors",
     "BudgetExceeded": "skyward.errors",
     "Cost": "skyward.cost",
@@ -66,7 +66,6 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from skyward import plugins
     from skyward.calls import Compute, Gather, PendingCall, compute, gather
-    from skyward.cluster import ClusterSpec
     from skyward.cost import Cost, Price
     from skyward.data import Data, resume_from
     from skyward.detached.run import Run, RunStatus
@@ -86,6 +85,7 @@ if TYPE_CHECKING:
         SkywardError,
         WorkerError,
     )
+    from skyward.hardware import ClusterSpec
     from skyward.image import Image, Index
     from skyward.info import InstanceInfo, instance_info, output_dir
     from skyward.plugins.base import Plugin

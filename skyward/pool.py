@@ -26,12 +26,12 @@ from skyward.client.handshake import handshake
 from skyward.client.session import NodeSession, ping_agents, watch_heartbeats
 from skyward.client.stalls import watch_stalls
 from skyward.client.transfers import Transfers
-from skyward.cluster import ClusterSpec
 from skyward.console.console import Console
 from skyward.console.progress import Phase
 from skyward.cost import Cost, Price
 from skyward.data import RESUME_ENV, Data
 from skyward.errors import BudgetExceeded, ConfigError, NoCapacity, PoolClosedError
+from skyward.hardware import ClusterSpec
 from skyward.image import Image
 from skyward.info import InstanceInfo
 from skyward.plugins import hooks

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from skyward.client.checkpoints import Checkpoints
-from skyward.cluster import ClusterSpec
+from skyward.hardware import ClusterSpec
 from skyward.providers.base import Cluster, Log, Node
 from skyward.providers.local.provider import Local, LocalCluster, LocalNode
 from skyward.reports import Report

@@ -118,7 +118,7 @@ VOCABULARY = (
     "skyward.info",
     "skyward.reports",
     "skyward.preemption",
-    "skyward.cluster",
+    "skyward.hardware",
     "skyward.cost",
     "skyward.version",
 )
@@ -182,7 +182,7 @@ FORBIDDEN = {
         "skyward.plugins.launcher",
         "skyward.plugins.wheels",
         "skyward.image",
-        "skyward.cluster",
+        "skyward.hardware",
         "skyward.data",
         "skyward.cost",
         "skyward.pool",
@@ -354,4 +354,4 @@ def test_an_agent_unpickles_plugins_without_the_client_side() -> None:
     assert names.split() == ["x", "logged", "jax"]
     loaded = set(modules.split())
     assert "skyward.plugins.jax_plugin" in loaded, "the jax plugin was not unpickled"
-    assert sorted(loaded & {"packaging", "skyward.image", "skyward.cluster"}) == []
+    assert sorted(loaded & {"packaging", "skyward.image", "skyward.hardware"}) == []

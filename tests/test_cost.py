@@ -12,9 +12,9 @@ import pytest
 
 import skyward as sky
 from skyward.client.spend import Bill, Meter
-from skyward.cluster import ClusterSpec
 from skyward.console.progress import Progress
 from skyward.cost import Price
+from skyward.hardware import ClusterSpec
 from skyward.providers.base import Cluster
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 import skyward as sky
-from skyward.cluster import ClusterSpec
 from skyward.console.progress import Progress
 from skyward.cost import Price
+from skyward.hardware import ClusterSpec
 from skyward.providers.base import Cluster
 
 

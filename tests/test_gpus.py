@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from skyward.cluster import Accelerator, ClusterSpec, Hardware
+from skyward.hardware import Accelerator, ClusterSpec, Hardware
 from skyward.worker import gpus, hostcheck
 from skyward.worker.gpus import Gpu, Inventory
 from tests.support.gpus import MACHINES, fake_nvidia_smi, recorded

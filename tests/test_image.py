@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 import skyward as sky
-from skyward.cluster import Accelerator
+from skyward.hardware import Accelerator
 
 
 def test_image_is_frozen_hashable_and_content_addressed() -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import skyward as sky
-from skyward.cluster import Accelerator, ClusterSpec
+from skyward.hardware import Accelerator, ClusterSpec
 from skyward.plugins.jax_plugin import JAX_RELEASES, LIBTPU_RELEASES
 from skyward.worker import jaxenv
 from tests.conftest import import_example, start_with_node_1_stuck

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import skyward as sky
-from skyward.cluster import ClusterSpec
+from skyward.hardware import ClusterSpec
 from tests.conftest import import_example
 
 ROOT = Path(__file__).resolve().parent.parent

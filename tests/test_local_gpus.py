@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
-from skyward.cluster import Accelerator
+from skyward.hardware import Accelerator
 from skyward.providers.local import devices
 from skyward.providers.local.provider import machine_gpus
 from skyward.worker.gpus import Inventory, parse_smi

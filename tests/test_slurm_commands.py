@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
+from skyward.hardware import Accelerator
 from skyward.providers.slurm import commands
 
 

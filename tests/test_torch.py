@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import skyward as sky
-from skyward.cluster import Accelerator, ClusterSpec
+from skyward.hardware import Accelerator, ClusterSpec
 from skyward.plugins.keras_plugin import TORCH_DATA_PARALLEL
 from skyward.plugins.torch_plugin import TORCH_PACKAGES, TORCH_WHEELS
 from tests.conftest import start_with_node_1_stuck

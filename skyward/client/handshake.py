@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from skyward.client import failures
 from skyward.client.session import NodeSession
-from skyward.cluster import ClusterSpec
 from skyward.errors import BootstrapError
+from skyward.hardware import ClusterSpec
 from skyward.info import InstanceInfo
 from skyward.plugins.base import Plugin
 from skyward.providers.base import Node

@@ -14,9 +14,9 @@ from dataclasses import replace
 import cloudpickle
 
 from skyward import checks
-from skyward.cluster import Accelerator, ClusterSpec
 from skyward.data import location
 from skyward.errors import ConfigError, SerializationError
+from skyward.hardware import Accelerator, ClusterSpec
 from skyward.image import Image
 from skyward.plugins import hooks
 from skyward.plugins.base import Plugin

@@ -17,7 +17,7 @@ from skyward.errors import ConfigError
 if TYPE_CHECKING:
     # For the annotations only: an agent unpickles every plugin, which imports this module,
     # and must not load the image (and packaging) or the cluster spec that only the client uses.
-    from skyward.cluster import ClusterSpec
+    from skyward.hardware import ClusterSpec
     from skyward.image import Image
     from skyward.info import InstanceInfo
 

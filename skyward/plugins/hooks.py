@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from skyward.errors import PluginError, SkywardError
 
 if TYPE_CHECKING:
-    from skyward.cluster import ClusterSpec
+    from skyward.hardware import ClusterSpec
     from skyward.image import Image
     from skyward.plugins.base import Plugin
 

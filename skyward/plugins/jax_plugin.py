@@ -29,7 +29,7 @@ from skyward.worker import jaxenv
 if TYPE_CHECKING:
     # Client-side types: an agent unpickles this plugin and must not load the image (and
     # packaging) with it; `transform`, which runs on the client, imports `Index` itself.
-    from skyward.cluster import ClusterSpec
+    from skyward.hardware import ClusterSpec
     from skyward.image import Image
     from skyward.info import InstanceInfo
 

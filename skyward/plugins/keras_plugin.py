@@ -25,7 +25,7 @@ from skyward.plugins.base import Plugin
 if TYPE_CHECKING:
     # Client-side types: an agent unpickles this plugin and must not load the image (and
     # packaging) with it.
-    from skyward.cluster import ClusterSpec
+    from skyward.hardware import ClusterSpec
     from skyward.image import Image
     from skyward.info import InstanceInfo
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from skyward.cluster import ClusterSpec
+    from skyward.hardware import ClusterSpec
     from skyward.image import Image
 
 ASSUMED_CUDA = (12, 0)

@@ -98,11 +98,11 @@ from pathlib import Path
 from typing import Protocol
 
 from skyward import checks
-from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.console.progress import Progress
 from skyward.cost import Price
 from skyward.data import Data, Placement
 from skyward.errors import ConfigError
+from skyward.hardware import Accelerator, ClusterSpec, Hardware
 from skyward.image import Image
 from skyward.transport.base import AgentStream
 from skyward.worker.gpus import Gpu

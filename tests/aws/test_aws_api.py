@@ -22,9 +22,9 @@ import pytest
 from moto import mock_aws
 
 import skyward as sky
-from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Progress
 from skyward.errors import ConfigError, ProvisionError
+from skyward.hardware import Accelerator, ClusterSpec
 from skyward.providers.aws import instance_types, instances, teardown, userdata
 from skyward.providers.aws.instances import describe_loss
 from skyward.providers.aws.resources import POOL_TAG, pool_tags

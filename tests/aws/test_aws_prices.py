@@ -18,8 +18,8 @@ import pytest
 from botocore.stub import Stubber
 
 import skyward as sky
-from skyward.cluster import Accelerator, ClusterSpec
 from skyward.cost import Price
+from skyward.hardware import Accelerator, ClusterSpec
 from skyward.providers.aws import prices
 from skyward.providers.cloud import pricecache
 from tests.aws.conftest import REGION, MotoServer

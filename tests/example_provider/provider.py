@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from skyward.cluster import ClusterSpec
 from skyward.console.progress import Progress
+from skyward.hardware import ClusterSpec
 from skyward.providers.base import Capability, Cluster, LivePool, Provider
 from skyward.providers.local.provider import Local
 from skyward.providers.registry import Option, ProviderEntry

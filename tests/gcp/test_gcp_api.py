@@ -16,7 +16,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.auth.exceptions import DefaultCredentialsError
 
 import skyward as sky
-from skyward.cluster import Accelerator, ClusterSpec
+from skyward.hardware import Accelerator, ClusterSpec
 from skyward.providers.gcp import instances, machine_types, resources, startup, teardown
 from skyward.providers.gcp.settings import Access, Clients, MachineSettings, resolve
 from tests.gcp.conftest import PROJECT, ZONE

@@ -10,7 +10,7 @@ from google.auth.credentials import AnonymousCredentials
 
 from skyward.cli import profiles, runner
 from skyward.cli.profiles import Profile
-from skyward.cluster import ClusterSpec
+from skyward.hardware import ClusterSpec
 from skyward.providers import registry
 from skyward.providers.cloud import pricecache
 from skyward.providers.gcp import teardown

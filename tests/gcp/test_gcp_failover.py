@@ -20,10 +20,10 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 
 import skyward as sky
-from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
+from skyward.hardware import Accelerator, ClusterSpec
 from skyward.providers.gcp import machine_types, provision, resources, teardown
 from skyward.providers.gcp.provision import GCPCluster
 from skyward.providers.gcp.settings import resolve

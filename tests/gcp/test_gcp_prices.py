@@ -20,8 +20,8 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 
 import skyward as sky
-from skyward.cluster import Accelerator, ClusterSpec
 from skyward.cost import Price
+from skyward.hardware import Accelerator, ClusterSpec
 from skyward.providers.gcp import prices, tpu_types
 from tests.gcp.conftest import PROJECT, ZONE
 from tests.support.fakebilling import COMPUTE_ENGINE, FakeBilling

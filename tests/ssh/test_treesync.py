@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 import pytest
 
 import skyward as sky
-from skyward.cluster import ClusterSpec
 from skyward.console.progress import Progress
 from skyward.errors import DataError
+from skyward.hardware import ClusterSpec
 from skyward.providers.remote import files
 from skyward.providers.remote.bootstrap import RemoteNode, close_hosts, remote_nodes
 from skyward.providers.remote.files import PullStats, PushStats, pull_tree, push_tree

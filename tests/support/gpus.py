@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 import skyward as sky
-from skyward.cluster import ClusterSpec
+from skyward.hardware import ClusterSpec
 
 RECORDED = Path(__file__).resolve().parent.parent / "data" / "gpus"
 MACHINES = ("h100-driver580", "a100x8-driver550", "a100-mig-driver535", "driver-failed")

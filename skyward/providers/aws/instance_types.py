@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
+from skyward.hardware import Accelerator
 from skyward.providers.cloud.sizes import Sizes
 
 # (instance type, GPUs per instance), smallest first. A100/H200 come only in 8-GPU sizes.

@@ -28,8 +28,8 @@ from typing import Any
 import asyncssh
 from botocore.exceptions import ClientError
 
-from skyward.cluster import ClusterSpec
 from skyward.errors import ConfigError, ProvisionError
+from skyward.hardware import ClusterSpec
 from skyward.providers.aws import instance_types, resources, teardown, userdata
 from skyward.providers.base import NodeLoss
 from skyward.providers.cloud import failover

@@ -39,10 +39,10 @@ from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, 
 from botocore.parsers import ResponseParserError
 
 from skyward import checks
-from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
+from skyward.hardware import Accelerator, ClusterSpec
 from skyward.providers.aws import (
     instance_types,
     instances,

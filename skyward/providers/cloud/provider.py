@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from skyward import checks
-from skyward.cluster import Hardware
 from skyward.console.progress import Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
+from skyward.hardware import Hardware
 from skyward.image import Image
 from skyward.providers.base import Capability, Cluster
 from skyward.providers.cloud.bootscript import known_hosts_line

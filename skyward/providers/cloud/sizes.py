@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
+from skyward.hardware import Accelerator
 
 
 @dataclass(frozen=True)

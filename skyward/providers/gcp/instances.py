@@ -23,8 +23,8 @@ from typing import Any
 from google.api_core import exceptions as gexc
 from google.cloud import compute_v1
 
-from skyward.cluster import ClusterSpec
 from skyward.errors import ProvisionError
+from skyward.hardware import ClusterSpec
 from skyward.providers.base import NodeLoss
 from skyward.providers.cloud.provider import public_cidr
 from skyward.providers.gcp import api, resources, teardown

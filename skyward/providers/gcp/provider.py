@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from skyward import checks
-from skyward.cluster import Accelerator, ClusterSpec
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
+from skyward.hardware import Accelerator, ClusterSpec
 from skyward.providers.base import Capability, Cluster, LivePool, Node, NodeLoss, count
 from skyward.providers.cloud.provider import (
     CloudCluster,

@@ -13,8 +13,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
+from skyward.hardware import Accelerator
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
+from skyward.hardware import Accelerator
 from skyward.worker.gpus import Gpu, Inventory, matches, visible, visible_env
 
 

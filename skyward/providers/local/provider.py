@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from skyward import cachedir, checks
-from skyward.cluster import ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
 from skyward.errors import BootstrapError
+from skyward.hardware import ClusterSpec, Hardware
 from skyward.image import Image
 from skyward.providers.base import Capability, Cluster, LivePool, Log, Node, Provider, count
 from skyward.providers.environment import env_spec, packaged_uv

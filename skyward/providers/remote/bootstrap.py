@@ -42,9 +42,9 @@ from typing import TypeVar
 
 import asyncssh
 
-from skyward.cluster import Accelerator, Hardware
 from skyward.console.progress import Phase, Progress
 from skyward.errors import BootstrapError
+from skyward.hardware import Accelerator, Hardware
 from skyward.image import Image
 from skyward.providers.base import Cluster, Log, Node
 from skyward.providers.environment import env_spec

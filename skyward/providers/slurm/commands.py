@@ -12,8 +12,8 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from skyward.cluster import Accelerator
 from skyward.errors import ConfigError
+from skyward.hardware import Accelerator
 from skyward.worker.gpus import ANY, gpu_name, name_matches
 
 # The holding command's line, once the allocation is granted: the job id, the node list and the

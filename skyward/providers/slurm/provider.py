@@ -35,11 +35,11 @@ from typing import TypeVar
 
 from skyward import checks
 from skyward.cachedir import cache_root
-from skyward.cluster import Accelerator, ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
 from skyward.data import S3_SCHEME, Data, Placement
 from skyward.errors import ConfigError, ProvisionError
+from skyward.hardware import Accelerator, ClusterSpec, Hardware
 from skyward.image import Image
 from skyward.providers.base import (
     Capability,

@@ -19,10 +19,10 @@ import os
 from collections.abc import Mapping, Sequence
 
 from skyward import checks
-from skyward.cluster import ClusterSpec, Hardware
 from skyward.console.progress import Phase, Progress, clock
 from skyward.cost import Price
 from skyward.errors import ConfigError, SkywardError
+from skyward.hardware import ClusterSpec, Hardware
 from skyward.image import Image
 from skyward.providers.base import (
     Capability,

@@ -1,5 +1,6 @@
-"""`ClusterSpec`: what a pool asks its provider for, and the accelerator spelling it accepts;
-`Hardware`: what the provider found on the nodes once they were up."""
+"""The hardware of a pool: `ClusterSpec`, what it asks its provider for, with `Accelerator`, the
+accelerator spelling it accepts; `Hardware`, what the provider found on the nodes once they
+were up. (The `Cluster` a provider made is `skyward.providers.base.Cluster`.)"""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ The SSH side (a client whose machine goes away) is tests/ssh/test_ssh_detached.p
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -207,3 +208,41 @@ def _client_args(env: dict[str, str]) -> dict[str, str]:
 def test_an_output_dir_elsewhere_is_refused(job: Path) -> None:
     with pytest.raises(sky.ConfigError, match="or an s3:// prefix"):
         sky.submit(str(job), [], output_dir="gs://bucket/prefix")
+
+
+def _leaders_of(name: str) -> list[int]:
+    """This machine's processes leading run `name` (node 0's directory on their command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                words = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"lead" in words and any(f"runs/{name}/node-0".encode() in w for w in words):
+                found.append(int(entry.name))
+    return found
+
+
+def test_an_earlier_runs_leftovers_under_the_same_name_are_not_this_runs_plan(
+    job: Path,
+) -> None:
+    # The record went (removed by hand), the node's directory stayed with the old plan: the
+    # Local leader, started while the pool starts, must wait for this run's.
+    from skyward.worker import supervisor
+
+    old = supervisor.run_root("leftover") / "node-0"
+    old.mkdir(parents=True)
+    stale = {"launchers": [["false"]], "restarts": 0, "grace": 1}
+    supervisor.write_private(old / supervisor.LEADER, json.dumps(stale))
+    supervisor.write_private(old / supervisor.RUN_STATE, json.dumps({"state": "failed"}))
+    run = sky.submit(str(job), [str(job.parent / "ckpt"), "ok"], nodes=2, name="leftover")
+    assert run.wait() == 0
+    assert "rank 1 done" in "\n".join(_lines(run))
+
+
+def test_a_pool_that_cannot_start_leaves_no_leader_waiting(job: Path) -> None:
+    image = sky.Image(pip=["skyward-no-such-package-3f9a"])
+    with pytest.raises(sky.SkywardError):
+        sky.submit(str(job), [str(job.parent / "ckpt"), "ok"], nodes=1, image=image, name="nope")
+    assert _leaders_of("nope") == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -146,7 +147,15 @@ def submit(
         name="run",
     )
     bucket = outputs if outputs and outputs.startswith("s3://") else None  # nodes upload
-    pool.start()
+    # Local: the nodes are this machine's processes, and the leader's interpreter starts while
+    # the pool does (it waits for its plan): not after, between the pool and "every rank started".
+    ahead = supervisor.leader_ahead(name) if kind == "local" else None
+    try:
+        pool.start()
+    except BaseException:
+        if ahead is not None:
+            _end_planless(ahead[1])
+        raise
     held = False  # whether the run holds the pool's nodes once the pool ends (a cloud's)
     try:
         if kind == "slurm":
@@ -165,9 +174,12 @@ def submit(
                 grace,
                 keep_for,
                 bucket,
+                ahead,
             )
             held = launch.holds_nodes(pool) and "running_at" in state
     except BaseException:
+        if ahead is not None and not (ahead[0] / supervisor.LEADER).exists():
+            _end_planless(ahead[1])
         pool.close(graceful=False)
         raise
     pool.close(keep_nodes=held)
@@ -200,9 +212,10 @@ def _start_on_nodes(
     grace: float,
     keep_for: float,
     bucket: str | None,
+    ahead: tuple[Path, subprocess.Popen[bytes]] | None = None,
 ) -> supervisor.RunState:
-    """While the pool is up: each node's spec, node 0's leader, the record; the run's state
-    once every rank has started."""
+    """While the pool is up: each node's spec, node 0's leader (started `ahead` here, for
+    Local), the record; the run's state once every rank has started."""
     count = pool.spec.nodes
     keys = launch.leader_keys(kind, count)
     source = None
@@ -250,12 +263,18 @@ def _start_on_nodes(
             key_tags=[s["key_tag"] for s in setups],
         )
     )
+    launchers = launch.launchers(kind, pool, setups)
+    if ahead is not None and setups[0]["directory"] == str(ahead[0]):
+        supervisor.write_plan(ahead[0], launchers, {}, "", restarts, float(grace))
+        return supervisor.wait_started(ahead[0], ahead[1], START_TIMEOUT)
+    if ahead is not None:  # node 0's agent sees another cache: it starts the leader itself
+        _end_planless(ahead[1])
     start = compute(supervisor.start_leader)
     try:
         return pool.run(
             start(
                 name,
-                launch.launchers(kind, pool, setups),
+                launchers,
                 keys.private,
                 keys.known_hosts(pool),
                 restarts,
@@ -268,6 +287,12 @@ def _start_on_nodes(
     except BaseException:
         _abandon(pool, name)
         raise
+
+
+def _end_planless(leader: subprocess.Popen[bytes]) -> None:
+    """End a leader started ahead that got no plan: nothing of the run is its yet."""
+    leader.kill()
+    leader.wait()
 
 
 def _abandon(pool: ComputePool, name: str) -> None:

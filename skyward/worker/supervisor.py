@@ -579,8 +579,11 @@ class _Rank:
 
 
 def lead(directory: Path) -> int:
-    """Hold the run (see the module's docstring) until it ends; returns 0."""
-    plan = read_json(directory / LEADER)
+    """Hold the run (see the module's docstring) until it ends; returns 0. A leader started
+    before its plan was written (Local: `skyward.detached.submit`) waits for it first."""
+    plan = _wait_plan(directory)
+    if not plan:
+        return 0  # the run's start failed before it was planned: there is nothing to lead
     launchers: list[list[str]] = plan["launchers"]
     restarts = int(plan.get("restarts", 0))
     grace = float(plan.get("grace", 10.0))
@@ -625,6 +628,15 @@ def lead(directory: Path) -> int:
 
         shutil.rmtree(directory / KEYS, ignore_errors=True)
         os.close(log)
+
+
+def _wait_plan(directory: Path) -> dict[str, Any]:
+    """``leader.json`` once it is there (written whole: `write_private`), within START_SECONDS;
+    empty if it never comes."""
+    deadline = time.monotonic() + START_SECONDS
+    while not (plan := read_json(directory / LEADER)) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return plan
 
 
 def _heartbeat(ranks: list[_Rank], stop: threading.Event) -> None:
@@ -819,6 +831,22 @@ def start_leader(
     `others_started`: the other nodes' ranks run already (early followers, which the leader
     attaches to after this returns): node 0's own rank running is every rank started."""
     directory = run_root(name) / "node-0"
+    write_plan(directory, launchers, keys, known_hosts, restarts, grace)
+    leader = spawn_leader(directory, interpreter())
+    return wait_started(directory, leader, timeout, own=others_started)
+
+
+def write_plan(
+    directory: Path,
+    launchers: Sequence[Sequence[str]],
+    keys: Mapping[int, str],
+    known_hosts: str,
+    restarts: int,
+    grace: float,
+) -> None:
+    """Node 0's part of the leader's plan: its keys to the other nodes, their host keys, and
+    ``leader.json`` (the launchers), last: a leader started ahead begins once it is there."""
+    (directory / RUN_STATE).unlink(missing_ok=True)
     keydir = directory / KEYS
     keydir.mkdir(mode=0o700, exist_ok=True)
     argvs = [list(argv) for argv in launchers]
@@ -830,9 +858,17 @@ def start_leader(
     argvs = [[w.replace("{known_hosts}", str(keydir / KNOWN_HOSTS)) for w in a] for a in argvs]
     plan = {"launchers": argvs, "restarts": restarts, "grace": grace}
     write_private(directory / LEADER, json.dumps(plan))
-    (directory / RUN_STATE).unlink(missing_ok=True)
-    leader = spawn_leader(directory, interpreter())
-    return wait_started(directory, leader, timeout, own=others_started)
+
+
+def leader_ahead(name: str) -> tuple[Path, subprocess.Popen[bytes]]:
+    """Where nodes are this machine's processes (Local): start run `name`'s leader now, before
+    the pool, so its interpreter starts while the pool does; it waits for `write_plan`. Its
+    directory (node 0's) and process."""
+    directory = run_root(name) / "node-0"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for stale in (LEADER, RUN_STATE):  # an earlier run's of this name: not this one's plan
+        (directory / stale).unlink(missing_ok=True)
+    return directory, spawn_leader(directory, interpreter())
 
 
 def spawn_leader(directory: Path, prefix: Sequence[str]) -> subprocess.Popen[bytes]:

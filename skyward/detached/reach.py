@@ -58,7 +58,7 @@ class Local:
             view = NodeView(read_json(directory / NODE_STATE))
             if index == 0:
                 view.run = read_json(directory / RUN_STATE)
-                view.leader_alive = _alive(int(view.run.get("leader_pid", 0)))
+                view.leader_alive = supervisor.alive(int(view.run.get("leader_pid", 0)))
             with contextlib.suppress(OSError), open(directory / LOG, "rb") as handle:
                 handle.seek(offset)
                 view.data = handle.read()
@@ -91,21 +91,6 @@ class Local:
 
     def close(self) -> None:
         return None
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    return True
 
 
 # Node i's look, as one shell command: run.json, node.json, whether the leader lives, then

@@ -282,18 +282,7 @@ def start_early(directory: Path, timeout: float) -> None:
     """In node i's agent: start its follower now, in a session of its own (it outlives the
     agent and the client), and wait until its rank runs; a `RuntimeError` if it does not."""
     write_private(directory / SAID, "")
-    out = os.open(directory / EARLY_LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        follower = subprocess.Popen(
-            [*interpreter(), "-m", MODULE, "early", str(directory)],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
-            close_fds=True,
-        )
-    finally:
-        os.close(out)
+    follower = _spawn_role([*interpreter(), "-m", MODULE, "early"], directory, EARLY_LOG)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         said = (directory / SAID).read_text(errors="replace").split()
@@ -408,7 +397,7 @@ def attach(directory: Path) -> int:
                 if word.startswith("exit "):
                     return 0
                 continue
-            if not _alive(follower):
+            if follower and not alive(follower):  # (it writes its pid first thing)
                 return 1  # it died without saying how its rank ended: the leader calls it lost
             if stop.is_set() and not asked:
                 asked = True
@@ -438,15 +427,20 @@ def _watch_leader(stop: threading.Event) -> None:
     threading.Thread(target=watch_silence, daemon=True).start()
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` of this machine runs (a zombie, ended but not yet reaped by its
+    parent, does not)."""
     if pid <= 0:
-        return True  # not said yet: it writes its pid first thing
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    with contextlib.suppress(OSError):
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
     return True
 
 
@@ -873,10 +867,16 @@ def leader_ahead(name: str) -> tuple[Path, subprocess.Popen[bytes]]:
 
 def spawn_leader(directory: Path, prefix: Sequence[str]) -> subprocess.Popen[bytes]:
     """``lead DIR`` in a session of its own, its stdio on files: nothing of the caller holds it."""
-    out = os.open(directory / LEADER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    return _spawn_role([*prefix, "-m", MODULE, "lead"], directory, LEADER_LOG)
+
+
+def _spawn_role(argv: Sequence[str], directory: Path, log: str) -> subprocess.Popen[bytes]:
+    """``argv DIR`` in a session of its own (it outlives its caller: the agent, the client),
+    its output appended to ``DIR/log``, no stdin: nothing of the caller holds it."""
+    out = os.open(directory / log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         return subprocess.Popen(
-            [*prefix, "-m", MODULE, "lead", str(directory)],
+            [*argv, str(directory)],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=out,

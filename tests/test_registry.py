@@ -168,3 +168,91 @@ class _Plain(Example):
 def test_a_feature_its_provider_lacks_is_refused(feature: dict[str, float], needs: str) -> None:
     with pytest.raises(ConfigError, match=f"needs a provider that can .*{needs}"):
         sky.ComputePool(provider=_Plain("unused"), nodes=1, **feature)  # type: ignore[arg-type]
+
+
+def installed(folder: Path, dist: str, points: dict[str, str], modules: dict[str, str]) -> Path:
+    """An installed distribution `dist` in `folder` (which goes on the path) declaring
+    `points` (name: ``module:attr``) in the providers' group, with `modules` (name: source)
+    beside it."""
+    info = folder / f"{dist.replace('-', '_')}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    lines = "".join(f"{name} = {value}\n" for name, value in points.items())
+    (info / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\n{lines}")
+    for name, source in modules.items():
+        (folder / f"{name}.py").write_text(source)
+    return folder
+
+
+HELLO = "import skyward as sky\nprint('hello from', sky.instance_info().provider)\n"
+
+
+def isolated_env(tmp_path: Path, site: Path) -> dict[str, str]:
+    """The suite's environment for a ``skyward`` command with `site` on its path, a HOME of
+    its own (no user's profile or pools) and the suite's SKYWARD_CACHE_DIR."""
+    home = tmp_path / "home"
+    home.mkdir()
+    return {**os.environ, "HOME": str(home), "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+
+
+def test_a_broken_entry_point_is_left_out_with_one_warning(tmp_path: Path) -> None:
+    """A third party's provider whose module fails to import costs only itself: `skyward
+    status` and `skyward run` on the local provider work, each saying once which package is
+    broken and why."""
+    site = installed(
+        tmp_path / "site",
+        "skyward-broken-k8s",
+        {"k8s": "skyward_broken_k8s:ENTRY"},
+        {"skyward_broken_k8s": "raise ImportError('kubernetes client 0.0 is too old')\n"},
+    )
+    env, work = isolated_env(tmp_path, site), tmp_path / "work"
+    work.mkdir()
+    (work / "hello.py").write_text(HELLO)
+    for argv in (["status"], ["run", "--nodes", "1", "hello.py"]):
+        done = skyward(*argv, env=env, cwd=work)
+        assert done.returncode == 0, (argv, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.count("skyward-broken-k8s") == 1, done.stderr
+        assert "ImportError: kubernetes client 0.0 is too old" in done.stderr, done.stderr
+    assert "hello from local" in done.stdout, done.stdout
+
+
+def test_an_entry_point_cannot_take_the_name_of_skywards_own_provider(tmp_path: Path) -> None:
+    imposter = (
+        "from skyward.providers.registry import ProviderEntry\n"
+        "ENTRY = ProviderEntry('local', 'tests.example_provider.provider', 'Example')\n"
+    )
+    site = installed(
+        tmp_path / "site",
+        "skyward-imposter",
+        {"local": "skyward_imposter:ENTRY"},
+        {"skyward_imposter": imposter},
+    )
+    env, work = isolated_env(tmp_path, site), tmp_path / "work"
+    work.mkdir()
+    (work / "hello.py").write_text(HELLO)
+    done = skyward("run", "--nodes", "1", "hello.py", env=env, cwd=work)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "hello from local" in done.stdout, done.stdout  # not the imposter's Example
+    assert done.stderr.count("skyward-imposter") == 1, done.stderr
+    assert "skyward's own 'local' is used" in done.stderr, done.stderr
+
+
+def test_a_broken_entry_point_warns_once_per_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Looked up again and again (every command reads the registry several times), a broken
+    entry point is warned about once, and the known providers are there each time."""
+    module = f"skyward_broken_{tmp_path.name.replace('-', '_')}"  # a name no other test took
+    site = installed(
+        tmp_path,
+        "skyward-broken",
+        {"broken": f"{module}:ENTRY"},
+        {module: "raise SyntaxError('not python')\n"},
+    )
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
+    with pytest.warns(RuntimeWarning, match="'skyward-broken'.*SyntaxError: not python") as seen:
+        for _ in range(3):
+            assert {"local", "ssh"} <= set(registry.names())
+            assert "broken" not in registry.names()
+    assert len([w for w in seen if "skyward-broken" in str(w.message)]) == 1

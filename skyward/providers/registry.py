@@ -13,6 +13,11 @@ A provider living outside skyward registers with `register`, or through the
     [project.entry-points."skyward.providers"]
     k8s = "mypackage.skyward_entry:ENTRY"
 
+An entry point that cannot be loaded (its module fails to import, or names something other
+than a `ProviderEntry`) is left out with one warning per process naming its distribution and
+the error, so one broken package never stops ``skyward`` or another provider; an entry point
+claiming one of skyward's own names is left out the same way (skyward's own always wins).
+
 What a provider can do beyond running a pool (list and clean up what pools left, say which of
 this user's pools are alive) are methods of its class, asked for by its `Capability`
 (`skyward.providers.base`). An unknown name is a `ConfigError` that lists the known ones.
@@ -25,6 +30,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import pkgutil
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -138,10 +144,47 @@ def own_entries() -> tuple[ProviderEntry, ...]:
 
 
 def _from_entry_points() -> list[ProviderEntry]:
-    return [
-        _checked(point.load(), f"entry point {point.name!r} ({point.value})")
-        for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    ]
+    """The entries other packages declare, less those that cannot be loaded and those that
+    claim one of skyward's own names (each warned about, once)."""
+    own = {entry.name for entry in _own()}
+    found = []
+    for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = point.dist.name if point.dist is not None else "an unknown distribution"
+        where = f"entry point {point.name!r} ({point.value}) of {dist!r}"
+        loaded = _load(point.name, point.value, point.group)
+        if isinstance(loaded, str):
+            _warn_once(f"skyward: {where} is left out: {loaded}")
+        elif loaded.name in own:
+            _warn_once(
+                f"skyward: {where} names its provider {loaded.name!r}, the name of one of "
+                f"skyward's own: skyward's own {loaded.name!r} is used and this one is left "
+                "out (rename it in that package's entry point)"
+            )
+        else:
+            found.append(loaded)
+    return found
+
+
+@functools.cache
+def _load(name: str, value: str, group: str) -> ProviderEntry | str:
+    """The entry an entry point names, or why it cannot be had. Kept for the process: a
+    module that failed to import is not run again on every lookup."""
+    try:
+        loaded = importlib.metadata.EntryPoint(name, value, group).load()
+    except Exception as exc:  # any error of a third party's module: see the module docstring
+        return f"{type(exc).__name__}: {exc}"
+    if not isinstance(loaded, ProviderEntry):
+        return f"it names {loaded!r}, not a skyward.providers.registry.ProviderEntry"
+    return loaded
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 def _checked(entry: Any, where: str) -> ProviderEntry:
@@ -154,8 +197,9 @@ def _checked(entry: Any, where: str) -> ProviderEntry:
 
 
 def entries() -> dict[str, ProviderEntry]:
-    """Every known provider by name: skyward's own, then entry points, then `register`ed (a
-    later one of the same name replaces an earlier one)."""
+    """Every known provider by name: skyward's own, then entry points (never in place of one
+    of skyward's own), then `register`ed (a later one of the same name replaces an earlier
+    one)."""
     known = {entry.name: entry for entry in sorted(_own(), key=lambda e: e.position)}
     for entry in [*_from_entry_points(), *_registered.values()]:
         known[entry.name] = entry

@@ -11,7 +11,8 @@ can share it. It needs root and a Debian-like machine:
   authorized keys in a private temp dir, on 127.0.0.1 (a free port) or inside a network
   namespace, and kills every process it spawned on :meth:`SshdServer.stop`.
 * :class:`NetnsHosts` builds K network namespaces on a private bridge (default
-  ``10.213.0.0/24``), each with its own sshd on port 22, and tears all of it down again.
+  ``10.213.0.0/24``), each with its own sshd on port 22, and tears all of it down again;
+  :func:`throttle` slows one host's link (a slow network) for the length of a block.
 
 Traffic only ever goes to 127.0.0.1 and to the namespace addresses built here: the whole
 ``/16`` around the test subnet gets an ``unreachable`` route on the host first, so a
@@ -63,6 +64,7 @@ __all__ = [
     "processes_of",
     "remove_stale_resources",
     "ssh_command",
+    "throttle",
 ]
 
 SSHD = Path("/usr/sbin/sshd")
@@ -925,6 +927,42 @@ class NetnsHost:
         if self.server is None:
             raise RuntimeError(f"{self.netns} runs no sshd")
         return self.server.known_hosts_line()
+
+
+@contextlib.contextmanager
+def throttle(
+    host: NetnsHost, mbit: float, *, to_host: bool = True, from_host: bool = True
+) -> Iterator[None]:
+    """Limit ``host``'s link to ``mbit`` megabits a second while the block runs (a slow network
+    between the client and the host); the limit is removed on exit, even if the body raised.
+
+    ``to_host`` shapes what the client sends the host (the host-side veth's egress, on the
+    bridge), ``from_host`` what the host sends back (``eth0``'s egress, inside the namespace);
+    each direction gets its own ``tbf`` qdisc (``netem`` is missing from some kernels; ``tbf``
+    is in every one). The other direction is left as it is when one of them is False.
+    """
+    if not (to_host or from_host):
+        raise ValueError("throttle nothing? set to_host, from_host or both")
+    rate = int(mbit * 1_000_000)
+    # The bucket must hold a whole (GSO-sized, up to 64 KiB) packet and what the rate earns in
+    # a timer tick; 50 ms of queue keeps TCP's window open without hiding the limit.
+    burst = max(1 << 17, rate // 8 // 100)
+    shape = ["root", "tbf", "rate", f"{rate}bit", "burst", str(burst), "latency", "50ms"]
+    tc = shutil.which("tc") or "/usr/sbin/tc"
+    places: list[tuple[list[str], str]] = []  # (how to run tc there, the device)
+    if to_host:
+        places.append(([tc], host.veth))
+    if from_host:
+        places.append(([_ip(), "netns", "exec", host.netns, tc], "eth0"))
+    shaped: list[tuple[list[str], str]] = []
+    try:
+        for command, device in places:
+            _run([*command, "qdisc", "add", "dev", device, *shape])
+            shaped.append((command, device))
+        yield
+    finally:
+        for command, device in shaped:
+            _run([*command, "qdisc", "del", "dev", device, "root"], check=False)
 
 
 class _Host(Protocol):

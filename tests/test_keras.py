@@ -19,6 +19,7 @@ import pytest
 import skyward as sky
 from skyward.hardware import ClusterSpec
 from tests.conftest import import_example
+from tests.support.listeners import listeners
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "keras_fit.py"
@@ -114,6 +115,18 @@ def test_keras_backend_and_distribution_are_set_on_the_nodes(pool: sky.ComputePo
     assert keras_setup() @ pool == [expected, expected]
 
 
+@pytest.mark.slow
+def test_keras_alone_binds_its_coordinator_to_the_pools_address() -> None:
+    """Without the JAX plugin Keras initializes jax.distributed itself: its coordinator too
+    listens only where the nodes dial it (127.0.0.1 on Local), never on JAX's default [::]."""
+    plugins = [sky.plugins.keras(backend="jax")]
+    with sky.ComputePool(provider=sky.Local(), nodes=2, plugins=plugins) as alone:
+        expected = {"env": "jax", "backend": "jax", "distribution": "DataParallel", "devices": 2}
+        assert keras_setup() @ alone == [expected, expected]  # Keras's own initialize ran
+        coordinator, listening = alone.run(listeners("keras"), node=0)
+    assert coordinator.startswith("127.0.0.1:") and listening == [coordinator]
+
+
 @sky.compute
 def fit_own_data(seed: int | None, epochs: int = 4) -> dict[str, Any]:
     """Fit one small model, each node on its own rows (node-dependent, so they differ)."""
@@ -170,9 +183,9 @@ def test_keras_example_script_runs() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "final weights are identical on all 2 nodes" in done.stdout
-    first, last = map(
-        float, re.search(r"^loss: ([0-9.]+) -> ([0-9.]+)$", done.stdout, re.M).groups()
-    )  # type: ignore[union-attr]
+    losses = re.search(r"^loss: ([0-9.]+) -> ([0-9.]+)$", done.stdout, re.M)
+    assert losses, done.stdout
+    first, last = map(float, losses.groups())
     assert last < 0.5 * first
     assert "(node 0) Epoch 1/" in done.stdout and "(node 1) Epoch" not in done.stdout
 

@@ -157,9 +157,8 @@ def export_launcher_env(info: InstanceInfo) -> str:
     coordinator = f"{info.head_addr}:{info.ports['jax']}"
     os.environ["JAX_COORDINATOR_ADDRESS"] = coordinator
     # Node 0's coordinator listens only where the others dial it (the pool's private address;
-    # 127.0.0.1 on Local), not on JAX's default [::]: anyone else on that network could end
-    # the pool's tasks or read and write the key-value store NCCL bootstraps from.
-    os.environ["JAX_COORDINATOR_BIND_ADDRESS"] = coordinator
+    # 127.0.0.1 on Local): a script's own initialize() reads the variable too.
+    jaxenv.bind_coordinator(coordinator)
     os.environ["JAX_NUM_PROCESSES"] = str(info.total_nodes)
     os.environ["JAX_PROCESS_ID"] = str(info.node)
     return coordinator

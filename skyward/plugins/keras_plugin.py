@@ -5,7 +5,8 @@ every device of every node, so ``model.fit`` on each node trains one replicated 
 feeding its own batches.
 One node with several devices (``accelerator="H100:8"``) gets the same over its own devices.
 Stacked after the JAX plugin it reuses the ``jax.distributed`` setup already done; alone, it asks
-Keras to initialize the distributed runtime itself. With the torch backend (stacked after the
+Keras to initialize the distributed runtime itself, its coordinator on node 0 listening only on
+the pool's address, as the JAX plugin's does. With the torch backend (stacked after the
 PyTorch plugin) data parallelism is torch.distributed's: the plugin sets the backend and says so.
 """
 
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from skyward import checks
 from skyward.errors import ConfigError
 from skyward.plugins.base import Plugin
+from skyward.worker import jaxenv
 
 if TYPE_CHECKING:
     # Client-side types: an agent unpickles this plugin and must not load the image (and
@@ -93,8 +95,12 @@ class KerasPlugin(Plugin):
         import keras
 
         if not alone and not _jax_distributed_ready():
+            coordinator = f"{info.head_addr}:{info.ports['keras']}"
+            # Keras passes no bind address to jax.distributed.initialize: without this its
+            # coordinator would listen on every interface, as the JAX plugin's does not.
+            jaxenv.bind_coordinator(coordinator)
             keras.distribution.initialize(
-                job_addresses=f"{info.head_addr}:{info.ports['keras']}",
+                job_addresses=coordinator,
                 num_processes=info.total_nodes,
                 process_id=info.node,
             )

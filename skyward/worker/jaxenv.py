@@ -12,6 +12,9 @@ before it tries again, which is most of a start-up where processes import JAX at
 different speeds. The knock checks that the coordinator answers (gRPC's HTTP/2 greeting), not
 just that something listens. The arguments and the outcome are JAX's own.
 
+`bind_coordinator` makes node 0's coordinator listen only where the other nodes dial it, for
+the JAX plugin and for Keras when it initializes ``jax.distributed`` itself.
+
 Runs on the nodes: standard library only.
 """
 
@@ -95,6 +98,15 @@ def _knock_first() -> None:
 # coordinator is a gRPC server, which answers with a SETTINGS frame of its own.
 _HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 _SETTINGS = 4
+
+
+def bind_coordinator(address: str) -> None:
+    """Make a ``jax.distributed.initialize`` on node 0 that is not told where to listen
+    (JAX's own, Keras's) serve its coordinator at `address` (``host:port``) only."""
+    # JAX's default is [::], every interface: anyone else on the pool's network could end its
+    # tasks or read and write the key-value store NCCL bootstraps from. JAX reads this variable
+    # when initialize() is given no coordinator_bind_address.
+    os.environ["JAX_COORDINATOR_BIND_ADDRESS"] = address
 
 
 def wait_for_listener(address: str, timeout: float) -> None:

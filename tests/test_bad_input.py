@@ -105,6 +105,16 @@ CASES: list[tuple[str, Callable[[], object], str]] = [
     ("jax timeout", lambda: sky.plugins.jax(initialization_timeout=0), "initialization_timeout"),
     ("jax initialize", lambda: sky.plugins.jax(initialize="no"), "jax(initialize=)"),
     ("keras distribute", lambda: sky.plugins.keras(distribute=1), "keras(distribute=)"),
+    *(
+        ("torch timeout", lambda v=v: sky.plugins.torch(timeout=v), "torch(timeout=)")
+        for v in ("soon", NAN, INF, -1, 0, True)
+    ),
+    ("torch initialize", lambda: sky.plugins.torch(initialize="no"), "torch(initialize=)"),  # type: ignore[arg-type]
+    ("torch initialize 1", lambda: sky.plugins.torch(initialize=1), "torch(initialize=)"),  # type: ignore[arg-type]
+    ("torch version", lambda: sky.plugins.torch(version=""), "torch(version=)"),
+    ("torch version number", lambda: sky.plugins.torch(version=2.5), "torch(version=)"),  # type: ignore[arg-type]
+    ("torch backend", lambda: sky.plugins.torch(backend="NCCL"), "torch(backend='NCCL')"),
+    ("torch backend number", lambda: sky.plugins.torch(backend=1), "torch(backend=1)"),  # type: ignore[arg-type]
 ]
 
 

@@ -20,6 +20,7 @@ import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from skyward import checks
 from skyward.errors import ConfigError
 from skyward.plugins.base import Plugin
 from skyward.plugins.wheels import driver_cuda, names_a_mirror
@@ -60,7 +61,7 @@ class TorchPlugin(Plugin):
         *,
         version: str | None = None,
         initialize: bool = True,
-        timeout: int = 120,
+        timeout: float = 120,
     ) -> None:
         super().__init__()
         if backend is not None and backend not in BACKENDS:
@@ -69,9 +70,9 @@ class TorchPlugin(Plugin):
                 f"skyward sets up; use one of {BACKENDS}, or None to choose from the node"
             )
         self.backend = backend
-        self.version = version
-        self.initialize = initialize
-        self.timeout = timeout
+        self.version = checks.optional_text(version, "torch(version=)")
+        self.initialize = checks.flag(initialize, "torch(initialize=)")
+        self.timeout = checks.seconds(timeout, "torch(timeout=)")
 
     def build(self, cluster: ClusterSpec) -> str:
         """The PyTorch build for `cluster`: ``"cpu"`` without GPUs (a TPU too: torch_xla is
@@ -177,7 +178,7 @@ def torch(
     *,
     version: str | None = None,
     initialize: bool = True,
-    timeout: int = 120,
+    timeout: float = 120,
 ) -> TorchPlugin:
     """The PyTorch plugin (see `TorchPlugin`): ``sky.plugins.torch()``."""
     return TorchPlugin(backend, version=version, initialize=initialize, timeout=timeout)

@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sized
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from skyward.transport.frames import (
     CALL,
@@ -47,7 +47,10 @@ from skyward.transport.frames import (
     spin_until,
     write_all,
 )
-from skyward.transport.messages import Call, Message, from_wire
+from skyward.transport.messages import Call, Heartbeat, Message, from_wire
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 # How long the agent polls for the next call after answering one (see AgentWire.linger). The
 # provider sets it, and only where the agent has a core to itself: polling agents that share
@@ -55,6 +58,8 @@ from skyward.transport.messages import Call, Message, from_wire
 # (providers/local.py, worker/agent.py) import this module, and providers/local must not import
 # worker/agent (an import circle, commit 6495267).
 LINGER_ENV = "SKYWARD_AGENT_LINGER_US"
+
+_HEARTBEAT = b"".join(encode(Heartbeat()))
 
 
 class _Held(Protocol):
@@ -108,9 +113,11 @@ class AgentWire:
 
     One thread reads (`read`, `serve`); while it is busy elsewhere (running a call), another
     may take the frames that have arrived meanwhile (`read_ahead`) and keep them for it, so that
-    the client's pings are seen and its input never piles up. `last_input` is when a frame last
-    arrived, by either way. Writes (`send`) are safe from any thread: each writes whole frames
-    under the write lock.
+    the client's pings are seen and its input never piles up. `last_input` is when bytes last
+    arrived, by either way: every chunk read counts, a frame's header as much as the middle of
+    a large segment, so a frame that takes minutes to cross a slow link is word from the client
+    all along, and only silence is silence. Writes (`send`) are safe from any thread: each
+    writes whole frames under the write lock.
     """
 
     def __init__(self, fd_in: int, fd_out: int) -> None:
@@ -119,8 +126,8 @@ class AgentWire:
         # with os.read (a BufferedReader's refill, copying each part through its own buffer,
         # added to every call's cost on a node: commit 3a65aa1 measured the agent's CPU per
         # call without it), a large segment with an unbuffered reader, which fills one bytes
-        # object of the segment's size in place.
-        self._whole = io.BufferedReader(io.FileIO(fd_in, "rb"), buffer_size=1)
+        # object of the segment's size in place, noting each chunk as it comes (`_Chunks`).
+        self._whole = io.BufferedReader(_Chunks(self, fd_in), buffer_size=1)
         # One poll object per thread that polls (a poll object refuses concurrent use): the
         # reader's `linger` and the other thread's `read_ahead`.
         self._input, self._input_ahead = select.poll(), select.poll()
@@ -134,6 +141,8 @@ class AgentWire:
         self._early: collections.deque[tuple[Message, list[bytes]]] = collections.deque()
         self._ended = False
         self.last_input = time.monotonic()
+        self._beat_every = 0.0  # while `read_ahead` reads: how often it sends a heartbeat
+        self._last_beat = 0.0  # when `heartbeat` last sent one
 
     def send(self, message: Message, segments: Segments = ()) -> None:
         """Write one frame (from any thread: whole frames, one at a time)."""
@@ -144,6 +153,26 @@ class AgentWire:
         with self._write_lock:
             for chunk in chunks:
                 write_all(self._out_fd, chunk)
+
+    def heartbeat(self) -> None:
+        """Send a `Heartbeat`, unless another frame is being written: a heartbeat could not
+        overtake it, and its bytes are word from the node already. Never waits for that
+        frame's end, which takes as long as the link needs (a large result over a slow one):
+        the thread that sends heartbeats also judges the client's silence meanwhile."""
+        if not self._write_lock.acquire(blocking=False):
+            return
+        try:
+            write_all(self._out_fd, _HEARTBEAT)
+        finally:
+            self._write_lock.release()
+        self._last_beat = time.monotonic()
+
+    def heard(self) -> None:
+        """Bytes came from the client (once per chunk read, whole frame or not): note when.
+        While `read_ahead` reads a frame that is slow to come, send heartbeats meanwhile."""
+        now = self.last_input = time.monotonic()
+        if self._beat_every and now - self._last_beat >= self._beat_every:
+            self.heartbeat()
 
     def serve(
         self,
@@ -279,6 +308,7 @@ class AgentWire:
                 if not more:
                     break
                 data += more
+                self.heard()
         if len(data) < n:
             raise FrameError("stream closed in the middle of a frame")
         return data
@@ -292,7 +322,7 @@ class AgentWire:
         if len(head) < ONE_SEGMENT.size:
             head = self._read_exactly(ONE_SEGMENT.size, head)
         meta_len, count, first = ONE_SEGMENT.unpack(head)
-        self.last_input = time.monotonic()
+        self.heard()
         if count == 1:  # `first` is the one segment's length
             meta = self._read_exactly(meta_len)
             # a large segment is its own bytes object: an out-of-band ``bytes`` argument is then
@@ -308,18 +338,25 @@ class AgentWire:
         message = from_wire(read_meta(rest, LENGTH.size * (count - 1), meta_len))
         return message, [self._read_exactly(n) for n in lengths]
 
-    def read_ahead(self, keep: Callable[[Message], bool]) -> None:
+    def read_ahead(self, keep: Callable[[Message], bool], beat_every: float = 0.0) -> None:
         """From another thread: take the frames that have arrived while the reader is busy
         (a frame that has begun to arrive is read whole), keeping those `keep` accepts for
-        `read`. Does nothing while the reader is reading."""
+        `read`. Does nothing while the reader is reading.
+
+        A frame that is slow to come (the next call's large argument over a slow link) keeps
+        this thread here for as long as it takes: it sends a heartbeat every `beat_every`
+        seconds meanwhile (0: none), or the client, which hears nothing else from a node
+        running a call, would take the node for dead."""
         if not self._lock.acquire(blocking=False):
             return
+        self._beat_every = beat_every
         try:
             while not self._ended and self._input_ahead.poll(0):
                 frame = self._rest_of_frame(os.read(self.fileno_in, ONE_SEGMENT.size))
                 if frame is not None and keep(frame[0]):
                     self._early.append(frame)
         finally:
+            self._beat_every = 0.0
             self._lock.release()
 
     def linger(self, seconds: float) -> None:
@@ -333,3 +370,24 @@ class AgentWire:
             return
         poll = self._input.poll
         spin_until(lambda: bool(poll(0)), seconds)
+
+
+class _Chunks(io.RawIOBase):
+    """The control input as `AgentWire` reads a large segment from it: each chunk read tells
+    the wire (`AgentWire.heard`). A segment of 2 GiB takes minutes over a slow link; read in
+    one call, it was silence from the client all that time, and the agent stopped itself
+    after `heartbeat_timeout` while the client was still sending it. One clock read per chunk
+    (a pipe's or a socket's worth, 64 KiB and up), not per byte."""
+
+    def __init__(self, wire: AgentWire, fd: int) -> None:
+        super().__init__()
+        self._wire = wire
+        self._fd = fd
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        n = os.readv(self._fd, [buffer])
+        self._wire.heard()
+        return n

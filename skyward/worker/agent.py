@@ -195,7 +195,11 @@ class Agent:
 
         A client cut off by the network closes nothing: with `silence_timeout`, the client
         pings, and this thread takes what arrived while the main thread runs a call
-        (`read_ahead`); no word for that long and the agent stops.
+        (`read_ahead`, which sends heartbeats while a frame is slow to come); no word for that
+        long and the agent stops. Every chunk of input is word, in the middle of a frame too
+        (`AgentWire.last_input`): a large argument over a slow link is the client speaking.
+        A heartbeat is skipped while another frame is being written (`AgentWire.heartbeat`):
+        its bytes are word from the node, and this thread goes on listening meanwhile.
 
         `stacks` is the pipe faulthandler writes every thread's stack to on SIGUSR2 (from the
         signal handler, in C: it works while the main thread is stuck); this thread sends it.
@@ -217,7 +221,10 @@ class Agent:
             if ready:
                 continue
             if silence_timeout > 0:
-                self._wire.read_ahead(_not_a_ping)
+                try:
+                    self._wire.read_ahead(_not_a_ping, HEARTBEAT_SECONDS)
+                except (OSError, frames.FrameError):  # the stream broke: the client is gone
+                    break
                 quiet = time.monotonic() - self._wire.last_input
                 if quiet > silence_timeout:
                     print(
@@ -229,7 +236,7 @@ class Agent:
                     )
                     break
             try:
-                self.send(messages.Heartbeat())
+                self._wire.heartbeat()
             except OSError:
                 break
         time.sleep(ORPHAN_GRACE_SECONDS)

@@ -28,22 +28,36 @@ class Index:
 
     `packages` scopes the index: only those distributions are taken from it (empty means all).
     `flat` marks a find-links page (a plain HTML list of wheels) rather than a PEP 503 index.
+    `default` makes it the default index, in place of PyPI (uv's ``--default-index`` and
+    ``[[tool.uv.index]] default = true``, pip's ``--index-url``): nothing is then asked of
+    PyPI, so a package your index lacks fails the build rather than coming from the public
+    one. Without it an index is an extra one, asked before the default (uv's ``--index``,
+    pip's ``--extra-index-url``).
     """
 
     url: str
     packages: tuple[str, ...] = ()
     flat: bool = False
+    default: bool = False
 
     def __post_init__(self) -> None:
         checks.text(self.url, "Index(url=)")
         checks.flag(self.flat, "Index(flat=)")
+        checks.flag(self.default, "Index(default=)")
         packages = checks.texts(self.packages, "Index(packages=)")
         object.__setattr__(self, "packages", tuple(canonicalize_name(p) for p in packages))
+        if self.default and (self.packages or self.flat):
+            raise ConfigError(
+                f"Index({redact_urls(self.url)!r}, default=True) replaces PyPI for every "
+                "package, so it is a PEP 503 index for all of them: drop packages= and flat= "
+                "(or default=True, to keep it an extra index)"
+            )
 
     def __repr__(self) -> str:
         # An Image's repr (an error, a log) must not show an index's password.
         url = redact_urls(self.url)
-        return f"Index(url={url!r}, packages={self.packages!r}, flat={self.flat!r})"
+        default = ", default=True" if self.default else ""
+        return f"Index(url={url!r}, packages={self.packages!r}, flat={self.flat!r}{default})"
 
 
 def _as_index(value: Index | str) -> Index:
@@ -59,7 +73,8 @@ class Image:
             which the nodes must run (cloudpickle'd functions do not cross minor versions), so
             a version given must be the client's minor: ``"3.11.9"`` pins a patch release.
         pip: requirement strings (PEP 508), installed with uv.
-        indexes: extra package indexes (`Index` or a URL).
+        indexes: package indexes (`Index` or a URL: an extra index, asked before the default
+            one); at most one `Index(url, default=True)`, which replaces PyPI.
         apt: Debian packages the node must have.
         env: environment variables for the agent and the user's code.
         setup: shell commands run once per image on each node, after the packages.
@@ -91,6 +106,13 @@ class Image:
                 f"Image(indexes=) must be a list of URLs or sky.Index, got {indexes!r}"
             )
         object.__setattr__(self, "indexes", tuple(_as_index(i) for i in indexes))
+        defaults = list(dict.fromkeys(i.url for i in self.indexes if i.default))
+        if len(defaults) > 1:
+            raise ConfigError(
+                "Image(indexes=): more than one index replaces the default index ("
+                f"{redact_urls(', '.join(defaults))}); keep one, and make the others extra "
+                "indexes (Index(url) without default=True)"
+            )
         env_items = sorted(checks.environment(env, "Image(env=)").items())
         object.__setattr__(self, "env", MappingProxyType(dict(env_items)))
         for spec in self.pip:
@@ -111,7 +133,11 @@ class Image:
         return {
             "python": self.python,
             "pip": list(self.pip),
-            "indexes": [[i.url, list(i.packages), i.flat] for i in self.indexes],
+            # `default` only where set: images without one keep the hash they always had.
+            "indexes": [
+                [i.url, list(i.packages), i.flat, *(["default"] if i.default else [])]
+                for i in self.indexes
+            ],
             "apt": list(self.apt),
             "env": dict(self.env),
             "setup": list(self.setup),
@@ -122,6 +148,12 @@ class Image:
         """A short stable hash of everything that shapes the environment."""
         blob = json.dumps(self._canonical(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    @property
+    def default_index(self) -> Index | None:
+        """The index that replaces PyPI (`Index(default=True)`), or None: PyPI, or whatever
+        the host's uv configuration names."""
+        return next((i for i in self.indexes if i.default), None)
 
     def requirements(self) -> list[Requirement]:
         """The parsed pip requirements."""
@@ -147,8 +179,13 @@ class Image:
         return replace(self, env={**self.env, **env})
 
     def merge(self, other: Image) -> Image:
-        """Combine two images: lists are concatenated without repeats, `other` wins on conflicts."""
-        image = self.with_pip(*other.pip).with_indexes(*other.indexes).with_env(other.env)
+        """Combine two images: lists are concatenated without repeats, `other` wins on conflicts
+        (its default index, if it has one, replaces this one's)."""
+        own = self.indexes
+        if other.default_index is not None:
+            own = tuple(i for i in own if not i.default)
+        image = replace(self, indexes=own).with_pip(*other.pip)
+        image = image.with_indexes(*other.indexes).with_env(other.env)
         return replace(
             image,
             python=other.python or self.python,

@@ -69,7 +69,7 @@ def test_script_metadata_is_read_as_uv_run_reads_it(tmp_path: Path) -> None:
         sky.Index("https://first.example/simple/"),
         sky.Index("https://extra.example/simple/"),
         sky.Index("https://wheels.example/links.html", flat=True),
-        sky.Index("https://mirror.example/simple/"),  # the default: asked last
+        sky.Index("https://mirror.example/simple/", default=True),  # in place of PyPI
     )
     assert found.sources == ("train.py's metadata",)
 
@@ -121,7 +121,7 @@ def test_a_requirements_file_as_pip_reads_it(tmp_path: Path) -> None:
     found = packages.requirements_file(path)
     assert found.pip == ("cloudpickle>=3", 'numpy>=1.26 ; python_version >= "3.11"')
     assert found.indexes == (
-        sky.Index("https://mirror.example/simple/"),
+        sky.Index("https://mirror.example/simple/", default=True),  # -i: in place of PyPI
         sky.Index("https://extra.example/simple/"),
         sky.Index("https://wheels.example/links.html", flat=True),
     )

@@ -93,6 +93,50 @@ def test_an_index_scoped_to_a_package_serves_it_ahead_of_the_unscoped_one(
         assert not any(".whl" in path and "alpha" not in path for path in scoped.requests)
 
 
+def test_a_default_index_replaces_the_hosts_default_one(
+    index: PackageIndex, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Index(default=True)` is uv's --default-index: a package it lacks is not taken from the
+    host's default index (PyPI, or here UV_DEFAULT_INDEX, which has it), so no public package
+    stands in for a private one of the same name."""
+    monkeypatch.setenv("UV_HTTP_RETRIES", "0")
+    folder = tmp_path / "private"
+    for name in ("cloudpickle", "packaging"):  # the agent's own, but not skyward-alpha
+        wheels.wheel_of_installed(folder, name)
+    with PackageIndex(folder) as private:
+        monkeypatch.setenv("UV_DEFAULT_INDEX", index.simple_url)  # it has skyward-alpha
+        replaced = sky.Image(
+            pip=["skyward-alpha"], indexes=[sky.Index(private.simple_url, default=True)]
+        )
+        assert replaced.default_index == sky.Index(private.simple_url, default=True)
+        with pytest.raises(sky.BootstrapError) as caught:
+            _run_alpha(replaced)
+        assert "skyward-alpha was not found" in caught.value.output
+        assert "/simple/skyward-alpha/" in private.requests
+        assert index.requests == [], "the host's default index is never asked"
+        # As an extra index the same one is asked first, and the default one after it.
+        extra = sky.Image(pip=["skyward-alpha"], indexes=[sky.Index(private.simple_url)])
+        assert _run_alpha(extra)[1] == "unscoped"
+        assert "/simple/skyward-alpha/" in index.requests
+
+
+def test_one_default_index_an_image(tmp_path: Path) -> None:
+    first, second = "http://a.example/simple/", "http://me:pw@b.example/simple/"
+    with pytest.raises(sky.ConfigError, match=r"more than one index replaces the default index"):
+        sky.Image(indexes=[sky.Index(first, default=True), sky.Index(second, default=True)])
+    with pytest.raises(sky.ConfigError, match=r"default=True\) replaces PyPI .* drop packages="):
+        sky.Index(first, packages=["torch"], default=True)
+    # Merging, the other image's default index wins, as its other settings do.
+    mine = sky.Image(indexes=[sky.Index(first, default=True), "http://extra.example/"])
+    merged = mine.merge(sky.Image(indexes=[sky.Index(second, default=True)]))
+    assert merged.default_index == sky.Index(second, default=True)
+    assert "pw" not in repr(merged.default_index)
+    assert (
+        sky.Image(indexes=[first]).content_hash
+        != sky.Image(indexes=[sky.Index(first, default=True)]).content_hash
+    )
+
+
 def test_a_package_no_index_serves_fails_the_build_naming_it(
     index: PackageIndex, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -136,9 +180,11 @@ def _uvinstall(dest: Path, *args: str, input: bytes = b"") -> dict[str, str]:
     return result
 
 
-def _fetch(dest: Path, *indexes: tuple[str, bool]) -> dict[str, str]:
-    """``uvinstall --fetch``, the (url, flat) indexes on its stdin as the client sends them."""
-    return _uvinstall(dest, "--fetch", input=json.dumps([list(i) for i in indexes]).encode())
+def _fetch(dest: Path, *indexes: tuple[str, bool] | tuple[str, bool, bool]) -> dict[str, str]:
+    """``uvinstall --fetch``, the (url, flat[, default]) indexes on its stdin as the client
+    sends them."""
+    listed = [[*i, False][:3] for i in indexes]
+    return _uvinstall(dest, "--fetch", input=json.dumps(listed).encode())
 
 
 @pytest.mark.parametrize("flat", [True, False], ids=["flat", "pep503"])
@@ -171,6 +217,18 @@ def test_no_index_with_uv_is_an_error_naming_each_index_and_leaving_nothing(
     assert "http://***@127.0.0.1:9/private/: " in result["output"]
     assert DEAD_INDEX in result["output"], "the default index is tried last"
     assert not dest.parent.parent.exists(), "nothing that looks like an installed uv"
+
+
+def test_uv_is_fetched_from_the_images_default_index_in_place_of_the_hosts(
+    index: PackageIndex, uv_index: PackageIndex, tmp_path: Path
+) -> None:
+    dest = tmp_path / "bootstrap" / f"uv-{UV_VERSION}" / "bin" / "uv"
+    result = _fetch(dest, (index.simple_url, False, True), (index.flat_url, True, False))
+    assert result["error"] == f"no index served uv {UV_VERSION} for Linux/x86_64/glibc"
+    tried = result["output"].splitlines()
+    assert tried[0].startswith(index.flat_url) and tried[-1].startswith(index.simple_url)
+    assert DEAD_INDEX not in result["output"], "the host's default index is replaced"
+    assert _fetch(dest, (uv_index.simple_url, False, True)) == {"uv": str(dest)}
 
 
 def test_the_clients_uv_binary_is_received_and_a_wrong_one_refused(tmp_path: Path) -> None:

@@ -58,11 +58,22 @@ def test_a_driver_too_old_for_any_cuda_build_is_a_clear_error() -> None:
         sky.plugins.torch().transform(sky.Image(), cluster("A100", "11.8"))
 
 
-def test_an_image_with_a_mirror_for_everything_takes_torch_from_it() -> None:
-    mirror = sky.Index("http://10.0.0.1:8000/simple/")
+def test_an_image_whose_default_index_is_a_mirror_takes_torch_from_it() -> None:
+    mirror = sky.Index("http://10.0.0.1:8000/simple/", default=True)
     image = sky.plugins.torch().transform(sky.Image(indexes=[mirror]), cluster("A100", "12.8"))
     assert image.indexes == (mirror,)
     assert image.pip == ("torch",)
+
+
+def test_an_extra_index_for_every_package_keeps_the_cpu_build_on_cpu_nodes() -> None:
+    """An extra index (a company's own packages, `--index`, `extra-index-url`) is asked before
+    PyPI but does not replace it: torch still comes from PyTorch's CPU index, not as PyPI's
+    3 GB CUDA build."""
+    extra = sky.Index("http://10.0.0.1:8000/simple/")
+    image = sky.plugins.torch().transform(sky.Image(indexes=[extra]), cluster())
+    assert image.indexes == (extra, wheels("cpu"))
+    gpu = sky.plugins.torch().transform(sky.Image(indexes=[extra]), cluster("A100", "12.8"))
+    assert gpu.indexes == (extra, wheels("cu128"))
 
 
 def test_version_pins_torch_and_the_images_own_requirement_is_kept_otherwise() -> None:

@@ -6,9 +6,14 @@
   profile keys ``pip``, ``requirements``, ``indexes``, ``find_links``);
 - with ``--workdir``, the work directory's ``pyproject.toml`` ``[project] dependencies``.
 
-They become one `sky.Image` (`Packages.image`). A malformed source is a `ConfigError` that names
-the file (and line) before anything starts; a requirement no index serves fails the nodes'
-environment build, and `unresolved` turns that into an error naming it and the indexes asked.
+They become one `sky.Image` (`Packages.image`). Indexes are read as uv and pip read them: an
+``index-url`` (``-i``, ``[[tool.uv.index]] default = true``) replaces the default index (PyPI),
+an ``extra-index-url`` (``--index``, any other ``[[tool.uv.index]]``) is asked before it. A
+``[tool.uv.sources]`` entry becomes an index scoped to the package or a direct reference
+(``name @ git+...``, ``name @ https://...``); one the nodes cannot follow (a path on this
+machine, markers) is an error. A malformed source is a `ConfigError` that names the file (and
+line) before anything starts; a requirement no index serves fails the nodes' environment build,
+and `unresolved` turns that into an error naming it and the indexes asked.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
 
 from skyward.errors import BootstrapError, ConfigError
 from skyward.image import Image, Index
@@ -44,6 +50,15 @@ class Packages:
     sources: tuple[str, ...] = ()
 
     def __add__(self, other: Packages) -> Packages:
+        defaults = dict.fromkeys(i.url for i in (*self.indexes, *other.indexes) if i.default)
+        if len(defaults) > 1:
+            raise ConfigError(
+                "more than one index replaces the default index (an index-url, a -i/--index-url "
+                "line, a [[tool.uv.index]] with default = true): "
+                f"{redact_urls(', '.join(defaults))} (from "
+                f"{', '.join(dict.fromkeys((*self.sources, *other.sources)))}); keep one, and "
+                "make the others extra indexes (extra-index-url, --extra-index-url, --index)"
+            )
         return Packages(
             tuple(dict.fromkeys((*self.pip, *other.pip))),
             tuple(dict.fromkeys((*self.indexes, *other.indexes))),
@@ -51,7 +66,8 @@ class Packages:
         )
 
     def image(self) -> Image:
-        """The nodes' image: these requirements, the indexes ahead of the default one."""
+        """The nodes' image: these requirements, the extra indexes ahead of the default one
+        (this one's if it names one, in place of PyPI)."""
         return Image(pip=self.pip, indexes=self.indexes)
 
 
@@ -87,8 +103,9 @@ def from_flags(
 
 
 def requirements_file(path: Path, seen: tuple[Path, ...] = ()) -> Packages:
-    """What ``pip install -r PATH`` reads: requirements, ``-r`` includes, ``-i/--index-url``,
-    ``--extra-index-url`` and ``-f/--find-links``; anything else is a ConfigError."""
+    """What ``pip install -r PATH`` reads: requirements, ``-r`` includes, ``-i/--index-url``
+    (the default index, in place of PyPI), ``--extra-index-url`` and ``-f/--find-links``;
+    anything else is a ConfigError."""
     if path.resolve() in seen:
         raise ConfigError(f"{path}: includes itself (through -r)")
     try:
@@ -106,7 +123,9 @@ def requirements_file(path: Path, seen: tuple[Path, ...] = ()) -> Packages:
             found += Packages(_requirements([value], where))
         elif option in ("-r", "--requirement"):
             found += requirements_file(path.parent / value, (*seen, path.resolve()))
-        elif option in ("-i", "--index-url", "--extra-index-url"):
+        elif option in ("-i", "--index-url"):
+            found += Packages(indexes=(Index(value, default=True),))
+        elif option == "--extra-index-url":
             found += Packages(indexes=(Index(value),))
         elif option in ("-f", "--find-links"):
             found += Packages(indexes=(Index(value, flat=True),))
@@ -137,9 +156,9 @@ def _logical_lines(text: str) -> list[tuple[int, str]]:
 
 
 def script_metadata(path: Path) -> Packages:
-    """The script's PEP 723 ``script`` block: its ``dependencies``, and the indexes of its
-    ``[tool.uv]`` table; its ``requires-python`` must admit this client's Python (the nodes
-    run the client's). No block: nothing."""
+    """The script's PEP 723 ``script`` block: its ``dependencies``, and the indexes and sources
+    of its ``[tool.uv]`` table; its ``requires-python`` must admit this client's Python (the
+    nodes run the client's). No block: nothing."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -171,9 +190,11 @@ def script_metadata(path: Path) -> Packages:
     _check_python(table.get("requires-python"), where)
     tool = table.get("tool", {})
     uv = tool.get("uv", {}) if isinstance(tool, dict) else {}
+    uv = uv if isinstance(uv, dict) else {}
+    sent, direct = _uv_sources(uv, where)
     return Packages(
-        _requirements(dependencies, where),
-        _uv_indexes(uv if isinstance(uv, dict) else {}, where),
+        _with_direct_sources(_requirements(dependencies, where), direct, where),
+        _uv_indexes(uv, sent, where),
         (f"{path.name}'s metadata",),
     )
 
@@ -194,32 +215,160 @@ def _check_python(requires: Any, where: str) -> None:
         )
 
 
-def _uv_indexes(uv: dict[str, Any], where: str) -> tuple[Index, ...]:
-    """The indexes of a ``[tool.uv]`` table, in uv's order of priority: ``[[tool.uv.index]]``
-    (an explicit one serves only the packages ``[tool.uv.sources]`` sends to it), then
-    ``extra-index-url``, ``find-links``, and ``index-url`` (the default) last."""
-    sources = uv.get("sources", {})
-    sent: dict[str, list[str]] = {}
-    if isinstance(sources, dict):
-        for package, source in sources.items():
-            if isinstance(source, dict) and isinstance(source.get("index"), str):
-                sent.setdefault(source["index"], []).append(package)
+def _uv_indexes(uv: dict[str, Any], sent: dict[str, list[str]], where: str) -> tuple[Index, ...]:
+    """The indexes of a ``[tool.uv]`` table, in uv's order of priority: ``[[tool.uv.index]]``,
+    then ``extra-index-url`` and ``find-links``; ``index-url`` and a ``[[tool.uv.index]]`` with
+    ``default = true`` replace the default index. `sent` (index name: packages, from
+    ``[tool.uv.sources]``) scopes an index to packages: an explicit one serves only those, and
+    a package sent to an index is taken from it alone."""
     found: list[Index] = []
+    named = set()
     for entry in _list(uv.get("index", []), "[[tool.uv.index]]", where):
         if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
             raise ConfigError(f"{where}: each [[tool.uv.index]] needs a url")
-        flat = entry.get("format") == "flat"
+        named.add(str(entry.get("name")))
+        url, flat = entry["url"], entry.get("format") == "flat"
+        packages = sent.get(str(entry.get("name")), [])
+        if packages:
+            found.append(Index(url, packages=tuple(packages), flat=flat))
         if entry.get("explicit"):
-            packages = sent.get(str(entry.get("name")), [])
-            if packages:
-                found.append(Index(entry["url"], packages=tuple(packages), flat=flat))
+            continue
+        if entry.get("default"):
+            if flat:
+                raise ConfigError(
+                    f"{where}: the [[tool.uv.index]] {redact_urls(url)} with default = true is a "
+                    "flat page "
+                    '(format = "flat"): the default index must be a PEP 503 index, as for uv'
+                )
+            found.append(Index(url, default=True))
         else:
-            found.append(Index(entry["url"], flat=flat))
+            found.append(Index(url, flat=flat))
+    for name, packages in sent.items():
+        if name not in named:
+            raise ConfigError(
+                f"{where}: [tool.uv.sources] sends {', '.join(packages)} to the index {name!r}, "
+                "which no [[tool.uv.index]] names: add one with that name (and its url)"
+            )
     found += [Index(url) for url in _list(uv.get("extra-index-url", []), "extra-index-url", where)]
     found += [Index(u, flat=True) for u in _list(uv.get("find-links", []), "find-links", where)]
     if isinstance(uv.get("index-url"), str):
-        found.append(Index(uv["index-url"]))
+        found.append(Index(uv["index-url"], default=True))
+    defaults = list(dict.fromkeys(i.url for i in found if i.default))
+    if len(defaults) > 1:
+        raise ConfigError(
+            f"{where}: [tool.uv] names more than one default index "
+            f"({redact_urls(', '.join(defaults))}: "
+            "index-url and [[tool.uv.index]] with default = true): keep one"
+        )
     return tuple(found)
+
+
+# What a [tool.uv.sources] entry may hold for each kind of source the nodes can follow.
+_SOURCE_KEYS = {
+    "index": {"index"},
+    "git": {"git", "rev", "tag", "branch", "subdirectory"},
+    "url": {"url", "subdirectory"},
+}
+
+
+def _uv_sources(uv: dict[str, Any], where: str) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """``[tool.uv.sources]`` as the nodes can follow it: (index name: the packages sent to it,
+    package: the direct URL of its git or url source). A source on this machine (``path``,
+    ``workspace``), a list of sources, or one for a marker, an extra or a group only, is a
+    ConfigError that names the package: none is left out quietly."""
+    sources = uv.get("sources", {})
+    if not isinstance(sources, dict):
+        raise ConfigError(f"{where}: [tool.uv.sources] must be a table")
+    sent: dict[str, list[str]] = {}
+    direct: dict[str, str] = {}
+    for package, source in sources.items():
+        entry = f"{where}: [tool.uv.sources] {package}"
+        if isinstance(source, list):
+            raise ConfigError(
+                f"{entry} is a list of sources (one per marker); the nodes take one source a "
+                "package: keep the one for the nodes (Linux, this client's Python), without "
+                "its marker"
+            )
+        if not isinstance(source, dict):
+            raise ConfigError(f"{entry} must be a table ({{ index = ... }}, {{ git = ... }}, ...)")
+        if "path" in source or "workspace" in source:
+            what = f"path {source['path']!r}" if "path" in source else "a workspace member"
+            raise ConfigError(
+                f"{entry} is {what} on this machine, which the nodes cannot see: publish the "
+                "package to an index (and name the index in [tool.uv] or with --index), or, "
+                "for a package beside the script, drop it from dependencies and run with "
+                "--workdir DIR (the directory is copied to every node, and the script imports "
+                "its sibling packages from there)"
+            )
+        kind = next((k for k in _SOURCE_KEYS if k in source), None)
+        if kind is None:
+            raise ConfigError(
+                f"{entry} = {_redacted(source)} is not a source the nodes can follow: use "
+                "{ index = NAME }, { git = URL } or { url = URL }"
+            )
+        unknown = sorted(set(source) - _SOURCE_KEYS[kind])
+        if unknown:
+            raise ConfigError(
+                f"{entry}: {', '.join(unknown)} in a {kind} source is not supported for the "
+                f"nodes (they take {', '.join(sorted(_SOURCE_KEYS[kind]))}): a source for a "
+                "marker, an extra or a group only cannot be honoured; give the package one "
+                "source for every node"
+            )
+        if kind == "index":
+            sent.setdefault(str(source["index"]), []).append(package)
+        else:
+            direct[canonicalize_name(package)] = _direct_url(kind, source, entry)
+    return sent, direct
+
+
+def _direct_url(kind: str, source: dict[str, Any], entry: str) -> str:
+    """A git or url source as the URL of a PEP 508 direct reference (``git+URL@REF``, with
+    ``#subdirectory=`` where it names one)."""
+    url = source[kind]
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"{entry}: {kind} must be a URL")
+    if url.removeprefix("git+").startswith("file:"):
+        raise ConfigError(
+            f"{entry}: {redact_urls(url)} is on this machine, which the nodes cannot see: "
+            "publish it where the nodes can reach it (a git server, a web server, an index)"
+        )
+    if kind == "git":
+        refs = [source[k] for k in ("rev", "tag", "branch") if k in source]
+        if len(refs) > 1:
+            raise ConfigError(f"{entry}: give one of rev, tag and branch")
+        url = url if url.startswith("git+") else f"git+{url}"
+        url += f"@{refs[0]}" if refs else ""
+    if "subdirectory" in source:
+        url += f"#subdirectory={source['subdirectory']}"
+    return str(url)
+
+
+def _with_direct_sources(
+    pip: tuple[str, ...], direct: dict[str, str], where: str
+) -> tuple[str, ...]:
+    """`pip` with each requirement that has a git or url source as a direct reference to it
+    (its extras and marker kept; the source decides the version)."""
+    rewritten = []
+    for spec in pip:
+        requirement = Requirement(spec)
+        url = direct.pop(canonicalize_name(requirement.name), None)
+        if url is None:
+            rewritten.append(spec)
+            continue
+        extras = f"[{','.join(sorted(requirement.extras))}]" if requirement.extras else ""
+        marker = f" ; {requirement.marker}" if requirement.marker else ""
+        rewritten.append(f"{requirement.name}{extras} @ {url}{marker}")
+    if direct:
+        raise ConfigError(
+            f"{where}: [tool.uv.sources] gives a git or url source for "
+            f"{', '.join(direct)}, which the dependencies do not list: a source applies to a "
+            "dependency; add it to dependencies, or remove the source"
+        )
+    return tuple(rewritten)
+
+
+def _redacted(value: Any) -> str:
+    return redact_urls(repr(value))
 
 
 def _list(value: Any, key: str, where: str) -> list[Any]:
@@ -253,9 +402,13 @@ def unresolved(error: BootstrapError, asked: Packages) -> ConfigError | None:
     if reason is None:
         return None
     indexes = [
-        f"{i.url} (for {', '.join(i.packages)})" if i.packages else i.url for i in asked.indexes
+        f"{i.url} (for {', '.join(i.packages)})" if i.packages else i.url
+        for i in asked.indexes
+        if not i.default
     ]
-    where = redact_urls(", ".join([*indexes, DEFAULT_INDEX]))
+    default = next((i.url for i in asked.indexes if i.default), None)
+    last = DEFAULT_INDEX if default is None else f"then the default index {default}, not PyPI"
+    where = redact_urls(", ".join([*indexes, last]))
     return ConfigError(
         f"the nodes' packages cannot be installed: {redact_urls(reason)} Indexes asked: {where}\n"
         f"Asked for: {', '.join(asked.pip)} (from {', '.join(asked.sources)}). Fix the "

@@ -2,8 +2,8 @@
 
 `transform` adds ``torch`` (pinned with ``version=``) and the PyTorch wheel index that fits the
 nodes, scoped to the torch packages: the CUDA build for the nodes' driver on GPU nodes, the CPU
-build elsewhere (unless the image names an index for everything, a private mirror: torch then
-comes from it, as PyPI serves it).
+build elsewhere (unless the image's default index replaces PyPI, a private mirror: torch then
+comes from it, as PyPI serves it; an extra index leaves the choice as it is).
 `around_app` exports torchrun's variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``; one process per node), then calls
 ``torch.distributed.init_process_group`` on a store that node 0 serves on the pool's address
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from skyward import checks
 from skyward.errors import ConfigError
 from skyward.plugins.base import Plugin
-from skyward.plugins.wheels import driver_cuda, names_a_mirror
+from skyward.plugins.wheels import driver_cuda
 
 if TYPE_CHECKING:
     # Client-side types: an agent unpickles this plugin and must not load the image (and
@@ -96,7 +96,9 @@ class TorchPlugin(Plugin):
             image = image.without_packages(["torch"]).with_pip(f"torch=={self.version}")
         elif not any(r.name.lower() == "torch" for r in image.requirements()):
             image = image.with_pip("torch")
-        if names_a_mirror(image):
+        # Only a default index (a mirror in place of PyPI) serves torch itself; an extra index
+        # (a company's own packages) does not make CPU nodes take PyPI's 3 GB CUDA build.
+        if image.default_index is not None:
             return image
         url = f"{TORCH_WHEELS}/{self.build(cluster)}"
         return image.with_indexes(Index(url, packages=TORCH_PACKAGES))

@@ -45,7 +45,8 @@ def env_spec(image: Image) -> envbuild.EnvSpec:
         hash=key,
         python=python,
         pip=pip,
-        indexes=tuple((i.url, i.packages, i.flat) for i in image.indexes),
+        indexes=tuple((i.url, i.packages, i.flat) for i in image.indexes if not i.default),
+        default_index=image.default_index.url if image.default_index is not None else None,
         setup=image.setup,
         env=dict(image.env),
     )

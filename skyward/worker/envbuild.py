@@ -11,7 +11,9 @@ the interpreter this runs with when it is that version, else whatever uv finds f
 ``UV_PYTHON_INSTALL_DIR`` says otherwise). The image's indexes reach uv as configuration it
 reads: unscoped ones as ``[[index]]`` entries of a ``--config-file``, ahead of the default index;
 ones scoped to packages as explicit indexes of the requirements' pyproject.toml, with a source
-for each package.
+for each package; the image's default index, when it names one, as ``UV_DEFAULT_INDEX`` in uv's
+environment (where a host's own ``UV_DEFAULT_INDEX`` or ``UV_INDEX_URL`` would otherwise win
+over any configuration file).
 
 Layout of the cache directory::
 
@@ -51,6 +53,7 @@ class EnvSpec:
     pip: tuple[str, ...] = ()
     # [url, [package, ...], flat]; an index with packages serves only those packages
     indexes: tuple[tuple[str, tuple[str, ...], bool], ...] = ()
+    default_index: str | None = None  # in place of PyPI (and of the host's UV_DEFAULT_INDEX)
     setup: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
@@ -141,6 +144,10 @@ def _build_into(
             f"cloudpickle do not cross minor versions), but this host's {base} is {have} and uv "
             f"found no Python {spec.python} here nor could download one. Install python"
             f"{spec.python} on the host, let uv download it (a route to GitHub, or "
+    if spec.default_index is not None:
+        # In the environment, not on the command line, which is public on its machine.
+        env.pop("UV_INDEX_URL", None)
+        env["UV_DEFAULT_INDEX"] = spec.default_index
             "UV_PYTHON_INSTALL_MIRROR in the provider's build_env), or run the client on "
             f"Python {'.'.join(have.split('.')[:2])}",
             exc.output,

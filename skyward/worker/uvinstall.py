@@ -8,10 +8,10 @@ exists, so it is standard library only. Two ways in, chosen by the client
   when the host's OS, architecture and C library match its own);
 - ``--fetch``: the uv wheel for this host's platform is found on the image's indexes
   (flat pages or PEP 503 simple indexes, in order, then those of ``UV_INDEX`` and the default
-  index, ``UV_DEFAULT_INDEX`` or ``UV_INDEX_URL`` or PyPI, as uv would read them), downloaded
-  with urllib, checked against the sha256 the index gives, and the binary taken out of it. The
-  image's indexes arrive on stdin as JSON, not as an argument: a URL may hold a password, and a
-  command line is public on its machine.
+  index: the image's own if it names one, else ``UV_DEFAULT_INDEX`` or ``UV_INDEX_URL`` or
+  PyPI, as uv would read them), downloaded with urllib, checked against the sha256 the index
+  gives, and the binary taken out of it. The image's indexes arrive on stdin as JSON, not as
+  an argument: a URL may hold a password, and a command line is public on its machine.
 
 Either way the binary lands at DEST (``<cache>/bootstrap/uv-<version>/bin/uv``) atomically, under
 a lock, and must answer ``uv --version`` with the version asked for. The last line printed is
@@ -123,15 +123,19 @@ def _binary_of(wheel: bytes, version: str) -> bytes:
             raise Failed(f"the uv {version} wheel holds no {name}") from None
 
 
-def fetch(version: str, indexes: list[tuple[str, bool]]) -> bytes:
-    """The uv binary, from the first of `indexes` ((url, flat), then the default index) that
-    serves a fitting wheel."""
+def fetch(version: str, indexes: list[tuple[str, bool, bool]]) -> bytes:
+    """The uv binary, from the first of `indexes` ((url, flat, default): the extra ones, then
+    the default index) that serves a fitting wheel."""
     key = platform_key()
+    extra = [(url, flat) for url, flat, default in indexes if not default]
     # The indexes uv itself would read from the build's environment come after the image's.
     configured = [(u.split("=", 1)[-1], False) for u in os.environ.get("UV_INDEX", "").split()]
-    default = os.environ.get("UV_DEFAULT_INDEX") or os.environ.get("UV_INDEX_URL") or DEFAULT_INDEX
+    # The image's default index replaces the host's, as it does for the build (`envbuild`).
+    default = next((url for url, _, is_default in indexes if is_default), None) or (
+        os.environ.get("UV_DEFAULT_INDEX") or os.environ.get("UV_INDEX_URL") or DEFAULT_INDEX
+    )
     tried: list[str] = []
-    for url, flat in [*indexes, *configured, (default, False)]:
+    for url, flat in [*extra, *configured, (default, False)]:
         try:
             links = candidates(url, flat, version, key)
             if not links:
@@ -178,7 +182,7 @@ def install(dest: str, version: str, binary: bytes) -> None:
 
 def main() -> None:
     """``python3 -m skyward.worker.uvinstall DEST VERSION --receive`` (the binary gzipped on
-    stdin) or ``... --fetch`` (a JSON list of ``[url, flat]`` on stdin)."""
+    stdin) or ``... --fetch`` (a JSON list of ``[url, flat, default]`` on stdin)."""
     dest, version, how = sys.argv[1], sys.argv[2], sys.argv[3]
     try:
         root = os.path.dirname(os.path.dirname(os.path.dirname(dest)))  # <cache>/bootstrap
@@ -190,7 +194,7 @@ def main() -> None:
                     binary = gzip.decompress(sys.stdin.buffer.read())
                 else:
                     listed = json.loads(sys.stdin.read())
-                    binary = fetch(version, [(u, bool(f)) for u, f in listed])
+                    binary = fetch(version, [(u, bool(f), bool(d)) for u, f, d in listed])
                 install(dest, version, binary)
     except Failed as exc:
         # What was tried names each index: without the passwords some of their URLs hold.

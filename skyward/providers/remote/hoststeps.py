@@ -93,7 +93,9 @@ async def install_uv(
         done = await json_step(node, bootstrap, f"{command} --receive", what, log, binary)
     else:
         # Scoped indexes serve uv only when they name it; unscoped ones serve everything.
-        serving = [[i.url, i.flat] for i in indexes if not i.packages or "uv" in i.packages]
+        serving = [
+            [i.url, i.flat, i.default] for i in indexes if not i.packages or "uv" in i.packages
+        ]
         what = f"fetching uv {version} for {report.system} {report.machine} from the indexes"
         # On stdin: an index URL may hold a password, and a command line is public.
         listed = json.dumps(serving).encode()
@@ -136,7 +138,9 @@ async def apt_install(
     await run_step(
         node,
         bootstrap,
-        f"export DEBIAN_FRONTEND=noninteractive; {sudo}apt-get update -q 2>&1 && "
+        # The system's usual umask, not the cache's 077 that every step runs with: what apt
+        # writes (its lists, dpkg's status, what packages' scripts make) is for every user.
+        f"umask 022; export DEBIAN_FRONTEND=noninteractive; {sudo}apt-get update -q 2>&1 && "
         # `--`: a package name that starts with "-" is a name, never an option.
         f"{sudo}apt-get install -y -q --no-install-recommends -- {names} 2>&1",
         f"installing apt packages {', '.join(packages)}",
@@ -151,6 +155,10 @@ async def send_step(
     log(what)  # the step's name, then its output lines: the node's detail as it builds
     # build_env's values reach the step on its stdin, ahead of its input (`stdinenv`).
     line = env_line(bootstrap.build_env)
+    # Every step runs under umask 077 before it makes anything: what it writes to the cache
+    # (its first folders, bootstrap/, skyward's source, uv's files) is the user's alone, and a
+    # host's login shell has the host's umask (022 on most).
+    command = f"umask 077; {command}"
 
     def echo(text: str) -> None:  # a tool's line may show an index URL with its password
         log(redact_urls(text))
@@ -201,7 +209,7 @@ LOW_DISK_BYTES = 512 << 20
 
 async def _low_disk(node: NodeOnHost) -> str:
     """A sentence for a failed step when the host's cache is nearly full; "" otherwise."""
-    probe = f'C="{CACHE}"; mkdir -p "$C" 2>/dev/null; echo "$C"; df -Pk "$C" | tail -n 1'
+    probe = f'umask 077; C="{CACHE}"; mkdir -p "$C" 2>/dev/null; echo "$C"; df -Pk "$C" | tail -n 1'
     try:
         done = await asyncio.wait_for(node.host.run(probe), 10)
         where, line = done.stdout.decode(errors="replace").strip().splitlines()[-2:]

@@ -946,7 +946,7 @@ def lead_batch(root: Path) -> int:
     plan = read_json(root / SLURM_PLAN)
     hosts = _slurm_out(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]]).split()
     head = _node_address(hosts[0])
-    port, torch_port = _free_port(head), _free_port(head)
+    port, torch_port = _free_ports(head, 2)
     launchers = []
     for rank, host in enumerate(hosts):
         directory = root / f"node-{rank}"
@@ -998,13 +998,18 @@ def _node_address(name: str) -> str:
     return name
 
 
-def _free_port(address: str) -> int:
+def _free_ports(address: str, count: int) -> list[int]:
+    """`count` distinct free ports at `address`: each socket stays bound until every port is
+    chosen, as a port released at once may be the next one chosen (JAX and torch on one)."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket())
+            sock.bind((address, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 def main(argv: Sequence[str]) -> int:

@@ -1,10 +1,15 @@
-"""How the client reaches a detached run's nodes: read their state and logs, stop the run, and
-remove what the run left once it has ended.
+"""How the client reaches a detached run's nodes: read their state and logs, bring their
+outputs here, stop the run, and remove what the run left once it has ended.
 
 `Local` reads this machine's files; `Remote` runs one shell command per node over a verified
 SSH connection (an SSH host). Each `peek` asks every node at once and returns, per node, what
 its files say: node 0 also says whether its leader is alive. A node that cannot be reached is
 `None`, never a failed run.
+
+Logs and outputs of any size travel in bounded memory: a look reads at most `LOG_LIMIT` bytes
+of each rank's log (the caller looks again while a node had more), and a node's outputs are
+unpacked as their tar stream comes. A node counts as unreachable when it sends nothing for
+`PROGRESS_TIMEOUT` seconds, never because a transfer is long.
 """
 
 from __future__ import annotations
@@ -14,16 +19,26 @@ import contextlib
 import os
 import shlex
 import signal
-from collections.abc import Sequence
+import tarfile
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from skyward.worker import supervisor
 from skyward.worker.supervisor import LOG, NODE_STATE, RUN_STATE, read_json
 
-# How long one look at a node may take before the node counts as unreachable.
-PEEK_TIMEOUT = 20.0
+# How long a node may send nothing, while it is asked something, before it counts as
+# unreachable: a transfer of any length goes on as long as its bytes keep coming.
+PROGRESS_TIMEOUT = 20.0
+# The most of one rank's log a look reads: a look stays quick and its memory bounded on a
+# slow link or a huge log; `Run.logs` looks again at once while a node had this much.
+LOG_LIMIT = 4 << 20
+# One read from a node's stream (outputs, logs).
+_CHUNK = 1 << 20
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -33,14 +48,23 @@ class NodeView:
     node: dict[str, Any]  # node.json: the follower's state
     run: dict[str, Any] = field(default_factory=dict)  # run.json (node 0 only)
     leader_alive: bool = False  # node 0 only
-    data: bytes = b""  # the rank's log from the offset asked
+    data: bytes = b""  # the rank's log from the offset asked, at most LOG_LIMIT bytes
+
+    @property
+    def more(self) -> bool:
+        """Whether the log may go on past what this look read (it read all it may)."""
+        return len(self.data) >= LOG_LIMIT
 
 
 class Reach(Protocol):
     """A run's nodes as the client reaches them."""
 
     def peek(self, offsets: Sequence[int]) -> list[NodeView | None]: ...
-    def outputs(self) -> list[bytes | None]: ...
+    def outputs(self, targets: Sequence[Path]) -> list[str | None]:
+        """Unpack node i's output directory into ``targets[i]``; per node, ``None`` once
+        it is all there, else why not."""
+        ...
+
     def signal(self, pids: Sequence[tuple[int, int]], signum: int) -> None: ...
     def clean(self, key_tags: Sequence[str | None]) -> None: ...
     def close(self) -> None: ...
@@ -61,24 +85,20 @@ class Local:
                 view.leader_alive = supervisor.alive(int(view.run.get("leader_pid", 0)))
             with contextlib.suppress(OSError), open(directory / LOG, "rb") as handle:
                 handle.seek(offset)
-                view.data = handle.read()
+                view.data = handle.read(LOG_LIMIT)
             views.append(view)
         return views
 
-    def outputs(self) -> list[bytes | None]:
-        """Each node's output directory as a tar stream."""
-        import io
-        import tarfile
-
-        found: list[bytes | None] = []
-        for directory in self.directories:
-            buffer = io.BytesIO()
-            with tarfile.open(fileobj=buffer, mode="w") as tar:
-                source = directory / supervisor.OUTPUTS
-                if source.is_dir():
-                    tar.add(source, arcname=".")
-            found.append(buffer.getvalue())
-        return found
+    def outputs(self, targets: Sequence[Path]) -> list[str | None]:
+        failed: list[str | None] = []
+        for directory, target in zip(self.directories, targets, strict=True):
+            try:
+                _copy_tree(directory / supervisor.OUTPUTS, target)
+            except (OSError, tarfile.TarError) as exc:
+                failed.append(f"{type(exc).__name__}: {exc}")
+            else:
+                failed.append(None)
+        return failed
 
     def signal(self, pids: Sequence[tuple[int, int]], signum: int) -> None:
         for _, pid in pids:
@@ -94,14 +114,14 @@ class Local:
 
 
 # Node i's look, as one shell command: run.json, node.json, whether the leader lives, then
-# the log's bytes from the offset (tail -c +K starts at byte K, counted from 1).
+# at most LOG_LIMIT bytes of the log from the offset (tail -c +K starts at byte K, from 1).
 _PEEK = (
     'D={dir}; cat "$D/{run}" 2>/dev/null; echo; cat "$D/{node}" 2>/dev/null; echo; '
     'p=$(sed -n \'s/.*"leader_pid": \\([0-9]*\\).*/\\1/p\' "$D/{run}" 2>/dev/null); '
     # alive: the process is there and not a zombie (an orphan's reaper may be slow to come)
     's=$([ -n "$p" ] && sed "s/.*) //" "/proc/$p/stat" 2>/dev/null | cut -c1); '
     'if [ -n "$s" ] && [ "$s" != Z ]; then echo alive; else echo dead; fi; '
-    'tail -c +{start} "$D/{log}" 2>/dev/null; true'
+    'tail -c +{start} "$D/{log}" 2>/dev/null | head -c {limit}; true'
 )
 
 
@@ -127,80 +147,133 @@ class Remote:
         self._loop = asyncio.new_event_loop()
         self._hosts: dict[int, Any] = {}
 
-    def _each(self, command_of: Any) -> list[Any]:
-        async def one(index: int) -> Any:
-            command = command_of(index)
-            if command is None:
-                return None
+    def _each(self, job: Callable[[int], Awaitable[_T]]) -> list[_T | Exception]:
+        """`job` for every node at once; per node, what it returned or what it raised (that
+        node's connection is then dropped: the next call connects again)."""
+
+        async def one(index: int) -> _T | Exception:
             try:
-                host = self._hosts.get(index)
-                if host is None or host.conn.is_closed():
-                    host = await self.options.connect(self.endpoints[index])
-                    self._hosts[index] = host
-                running = host.conn.run(command, check=False, encoding=None)
-                done = await asyncio.wait_for(running, PEEK_TIMEOUT)
-                return done.stdout
-            except Exception:
+                return await job(index)
+            except Exception as exc:
                 host = self._hosts.pop(index, None)
                 if host is not None:
                     host.conn.close()
-                return None
+                return exc
 
-        async def every() -> list[Any]:
+        async def every() -> list[_T | Exception]:
             return list(await asyncio.gather(*(one(i) for i in range(len(self.endpoints)))))
 
         return self._loop.run_until_complete(every())
 
+    async def _run(self, index: int, command: str, sink: Callable[[bytes], Awaitable[None]]) -> int:
+        """Run `command` on node `index`, handing its output to `sink` as it comes; its exit
+        status. `TimeoutError` when the node sends nothing for `PROGRESS_TIMEOUT` seconds."""
+        import asyncssh
+
+        host = self._hosts.get(index)
+        if host is None or host.conn.is_closed():
+            host = await self.options.connect(self.endpoints[index])
+            self._hosts[index] = host
+        process = await asyncio.wait_for(
+            host.conn.create_process(command, encoding=None, stdin=asyncssh.DEVNULL),
+            PROGRESS_TIMEOUT,
+        )
+        try:
+            while chunk := await asyncio.wait_for(process.stdout.read(_CHUNK), PROGRESS_TIMEOUT):
+                await sink(chunk)
+            done = await asyncio.wait_for(process.wait(), PROGRESS_TIMEOUT)
+        finally:
+            process.close()
+        if done.exit_status is None:
+            raise ConnectionError(f"the command ended without a status ({done.exit_signal})")
+        return int(done.exit_status)
+
+    async def _read(self, index: int, command: str) -> bytes:
+        """`command`'s whole output (the caller's command bounds it)."""
+        got = bytearray()
+
+        async def keep(chunk: bytes) -> None:
+            got.extend(chunk)
+
+        await self._run(index, command, keep)
+        return bytes(got)
+
     def peek(self, offsets: Sequence[int]) -> list[NodeView | None]:
-        def command(index: int) -> str:
-            return _PEEK.format(
+        async def look(index: int) -> NodeView:
+            command = _PEEK.format(
                 dir=shlex.quote(self.directories[index]),
                 run=RUN_STATE,
                 node=NODE_STATE,
                 log=LOG,
                 start=offsets[index] + 1,
+                limit=LOG_LIMIT,
             )
+            return _parse(await self._read(index, command))
 
-        return [None if out is None else _parse(out) for out in self._each(command)]
+        return [view if isinstance(view, NodeView) else None for view in self._each(look)]
 
-    def outputs(self) -> list[bytes | None]:
-        def command(index: int) -> str:
+    def outputs(self, targets: Sequence[Path]) -> list[str | None]:
+        # Each node's unpacking, and each write to it, take a thread of their own: a shared
+        # pool that many unpackings filled would leave their writes waiting for ever.
+        async def fetch(index: int) -> None:
             source = shlex.quote(f"{self.directories[index]}/{supervisor.OUTPUTS}")
-            return (
+            command = (
                 f"if [ -d {source} ]; then tar -C {source} -cf - .; else tar -cf - -T /dev/null; fi"
             )
+            loop = asyncio.get_running_loop()
+            read_end, write_end = os.pipe()
+            unpacking = loop.run_in_executor(threads, _unpack_from, read_end, targets[index])
+            try:
+                with open(write_end, "wb") as sink:
 
-        return [out if isinstance(out, bytes) else None for out in self._each(command)]
+                    async def write(chunk: bytes) -> None:
+                        await loop.run_in_executor(threads, sink.write, chunk)
+
+                    status: int | None = await self._run(index, command, write)
+            except BrokenPipeError:
+                status = None  # the unpacking stopped reading: its own error says why
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await unpacking  # it ends with the stream cut short: this error is why
+                raise
+            await unpacking
+            # tar's 1: a file changed as it was read (a rank writing it mid-run); 2: fatal
+            if status is None or status > 1:
+                raise ConnectionError(f"tar on the node exited with status {status}")
+
+        with ThreadPoolExecutor(max_workers=2 * len(self.endpoints)) as threads:
+            fetched = self._each(fetch)
+        return [None if done is None else _why(done) for done in fetched]
 
     def signal(self, pids: Sequence[tuple[int, int]], signum: int) -> None:
         by_node: dict[int, list[int]] = {}
         for node, pid in pids:
             by_node.setdefault(node, []).append(pid)
 
-        def command(index: int) -> str | None:
+        async def send(index: int) -> None:
             found = by_node.get(index)
-            if not found:
-                return None
-            return (
-                f"kill -{int(signum)} -- {' '.join(str(int(p)) for p in found)} 2>/dev/null; true"
-            )
+            if found:
+                listed = " ".join(str(int(p)) for p in found)
+                await self._read(index, f"kill -{int(signum)} -- {listed} 2>/dev/null; true")
 
-        self._each(command)
+        self._each(send)
 
     def clean(self, key_tags: Sequence[str | None]) -> None:
-        def command(index: int) -> str:
+        async def remove(index: int) -> None:
             spec = shlex.quote(f"{self.directories[index]}/{supervisor.SPEC}")
             tag = key_tags[index]
             if not tag:
-                return f"rm -f {spec}"
+                await self._read(index, f"rm -f {spec}")
+                return
             # sed's address: the lines ending in " <tag>" (the tag has no regex characters
             # but '.', which only widens the match to the same run's line)
-            return (
+            await self._read(
+                index,
                 f"rm -f {spec}; f=$HOME/.ssh/authorized_keys; "
-                f'[ -f "$f" ] && sed -i \'/ {tag}$/d\' "$f"; true'
+                f'[ -f "$f" ] && sed -i \'/ {tag}$/d\' "$f"; true',
             )
 
-        self._each(command)
+        self._each(remove)
 
     def close(self) -> None:
         async def close_all() -> None:
@@ -211,6 +284,53 @@ class Remote:
             self._loop.run_until_complete(close_all())
         self._hosts.clear()
         self._loop.close()
+
+
+def _why(error: Exception) -> str:
+    if isinstance(error, TimeoutError):
+        return f"it sent nothing for {PROGRESS_TIMEOUT:.0f} s"
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def _unpack_from(fd: int, target: Path) -> None:
+    """The tar stream on file descriptor `fd` into `target` as it comes (closing `fd`): the
+    ``data`` filter refuses any member that would land outside it (an absolute path, ``..``,
+    a link out), as a node's listing is not trusted."""
+    with open(fd, "rb") as stream:
+        target.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=stream, mode="r|") as archive:
+            archive.extractall(target, filter="data")
+
+
+def _copy_tree(source: Path, target: Path) -> None:
+    """`source`'s files into `target` through a tar stream on a pipe, with the same filter as
+    a node's: a tree of any size in bounded memory."""
+    read_end, write_end = os.pipe()
+    failed: list[BaseException] = []
+
+    def pack() -> None:
+        try:
+            with open(write_end, "wb") as sink, tarfile.open(fileobj=sink, mode="w|") as tar:
+                if source.is_dir():
+                    tar.add(source, arcname=".")
+        except BrokenPipeError:
+            pass  # the unpacking stopped reading: its own error says why
+        except BaseException as exc:
+            failed.append(exc)
+
+    packing = threading.Thread(target=pack, name="skyward-outputs", daemon=True)
+    packing.start()
+    try:
+        _unpack_from(read_end, target)
+    except tarfile.TarError:
+        packing.join()
+        if failed:  # the stream ended early because packing failed: that is the reason
+            raise failed[0] from None
+        raise
+    finally:
+        packing.join()
+    if failed:
+        raise failed[0]
 
 
 def _parse(out: Any) -> NodeView:

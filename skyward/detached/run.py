@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from skyward.detached import reach, record
+from skyward.errors import SkywardError
 from skyward.worker import supervisor
 from skyward.worker.supervisor import FINAL
 
@@ -26,6 +27,11 @@ POLL_SECONDS = 0.5
 # How long `logs(follow=True)` and `wait()` keep trying to reach node 0 before they give up.
 UNREACHABLE_SECONDS = 60.0
 _EVERYTHING = 1 << 62  # an offset past any log: a look that reads no log
+
+
+class NodeUnreachable(SkywardError, ConnectionError):
+    """A node of the run could not be read to the end (its log, its outputs): the run itself
+    is not affected, and a later try reads it again."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,9 @@ class RunStatus:
     rank: int | None = None
     exit_status: int | None = None  # the failing rank's: -N when signal N killed it
     reason: str = ""
+    # What is still to do here for an ended run: its logs and outputs not kept yet (its
+    # machines then stay up), or its outputs not copied to its output directory.
+    note: str = ""
 
     @property
     def ended(self) -> bool:
@@ -98,15 +107,22 @@ class Run:
     # -- state
 
     def status(self) -> RunStatus:
-        """How the run stands now (an ended run's answer is kept: no node is asked again)."""
+        """How the run stands now (an ended run's answer is kept: no node is asked again,
+        unless a cloud run's logs are still to be kept)."""
         if self.record.last.get("state") in FINAL:
-            return self._status(self.record.last, reachable=True)
+            return self._kept_status()
         views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
         return self._judge(views)
 
+    def _kept_status(self) -> RunStatus:
+        """An ended run's status from its record, once a cloud run's pool is let go."""
+        if self._release_cloud():
+            record.save(self.record)
+        return self._status(self.record.last, reachable=True)
+
     def _judge(self, views: list[reach.NodeView | None]) -> RunStatus:
         if self.record.last.get("state") in FINAL:
-            return self._status(self.record.last, reachable=True)
+            return self._kept_status()
         head = views[0]
         if head is None:
             return self._status({}, reachable=False)
@@ -126,34 +142,65 @@ class Run:
             return
         with contextlib.suppress(Exception):
             self._nodes().clean(self.record.key_tags or [None] * self.record.nodes)
-        cloud = self.record.reach.get("cloud")
-        if cloud and "saved" not in self.record.reach:
-            self.record.reach["saved"] = self._keep_logs()
-            self.record.reach["removed"] = _remove_cloud_pool(cloud)
-            with contextlib.suppress(OSError):
-                os.unlink(self.record.reach["key"])
-            self.close()
         self.record.last = run
+        self._release_cloud()
         record.save(self.record)
+
+    def _release_cloud(self) -> bool:
+        """For an ended cloud run not let go yet: keep its logs and outputs here, then remove
+        what its pool made (its machines power themselves off, but its rules and keys stay
+        until someone removes them). While they cannot be kept (a node out of reach), the
+        machines stay, the record says why, and the next look tries again. Whether the record
+        changed."""
+        cloud = self.record.reach.get("cloud")
+        if not cloud or "saved" in self.record.reach:
+            return False
+        try:
+            saved = self._keep_logs()
+        except (OSError, SkywardError) as exc:
+            self.record.reach["unsaved"] = str(exc)
+            self.close()  # the next look connects afresh
+            return True
+        self.record.reach.pop("unsaved", None)
+        self.record.reach["saved"] = saved
+        self.record.reach["removed"] = _remove_cloud_pool(cloud)
+        with contextlib.suppress(OSError):
+            os.unlink(self.record.reach["key"])
+        self.close()
+        if self.record.output_dir and "://" not in self.record.output_dir:
+            try:  # from the copy just kept: the machines are not needed for it
+                self._place(reach.Local(saved), Path(self.record.output_dir))
+            except (OSError, SkywardError) as exc:
+                self.record.reach["unplaced"] = str(exc)
+        return True
 
     def _keep_logs(self) -> list[str]:
         """Every rank's log and outputs, copied under ``<cache>/runs/NAME.logs/``: where `logs`
-        and `fetch` read them once the nodes are gone."""
-        views = self._nodes().peek([0] * self.record.nodes)
-        outputs = self._nodes().outputs()
+        and `fetch` read them once the nodes are gone. Raises when a node cannot be read to
+        its end."""
         root = record.runs_dir() / f"{self.name}.logs"
-        kept = []
-        for node, (view, tar) in enumerate(zip(views, outputs, strict=True)):
-            directory = root / f"node-{node}"
+        kept = [root / f"node-{node}" for node in range(self.record.nodes)]
+        handles = []
+        for directory in kept:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            text = view.data if view is not None else b""
-            supervisor.write_private(directory / supervisor.LOG, text.decode(errors="replace"))
-            if tar is not None:
-                _unpack(tar, directory / supervisor.OUTPUTS)
-            kept.append(str(directory))
-        if self.record.output_dir and "://" not in self.record.output_dir:
-            self._place(outputs, Path(self.record.output_dir))
-        return kept
+            fd = os.open(directory / supervisor.LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            handles.append(os.fdopen(fd, "wb"))
+        try:
+            offsets = [0] * self.record.nodes
+            more = True
+            while more:  # a bounded piece of each log per look, until every one is read
+                views = self._nodes().peek(offsets)
+                for node, view in enumerate(views):
+                    if view is None:
+                        raise NodeUnreachable(f"node {node} cannot be reached")
+                    handles[node].write(view.data)
+                    offsets[node] += len(view.data)
+                more = any(view is not None and view.more for view in views)
+        finally:
+            for handle in handles:
+                handle.close()
+        self._bring(self._nodes(), [directory / supervisor.OUTPUTS for directory in kept])
+        return [str(directory) for directory in kept]
 
     # -- outputs
 
@@ -164,8 +211,14 @@ class Run:
         given = to or self.record.output_dir
         if given is None or str(given).startswith("s3://"):
             given = self.name  # a bucket's copy is the nodes' to write: this is a local one
-        destination = Path(given)
-        placed = self._place(self._nodes().outputs(), destination)
+        try:
+            placed = self._place(self._nodes(), Path(given))
+        except NodeUnreachable as exc:
+            raise NodeUnreachable(
+                f"run {self.name}: {exc}; `skyward fetch {self.name}` tries again"
+            ) from None
+        if self.record.reach.pop("unplaced", None) is not None:
+            record.save(self.record)
         views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
         if self._judge(views).ended:  # the look just taken: no second one
             holders = [
@@ -176,18 +229,16 @@ class Run:
             self._nodes().signal(holders, signal.SIGTERM)
         return placed
 
-    def _place(self, outputs: list[bytes | None], destination: Path) -> list[Path]:
-        placed = []
-        for node, tar in enumerate(outputs):
-            if tar is None:
-                raise ConnectionError(
-                    f"run {self.name}: node {node} cannot be reached, its outputs were not "
-                    f"fetched; `skyward fetch {self.name}` tries again"
-                )
-            target = destination / f"node-{node}"
-            _unpack(tar, target)
-            placed.append(target)
+    def _place(self, nodes: reach.Reach, destination: Path) -> list[Path]:
+        """Every node's outputs from `nodes` into ``destination/node-<i>``."""
+        placed = [destination / f"node-{node}" for node in range(self.record.nodes)]
+        self._bring(nodes, placed)
         return placed
+
+    def _bring(self, nodes: reach.Reach, targets: list[Path]) -> None:
+        failed = [f"node {node} ({why})" for node, why in enumerate(nodes.outputs(targets)) if why]
+        if failed:
+            raise NodeUnreachable(f"the outputs of {', '.join(failed)} could not be fetched")
 
     def _status(self, run: dict[str, Any], reachable: bool) -> RunStatus:
         rec = self.record
@@ -203,6 +254,14 @@ class Run:
         reason = str(run.get("reason", ""))
         if not reachable:
             reason = "its nodes cannot be reached now (the run may still be going)"
+        note = ""
+        if "unsaved" in rec.reach:
+            note = (
+                f"its logs and outputs are not kept here yet ({rec.reach['unsaved']}): its "
+                "machines stay up until a later look keeps them"
+            )
+        elif "unplaced" in rec.reach:
+            note = str(rec.reach["unplaced"])
         return RunStatus(
             rec.name,
             rec.provider,
@@ -214,6 +273,7 @@ class Run:
             run.get("rank"),
             run.get("status"),
             reason,
+            note,
         )
 
     # -- logs
@@ -225,8 +285,7 @@ class Run:
         write = out or _print
         lost_since: float | None = None
         while True:
-            views = self._nodes().peek(self._offsets)
-            self._emit(views, write)
+            views = self._catch_up(write)
             if not follow:
                 self._flush(write)
                 return None
@@ -242,7 +301,7 @@ class Run:
             else:
                 lost_since = None
             if status.ended:
-                self._emit(self._nodes().peek(self._offsets), write)  # what came with the end
+                self._catch_up(write)  # what came with the end
                 self._flush(write)
                 local = self.record.output_dir and "://" not in self.record.output_dir
                 if local and "saved" not in self.record.reach:
@@ -250,6 +309,15 @@ class Run:
                     self.fetch()
                 return status.returncode
             time.sleep(POLL_SECONDS)
+
+    def _catch_up(self, write: Callable[[str], None]) -> list[reach.NodeView | None]:
+        """Write what every rank wrote since the last look, a bounded piece per look, looking
+        again at once while a node had more; the last look."""
+        while True:
+            views = self._nodes().peek(self._offsets)
+            self._emit(views, write)
+            if not any(view is not None and view.more for view in views):
+                return views
 
     def _emit(self, views: list[reach.NodeView | None], write: Callable[[str], None]) -> None:
         for node, view in enumerate(views):
@@ -323,17 +391,6 @@ class Run:
         run = {**run, **final} if run.get("state") not in FINAL else run
         self._ended(run)
         return self._status(run, reachable=True)
-
-
-def _unpack(tar: bytes, target: Path) -> None:
-    """A node's output stream into `target`: the ``data`` filter refuses any member that would
-    land outside it (an absolute path, ``..``, a link out), as a node's listing is not trusted."""
-    import io
-    import tarfile
-
-    target.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-        archive.extractall(target, filter="data")
 
 
 def _remove_cloud_pool(cloud: dict[str, Any]) -> list[str]:

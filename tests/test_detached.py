@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import boto3
@@ -246,3 +248,178 @@ def test_a_pool_that_cannot_start_leaves_no_leader_waiting(job: Path) -> None:
     with pytest.raises(sky.SkywardError):
         sky.submit(str(job), [str(job.parent / "ckpt"), "ok"], nodes=1, image=image, name="nope")
     assert _leaders_of("nope") == []
+
+
+# A rank that says it runs, then waits to be stopped (its token names its processes).
+WAITER = """\
+import os, sys, time
+print(f"rank {os.environ['JAX_PROCESS_ID']} up {os.getpid()}", flush=True)
+time.sleep(600)
+"""
+
+
+def _rank_pids(name: str, nodes: int) -> list[int]:
+    from skyward.worker import supervisor
+
+    pids = []
+    for node in range(nodes):
+        state = supervisor.read_json(supervisor.run_root(name) / f"node-{node}" / "node.json")
+        pids.append(int(state["pid"]))
+    return pids
+
+
+def test_a_killed_leader_takes_its_ranks_down_and_the_run_says_why(tmp_path: Path) -> None:
+    """The leader holds every Local rank itself: SIGKILLed, it cannot stop them, and its guard
+    does (as another node's follower does when the leader's channel closes)."""
+    from tests.conftest import alive, wait_gone
+
+    script = tmp_path / "waiter.py"
+    script.write_text(WAITER)
+    run = sky.submit(str(script), [], nodes=2, name="headless", grace=2)
+    ranks = _rank_pids("headless", 2)
+    assert all(alive(pid) for pid in ranks)
+    state = json.loads((Path(run.record.directories[0]) / "run.json").read_text())
+    leader = int(state["leader_pid"])
+    os.kill(leader, signal.SIGKILL)
+    assert wait_gone(ranks, timeout=20) == [], "a rank outlived its leader"
+    deadline = time.monotonic() + 10  # the guard says how the run ended once they are gone
+    while (status := run.status()).state == "lost" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (status.state, status.returncode) == ("failed", 1)
+    assert "supervisor on node 0 died" in status.reason
+    for directory in run.record.directories:
+        assert not (Path(directory) / "spec.json").exists()  # it held the run's environment
+
+
+@pytest.mark.slow
+def test_a_pool_that_takes_longer_than_a_minute_to_start_still_starts_its_run(
+    tmp_path: Path,
+) -> None:
+    """The leader starts with the pool and waits for its plan as long as the pool takes."""
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello from', __import__('os').environ['JAX_PROCESS_ID'])\n")
+
+    def slow_start(info: sky.InstanceInfo) -> None:  # nested: it travels by value
+        import time
+
+        time.sleep(75)
+
+    plugin = sky.Plugin("slow-start", around_app=slow_start)
+    run = sky.submit(str(script), [], nodes=1, name="patient", plugins=[plugin])
+    assert run.wait(timeout=60) == 0
+    assert _lines(run) == ["(node 0) hello from 0"]
+
+
+# Two clients that start a run of one name at once: each says how its submit went.
+RACER = """\
+import sys
+import skyward as sky
+try:
+    sky.submit(sys.argv[1], [sys.argv[2]], nodes=2, name="contested")
+except sky.ConfigError as exc:
+    print("refused:", exc)
+else:
+    print("started")
+"""
+
+COUNTER = """\
+import os, sys, time
+with open(os.path.join(sys.argv[1], f"rank-{os.getpid()}"), "w") as mark:
+    mark.write(os.environ["JAX_PROCESS_ID"])
+time.sleep(2)
+"""
+
+
+def test_two_clients_starting_one_name_at_once_make_one_run(tmp_path: Path) -> None:
+    script, marks = tmp_path / "counter.py", tmp_path / "marks"
+    script.write_text(COUNTER)
+    marks.mkdir()
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(script), str(marks)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    said = sorted(racer.communicate(timeout=120)[0].strip() for racer in racers)
+    assert said[1] == "started", said
+    assert said[0].startswith("refused:") and "contested" in said[0], said
+    assert sky.Run("contested").wait(timeout=60) == 0
+    assert sorted(path.read_text() for path in marks.iterdir()) == ["0", "1"]  # no stray rank
+
+
+def test_a_run_that_succeeds_after_a_restart_leaves_no_secret_behind(tmp_path: Path) -> None:
+    """The spec holds the run's environment: it goes when the run ends on its nodes (before any
+    client looks), whatever the restarts left unused."""
+    import secrets
+
+    from skyward.cachedir import cache_root
+    from skyward.worker import supervisor
+
+    canary = f"canary-{secrets.token_hex(8)}"
+    script = tmp_path / "quiet.py"
+    script.write_text("print('done')\n")
+    sky.submit(str(script), [], nodes=2, name="secretive", env={"K": canary}, restarts=1)
+    node0 = supervisor.run_root("secretive") / "node-0"
+    deadline = time.monotonic() + 60
+    state: dict[str, object] = {}
+    while time.monotonic() < deadline:
+        state = supervisor.read_json(node0 / "run.json")
+        if state.get("state") in supervisor.FINAL and not supervisor.alive(
+            int(state.get("leader_pid", 0))  # type: ignore[call-overload]
+        ):
+            break
+        time.sleep(0.05)
+    assert state.get("state") == "succeeded", state
+    holders = [
+        str(path)
+        for path in Path(cache_root()).rglob("*")
+        if path.is_file()
+        and path.stat().st_size < 1 << 22  # (not an environment's libraries)
+        and canary.encode() in path.read_bytes()
+    ]
+    assert holders == []
+
+
+def test_submit_takes_a_string_of_arguments_as_a_shell_would(tmp_path: Path) -> None:
+    script = tmp_path / "echo.py"
+    script.write_text("import sys\nprint(sys.argv[1:])\n")
+    run = sky.submit(str(script), "--lr 0.1 'a b'", nodes=1, name="quoted")
+    assert run.wait(timeout=60) == 0
+    assert _lines(run) == ["(node 0) ['--lr', '0.1', 'a b']"]
+    with pytest.raises(sky.ConfigError, match="list of strings"):
+        sky.submit(str(script), [1, 2], nodes=1, name="numbers")  # type: ignore[list-item]
+
+
+def test_a_reused_name_starts_with_empty_logs_and_outputs(tmp_path: Path) -> None:
+    script = tmp_path / "once.py"
+    script.write_text(
+        "import os, sys\nprint('attempt', sys.argv[1])\n"
+        "open(os.path.join(os.environ['SKYWARD_OUTPUT_DIR'], sys.argv[1]), 'w').close()\n"
+    )
+    assert sky.submit(str(script), ["first"], nodes=1, name="reused").wait(timeout=60) == 0
+    with pytest.raises(sky.ConfigError, match="exists already"):
+        sky.submit(str(script), ["second"], nodes=1, name="reused")
+    assert main(["status", "--forget", "reused"]) == 0
+    run = sky.submit(str(script), ["second"], nodes=1, name="reused")
+    assert run.wait(timeout=60) == 0
+    assert _lines(run) == ["(node 0) attempt second"]
+    fetched = run.fetch(tmp_path / "out")
+    assert sorted(p.name for p in fetched[0].iterdir()) == ["second"]
+
+
+def test_status_forgets_only_runs_that_have_ended(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "waiter.py"
+    script.write_text(WAITER)
+    run = sky.submit(str(script), [], nodes=1, name="going", grace=1)
+    assert main(["status", "--forget", "going"]) == 1
+    assert "run going is running" in capsys.readouterr().err
+    assert record.exists("going")
+    run.stop()
+    assert main(["status", "--forget-ended"]) == 0
+    assert "forgot run going (stopped" in capsys.readouterr().out
+    assert not record.exists("going")

@@ -111,18 +111,26 @@ def stop(name: str) -> int:
 
 def _state(status: RunStatus) -> str:
     if status.state == "failed":
-        return f"failed: {status.reason}" if status.reason else "failed"
-    if status.state in ("lost", "stopped") and status.reason:
-        return f"{status.state} ({status.reason})"
-    return status.state
+        said = f"failed: {status.reason}" if status.reason else "failed"
+    elif status.state in ("lost", "stopped") and status.reason:
+        said = f"{status.state} ({status.reason})"
+    else:
+        said = status.state
+    return f"{said}; {status.note}" if status.note else said
 
 
-def _status_of(rec: record.RunRecord) -> RunStatus:
-    run = Run(rec.name)
+def _status_of(rec: record.RunRecord) -> RunStatus | str:
+    """How run `rec` stands, or why that cannot be told now: its row says so, and the other
+    runs are listed all the same."""
     try:
-        return run.status()
-    finally:
-        run.close()
+        run = Run(rec.name)
+        try:
+            return run.status()
+        finally:
+            run.close()
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return f"unreachable ({why})"
 
 
 def print_runs() -> int:
@@ -138,10 +146,45 @@ def print_runs() -> int:
     with ThreadPoolExecutor(max_workers=min(8, len(runs))) as pool:
         statuses = list(pool.map(_status_of, runs))
     for rec, status in zip(runs, statuses, strict=True):
-        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(status.started_at))
-        cost = dollars(status.cost) if status.cost is not None else "-"
+        if isinstance(status, str):
+            said, begun, duration, cost = status, rec.created_at, "-", "-"
+        else:
+            said, begun = _state(status), status.started_at
+            duration = clock(status.duration)
+            cost = dollars(status.cost) if status.cost is not None else "-"
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(begun))
         print(
-            f"{rec.name:<24} {rec.provider:<8} {rec.nodes:>5}  {_state(status)[:40]:<40} "
-            f"{started:<16} {clock(status.duration):>8} {cost:>9}"
+            f"{rec.name:<24} {rec.provider:<8} {rec.nodes:>5}  {said[:40]:<40} "
+            f"{started:<16} {duration:>8} {cost:>9}"
         )
+        if len(said) > 40:  # the whole of it, under its row
+            print(f"{'':<24} {said}")
     return len(runs)
+
+
+def forget(names: Sequence[str], every_ended: bool = False) -> int:
+    """``skyward status --forget RUN`` / ``--forget-ended``: remove ended runs' records and
+    what was kept of them here, each named as it goes; a run not known to have ended (running,
+    or lost: it may still be going) is refused and kept. 1 if any was refused."""
+    chosen = list(names)
+    if every_ended:
+        chosen += [rec.name for rec in record.all_records() if rec.name not in chosen]
+    refused = 0
+    for name in chosen:
+        run = Run(name)
+        try:
+            status = run.status()
+        finally:
+            run.close()
+        if not status.ended:
+            if name in names:
+                print(
+                    f"skyward status: run {name} is {_state(status)}; `skyward stop {name}` "
+                    "ends it, then it can be forgotten",
+                    file=sys.stderr,
+                )
+                refused += 1
+            continue
+        record.forget(name)
+        print(f"forgot run {name} ({_state(status)})")
+    return 1 if refused else 0

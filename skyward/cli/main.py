@@ -237,6 +237,8 @@ def _run(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from skyward.cli import detached, profiles, runner
 
+    if args.forget or args.forget_ended:
+        return detached.forget(args.forget, every_ended=args.forget_ended)
     found = detached.print_runs()
     found += runner.print_local_pools()
     chosen = [profiles.load_profile(args.profile)] if args.profile else profiles.all_profiles()
@@ -373,6 +375,19 @@ def _parser() -> argparse.ArgumentParser:
         "status", parents=[common], help="this user's live pools on every configured provider"
     )
     status.add_argument("--profile", help="only this profile's provider (and this machine)")
+    status.add_argument(
+        "--forget",
+        action="append",
+        default=[],
+        metavar="RUN",
+        help="forget this ended detached run: its record and what was kept of it here "
+        "(repeatable; a run still going is refused)",
+    )
+    status.add_argument(
+        "--forget-ended",
+        action="store_true",
+        help="forget every detached run that has ended (each is named as it goes)",
+    )
     logs = commands.add_parser(
         "logs", parents=[common], help="a detached run's output, every rank's, from its first line"
     )

@@ -7,10 +7,14 @@ seen of an ended run is kept in it, so listing ended runs reaches no node.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
 import secrets
+import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +99,7 @@ class RunRecord:
     reach: dict[str, Any] = field(default_factory=dict)  # what `kind` needs to reach it
     key_tags: list[str | None] = field(default_factory=list)  # each node's authorized_keys tag
     output_dir: str | None = None  # where `fetch` (and the end, seen) brings the outputs
+    keep_for: float = 0.0  # seconds each node stays up after the run's end (`--keep-for`)
     last: dict[str, Any] = field(default_factory=dict)  # the last run state read, once final
 
 
@@ -138,6 +143,40 @@ def exists(name: str) -> bool:
     return (runs_dir() / f"{name}.json").exists()
 
 
+@contextlib.contextmanager
+def claim(name: str) -> Iterator[None]:
+    """Hold `name` while a run of that name starts: of two processes that start runs of one
+    name at once, exactly one gets it, and the other a `ConfigError` before it starts
+    anything. The hold is a lock on ``<runs>/NAME.lock``, which the kernel lets go with its
+    process, so a client that dies while starting leaves the name free. A name whose run
+    is recorded is refused; what a forgotten run of the same name left here goes."""
+    fd = os.open(runs_dir() / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"a detached run named {name!r} is being started by another process; "
+                "choose another --name"
+            ) from None
+        if exists(name):
+            raise ConfigError(
+                f"a detached run named {name!r} exists already; choose another --name, or "
+                f"`skyward status --forget {name}` once it has ended"
+            )
+        _remove_kept(name)
+        yield
+    finally:
+        os.close(fd)  # (and with it the lock)
+
+
+def _remove_kept(name: str) -> None:
+    """What the client kept of a run of this name besides its record (a cloud run's logs and
+    outputs, its login key)."""
+    shutil.rmtree(runs_dir() / f"{name}.logs", ignore_errors=True)
+    (runs_dir() / f"{name}.key").unlink(missing_ok=True)
+
+
 def load(name: str) -> RunRecord:
     """The record of run `name`; `ConfigError` listing the known runs when there is none."""
     path = runs_dir() / f"{check_name(name)}.json"
@@ -165,4 +204,7 @@ def all_records() -> list[RunRecord]:
 
 
 def forget(name: str) -> None:
+    """Remove run `name`'s record and what the client kept of it (its nodes are not asked:
+    `skyward status --forget` forgets only runs that have ended)."""
     (runs_dir() / f"{name}.json").unlink(missing_ok=True)
+    _remove_kept(name)

@@ -29,9 +29,9 @@ UNREACHABLE_SECONDS = 60.0
 _EVERYTHING = 1 << 62  # an offset past any log: a look that reads no log
 
 
-class NodeUnreachable(SkywardError, ConnectionError):
-    """A node of the run could not be read to the end (its log, its outputs): the run itself
-    is not affected, and a later try reads it again."""
+class FetchError(SkywardError, ConnectionError):
+    """A node's log or outputs could not be brought here (the node out of reach, or a file the
+    unpacking refused): the run itself is not affected, and a later try reads them again."""
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class Run:
                 views = self._nodes().peek(offsets)
                 for node, view in enumerate(views):
                     if view is None:
-                        raise NodeUnreachable(f"node {node} cannot be reached")
+                        raise FetchError(f"node {node} cannot be reached")
                     handles[node].write(view.data)
                     offsets[node] += len(view.data)
                 more = any(view is not None and view.more for view in views)
@@ -213,8 +213,8 @@ class Run:
             given = self.name  # a bucket's copy is the nodes' to write: this is a local one
         try:
             placed = self._place(self._nodes(), Path(given))
-        except NodeUnreachable as exc:
-            raise NodeUnreachable(
+        except FetchError as exc:
+            raise FetchError(
                 f"run {self.name}: {exc}; `skyward fetch {self.name}` tries again"
             ) from None
         if self.record.reach.pop("unplaced", None) is not None:
@@ -227,6 +227,9 @@ class Run:
                 if view is not None and view.node.get("holder")
             ]
             self._nodes().signal(holders, signal.SIGTERM)
+            if holders and self.record.last:  # the machines go now: billed until here
+                self.record.last.setdefault("released_at", time.time())
+                record.save(self.record)
         return placed
 
     def _place(self, nodes: reach.Reach, destination: Path) -> list[Path]:
@@ -238,7 +241,7 @@ class Run:
     def _bring(self, nodes: reach.Reach, targets: list[Path]) -> None:
         failed = [f"node {node} ({why})" for node, why in enumerate(nodes.outputs(targets)) if why]
         if failed:
-            raise NodeUnreachable(f"the outputs of {', '.join(failed)} could not be fetched")
+            raise FetchError(f"the outputs of {', '.join(failed)} could not be fetched")
 
     def _status(self, run: dict[str, Any], reachable: bool) -> RunStatus:
         rec = self.record
@@ -246,11 +249,16 @@ class Run:
         if state in ("running", "restarting"):
             state = "running"
         started = float(run.get("running_at") or run.get("started_at") or rec.created_at)
-        end = float(run.get("ended_at") or time.time())
+        now = time.time()
+        end = float(run.get("ended_at") or now)
         duration = max(0.0, end - started)
         cost = None
         if rec.price_per_hour is not None:
-            cost = rec.price_per_hour * rec.nodes * duration / 3600
+            # The machines are paid for while they wait after the end (`--keep-for`), until
+            # a fetch lets them go.
+            held_until = min(end + rec.keep_for, float(run.get("released_at") or now), now)
+            billed = duration + max(0.0, held_until - end)
+            cost = rec.price_per_hour * rec.nodes * billed / 3600
         reason = str(run.get("reason", ""))
         if not reachable:
             reason = "its nodes cannot be reached now (the run may still be going)"
@@ -363,11 +371,14 @@ class Run:
             return status
         targets: list[tuple[int, int]] = []
         head = views[0]
-        if head is not None and head.run.get("leader_pid"):
+        if head is not None and head.leader_alive and head.run.get("leader_pid"):
+            # The leader alone: it stops every rank and says the run was stopped. A rank
+            # that another node's SIGTERM ended first would read as that rank's failure.
             targets.append((0, int(head.run["leader_pid"])))
-        for node, view in enumerate(views):
-            if view is not None and view.node.get("state") == "running":
-                targets.append((node, int(view.node["follower"])))
+        else:
+            for node, view in enumerate(views):
+                if view is not None and view.node.get("state") == "running":
+                    targets.append((node, int(view.node["follower"])))
         self._nodes().signal(targets, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -99,9 +99,27 @@ def launcher_plugins(plugins: Sequence[Plugin]) -> list[Plugin]:
     return chosen
 
 
+def script_args(args: str | Sequence[str]) -> list[str]:
+    """The script's arguments as a list: a string is split as a shell would (``"--lr 0.1"``
+    is two arguments), a sequence is taken as it is; anything else is a `ConfigError`."""
+    if isinstance(args, str):
+        import shlex
+
+        try:
+            return shlex.split(args)
+        except ValueError as exc:
+            raise ConfigError(f"args={args!r} cannot be split as a shell would: {exc}") from None
+    if not isinstance(args, Sequence) or not all(isinstance(a, str) for a in args):
+        raise ConfigError(
+            f"args={args!r}: give the script's arguments as a list of strings "
+            '(["--lr", "0.1"]) or as one string ("--lr 0.1")'
+        )
+    return list(args)
+
+
 def submit(
     script: str,
-    args: Sequence[str] = (),
+    args: str | Sequence[str] = (),
     *,
     provider: Provider | None = None,
     nodes: int | None = None,
@@ -118,14 +136,52 @@ def submit(
     keep_for: float = 0.0,
 ) -> Run:
     """Start `script` with `args` on every node of a new pool, detached: returns once every rank
-    has started, and the run goes on without this process (see docs/detach.md)."""
+    has started, and the run goes on without this process (see docs/detach.md). `args` is a
+    list of strings, or one string split as a shell would."""
+    name = record.check_name(name) if name is not None else record.new_name()
+    with record.claim(name):
+        return _submit(
+            script,
+            script_args(args),
+            provider=provider,
+            nodes=nodes,
+            accelerator=accelerator,
+            image=image,
+            plugins=plugins,
+            env=env,
+            workdir=workdir,
+            name=name,
+            restarts=restarts,
+            grace=grace,
+            max_cost=max_cost,
+            output_dir=output_dir,
+            keep_for=keep_for,
+        )
+
+
+def _submit(
+    script: str,
+    args: list[str],
+    *,
+    provider: Provider | None,
+    nodes: int | None,
+    accelerator: str | None,
+    image: Image | None,
+    plugins: Sequence[Plugin],
+    env: Mapping[str, str] | None,
+    workdir: str | None,
+    name: str,
+    restarts: int,
+    grace: float,
+    max_cost: float | None,
+    output_dir: str | os.PathLike[str] | None,
+    keep_for: float,
+) -> Run:
+    """`submit` once `name` is this process's to start."""
     from skyward.providers.local import Local
 
     provider = provider if provider is not None else Local()
     kind = provider.detached_kind()
-    name = record.check_name(name) if name is not None else record.new_name()
-    if record.exists(name):
-        raise ConfigError(f"a detached run named {name!r} exists already; choose another --name")
     restarts = checks.whole(restarts, "restarts", minimum=0)
     grace = checks.seconds(grace, "grace", zero=True)
     keep_for = checks.seconds(keep_for, "keep_for", zero=True)
@@ -261,17 +317,19 @@ def _start_on_nodes(
             price_per_hour=pool.cost.price.per_hour,
             reach=launch.record_data(kind, pool, name),
             key_tags=[s["key_tag"] for s in setups],
+            keep_for=keep_for,
         )
     )
     launchers = launch.launchers(kind, pool, setups)
     if ahead is not None and setups[0]["directory"] == str(ahead[0]):
         supervisor.write_plan(ahead[0], launchers, {}, "", restarts, float(grace))
+        supervisor.plan_written(ahead[1])
         return supervisor.wait_started(ahead[0], ahead[1], START_TIMEOUT)
     if ahead is not None:  # node 0's agent sees another cache: it starts the leader itself
         _end_planless(ahead[1])
     start = compute(supervisor.start_leader)
     try:
-        return pool.run(
+        state = pool.run(
             start(
                 name,
                 launchers,
@@ -280,13 +338,15 @@ def _start_on_nodes(
                 restarts,
                 float(grace),
                 START_TIMEOUT,
-                others_started=kind == "ssh",  # each started by its agent in `prepare_node`
             ),
             node=0,
         )
     except BaseException:
         _abandon(pool, name)
         raise
+    if "running_at" not in state:  # a node the leader could not reach runs its rank early
+        _abandon(pool, name)
+    return state
 
 
 def _end_planless(leader: subprocess.Popen[bytes]) -> None:

@@ -133,6 +133,10 @@ def _build_into(
     python = base if spec.python is None or _is_version(base, spec.python) else spec.python
     env = dict(os.environ)
     env.setdefault("UV_PYTHON_INSTALL_DIR", str(env_dir.parent.parent / "python"))
+    if spec.default_index is not None:
+        # In the environment, not on the command line, which is public on its machine.
+        env.pop("UV_INDEX_URL", None)
+        env["UV_DEFAULT_INDEX"] = spec.default_index
     try:
         _run([uv, "venv", "--quiet", "--python", python, str(env_dir)], log, "uv venv", env=env)
     except BuildFailed as exc:
@@ -144,10 +148,6 @@ def _build_into(
             f"cloudpickle do not cross minor versions), but this host's {base} is {have} and uv "
             f"found no Python {spec.python} here nor could download one. Install python"
             f"{spec.python} on the host, let uv download it (a route to GitHub, or "
-    if spec.default_index is not None:
-        # In the environment, not on the command line, which is public on its machine.
-        env.pop("UV_INDEX_URL", None)
-        env["UV_DEFAULT_INDEX"] = spec.default_index
             "UV_PYTHON_INSTALL_MIRROR in the provider's build_env), or run the client on "
             f"Python {'.'.join(have.split('.')[:2])}",
             exc.output,

@@ -127,6 +127,10 @@ def run_root(name: str) -> Path:
 # rank: a node that powers off closes no connection.
 HEARTBEAT_SECONDS = 5.0
 LEADER_SILENT = 30.0
+# What the leader writes to a follower before it ends the follower's channel for a restart:
+# the follower keeps the spec, which the next attempt starts from. Without it the run is over
+# on that node, and its spec (the run's environment) and key go.
+AGAIN = b"again\n"
 
 
 def follow(directory: Path) -> int:
@@ -134,13 +138,27 @@ def follow(directory: Path) -> int:
     stop = threading.Event()
     # A leader whose channel closes leaves our stdout without a reader: EPIPE, not a death.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    _watch_leader(stop)
+    leader = _watch_leader(stop)
 
     def say(word: str) -> None:
         with contextlib.suppress(OSError):
             print(word, flush=True)
 
-    return 0 if run_node(directory, stop, say) is not None else 2
+    if run_node(directory, stop, say, finish=False) is None:
+        return 2
+    _finish_unless_again(directory, stop, leader)
+    return 0
+
+
+def _finish_unless_again(directory: Path, stop: threading.Event, leader: _Leader) -> None:
+    """Once this node's rank has ended: wait for the leader's end of the channel (it closes
+    it once it knows how the run goes on), and remove what the run left here unless the
+    leader said ``again`` (a restart starts this node's rank from its spec once more). A
+    leader that dies says nothing: no restart can come, and the spec (it holds the run's
+    environment, ``env=`` secrets too) goes."""
+    stop.wait()
+    if not leader.again:
+        finish_node(directory, read_json(directory / SPEC).get("key_tag"))
 
 
 def run_node(directory: Path, stop: threading.Event, say: Any, finish: bool = True) -> int | None:
@@ -321,9 +339,10 @@ def follow_early(directory: Path) -> int:
     # The leader learns how the rank ended from `attach`: wait for one to claim what we said.
     while (directory / SAID).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    spec = read_json(directory / SPEC)
-    if spec and last_attempt({**spec, "starts": 1}):  # an early follower's is the first
-        finish_node(directory, spec.get("key_tag"))
+    if (directory / SAID).exists():  # no leader came (nor will): nothing can start it again
+        finish_node(directory, read_json(directory / SPEC).get("key_tag"))
+    # Claimed: by an `attach`, which removes what the run left once its leader says the run
+    # is over, or by `stop_early`, whose caller does (`abandon`).
     return 0
 
 
@@ -332,23 +351,21 @@ def abandon(name: str) -> None:
     started for it (`stop_early`), and leave no spec or key."""
     from skyward.info import instance_info
 
-    directory = run_root(name) / f"node-{instance_info().node}"
-    stop_early(directory)
-    spec = read_json(directory / SPEC)
-    if spec and not spec.get("key_tag"):  # an early follower removes its own as it ends
-        finish_node(directory, None)
+    stop_early(run_root(name) / f"node-{instance_info().node}")
 
 
 def stop_early(directory: Path) -> None:
     """Stop the rank this node's early follower runs, if any, before any leader came: its
     ``said`` is claimed here (no leader will: it ends without waiting for one), then it gets
-    SIGTERM and stops its rank as for a leader's end."""
+    SIGTERM and stops its rank as for a leader's end. The run never starts, whatever its
+    restarts, so what it left here (its spec, its key) goes too."""
     with contextlib.suppress(OSError):
         os.rename(directory / SAID, directory / CLAIMED)
     follower = int(read_json(directory / NODE_STATE).get("follower", 0))
     if follower > 0:
         with contextlib.suppress(ProcessLookupError):
             os.kill(follower, signal.SIGTERM)
+    finish_node(directory, read_json(directory / SPEC).get("key_tag"))
 
 
 def _watch_attach(directory: Path, stop: threading.Event, deadline: float) -> None:
@@ -381,7 +398,16 @@ def attach(directory: Path) -> int:
         return follow(directory)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a leader gone: EPIPE, not a death
     stop = threading.Event()
-    _watch_leader(stop)
+    leader = _watch_leader(stop)
+    told = _relay(directory, stop)
+    _finish_unless_again(directory, stop, leader)
+    return 0 if told else 1
+
+
+def _relay(directory: Path, stop: threading.Event) -> bool:
+    """`attach`'s part while the early follower runs: print what it says, SIGTERM it once
+    `stop` is set; whether it said how its rank ended (False: it died without saying, and
+    the leader calls the node lost)."""
     follower = 0
     asked = False
     with open(directory / CLAIMED, encoding="utf-8") as said:
@@ -395,10 +421,10 @@ def attach(directory: Path) -> int:
                 with contextlib.suppress(OSError):
                     print(word, flush=True)
                 if word.startswith("exit "):
-                    return 0
+                    return True
                 continue
             if follower and not alive(follower):  # (it writes its pid first thing)
-                return 1  # it died without saying how its rank ended: the leader calls it lost
+                return False
             if stop.is_set() and not asked:
                 asked = True
                 with contextlib.suppress(ProcessLookupError):
@@ -406,25 +432,39 @@ def attach(directory: Path) -> int:
             time.sleep(0.02)
 
 
-def _watch_leader(stop: threading.Event) -> None:
-    """Set `stop` when our stdin (the leader's channel) ends or is silent for LEADER_SILENT s."""
-    heard = [time.monotonic()]
+class _Leader:
+    """What a follower heard from its leader: when last, and whether it said ``again``."""
+
+    def __init__(self) -> None:
+        self.heard = time.monotonic()
+        self.again = False
+
+
+def _watch_leader(stop: threading.Event) -> _Leader:
+    """Set `stop` when our stdin (the leader's channel) ends or is silent for LEADER_SILENT s;
+    what the leader said (`AGAIN` before it ends the channel for a restart)."""
+    leader = _Leader()
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
 
     def watch_stdin() -> None:
+        seen = b""
         with contextlib.suppress(OSError):
-            while os.read(0, 4096):
-                heard[0] = time.monotonic()
+            while chunk := os.read(0, 4096):
+                leader.heard = time.monotonic()
+                seen = seen[-len(AGAIN) :] + chunk  # a word split across two reads counts
+                if AGAIN in seen:
+                    leader.again = True
         stop.set()
 
     def watch_silence() -> None:
         while not stop.wait(1.0):
-            if time.monotonic() - heard[0] > LEADER_SILENT:
+            if time.monotonic() - leader.heard > LEADER_SILENT:
                 stop.set()
 
     threading.Thread(target=watch_stdin, daemon=True).start()
     threading.Thread(target=watch_silence, daemon=True).start()
+    return leader
 
 
 def alive(pid: int) -> bool:
@@ -506,11 +546,17 @@ class _Rank:
         self.thread: threading.Thread | None = None
         self.started = False
         self.status: int | None = None  # its rank's exit status, once reported
+        self.complaint: list[str] = []  # the last lines its launcher wrote on stderr
+
+    @property
+    def directory(self) -> Path | None:
+        """The node's run directory of a rank this leader follows itself, else None."""
+        return Path(self.argv[1]) if self.argv[0] == IN_PROCESS else None
 
     def start(self, log: int) -> None:
-        self.started, self.status = False, None
-        if self.argv[0] == IN_PROCESS:
-            self._start_here(Path(self.argv[1]))
+        self.started, self.status, self.complaint = False, None, []
+        if self.directory is not None:
+            self._start_here(self.directory)
             return
         from skyward.worker.script import die_with_parent  # (see the imports)
 
@@ -519,7 +565,7 @@ class _Rank:
                 self.argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=log,
+                stderr=subprocess.PIPE,
                 start_new_session=True,
                 # A leader that dies takes its launchers along: the followers' channels close
                 # and they stop their ranks at once.
@@ -527,16 +573,29 @@ class _Rank:
             )
         except OSError as exc:
             os.write(log, f"rank {self.index}: its launcher could not start: {exc}\n".encode())
+            self.complaint = [f"its launcher could not start: {exc}"]
             self.events.put((self.index, "lost"))
             return
+        threading.Thread(target=self._complaints, args=(self.process, log), daemon=True).start()
         threading.Thread(target=self._read, args=(self.process,), daemon=True).start()
 
+    def _complaints(self, process: subprocess.Popen[bytes], log: int) -> None:
+        """The launcher's stderr (ssh's "Permission denied", srun's errors): to the leader's
+        log, and its last lines kept for the reason a node that never started is given."""
+        assert process.stderr is not None
+        for raw in process.stderr:
+            with contextlib.suppress(OSError):
+                os.write(log, f"rank {self.index}: ".encode() + raw)
+            self.complaint = [*self.complaint[-4:], raw.decode(errors="replace").strip()]
+
     def _start_here(self, directory: Path) -> None:
-        """This node's rank, followed by a thread of the leader: no process more in between."""
+        """This node's rank, followed by a thread of the leader: no process more in between.
+        The leader removes what the run left in `directory` when the run ends (`lead`)."""
         here = self.here = threading.Event()
 
         def follow_here() -> None:
-            run_node(directory, here, lambda word: self.events.put((self.index, word)))
+            say = lambda word: self.events.put((self.index, word))  # noqa: E731
+            run_node(directory, here, say, finish=False)
             self.events.put((self.index, "gone"))
 
         self.thread = threading.Thread(target=follow_here, daemon=True)
@@ -558,11 +617,16 @@ class _Rank:
                 process.stdin.write(b"\n")
                 process.stdin.flush()
 
-    def stop(self) -> None:
-        """Close the follower's stdin: it stops its rank (SIGTERM, then SIGKILL)."""
+    def stop(self, again: bool = False) -> None:
+        """Close the follower's stdin: it stops its rank (SIGTERM, then SIGKILL). `again`: a
+        restart follows, and the follower keeps its spec for it (`AGAIN`)."""
         if self.here is not None:
             self.here.set()
         if self.process is not None and self.process.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                if again:
+                    self.process.stdin.write(AGAIN)
+                    self.process.stdin.flush()
             with contextlib.suppress(OSError):
                 self.process.stdin.close()
 
@@ -595,22 +659,27 @@ def lead(directory: Path) -> int:
         signal.signal(signum, stopping)
     log = os.open(directory / LEADER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     ranks = [_Rank(i, argv, events) for i, argv in enumerate(launchers)]
+    here = [rank.directory for rank in ranks if rank.directory is not None]
+    guard = _start_guard(directory)
     threading.Thread(target=_heartbeat, args=(ranks, stop), daemon=True).start()
     try:
         while True:
             for rank in ranks:
                 rank.start(log)
             end = _watch(ranks, events, state, directory)
-            _stop_all(ranks, events, grace)
             if stop.is_set():
                 end = {"state": "stopped", "reason": "stopped by skyward stop"}
             retry = end["state"] == "failed" and not end.get("lost")
-            if retry and state["attempt"] < restarts:
+            retry = retry and state["attempt"] < restarts
+            _stop_all(ranks, events, grace, again=retry)
+            if retry and not stop.is_set():
                 state["attempt"] += 1
                 with contextlib.suppress(OSError):
                     os.write(log, f"restart {state['attempt']} of {restarts}: {end}\n".encode())
                 _run_state(directory, {**state, "state": "restarting", "reason": end["reason"]})
                 continue
+            if stop.is_set():
+                end = {"state": "stopped", "reason": "stopped by skyward stop"}
             final: RunState = {**state, **end, "ended_at": time.time()}  # type: ignore[typeddict-item]
             final.pop("lost", None)  # type: ignore[typeddict-item]
             _run_state(directory, final)
@@ -618,19 +687,106 @@ def lead(directory: Path) -> int:
     finally:
         for rank in ranks:
             rank.kill()
-        import shutil
-
-        shutil.rmtree(directory / KEYS, ignore_errors=True)
+        _finish_here(directory, here)
+        if guard is not None and guard.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                guard.stdin.write(GUARD_END)  # the run ended in order: nothing to do
+                guard.stdin.close()
         os.close(log)
 
 
+def _finish_here(directory: Path, here: Sequence[Path]) -> None:
+    """The run has ended: what it left on this node goes (the ranks this leader followed
+    itself: their specs; the keys to the other nodes), logs, states and outputs aside."""
+    import shutil
+
+    for node in here:
+        finish_node(node, None)
+    shutil.rmtree(directory / KEYS, ignore_errors=True)
+
+
 def _wait_plan(directory: Path) -> dict[str, Any]:
-    """``leader.json`` once it is there (written whole: `write_private`), within START_SECONDS;
-    empty if it never comes."""
-    deadline = time.monotonic() + START_SECONDS
-    while not (plan := read_json(directory / LEADER)) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return plan
+    """``leader.json`` once it is there (written whole: `write_private`). A leader started
+    ahead of its plan (`leader_ahead`) has its client at the other end of its stdin: the
+    client writes a line once the plan is there, however long its pool took to start, and
+    its end (or death) without one leaves the plan empty. Any other leader has its plan
+    already (its stdin is empty)."""
+    with contextlib.suppress(OSError):
+        os.read(0, 1)  # a line, or the end: both mean "look now"
+    return read_json(directory / LEADER)
+
+
+# What the leader writes to its guard when it ends in order (the guard has nothing to do).
+GUARD_END = b"end\n"
+
+
+def _start_guard(directory: Path) -> subprocess.Popen[bytes]:
+    """The leader's guard (`guard`), in a session of its own, at the other end of a pipe from
+    this process: its end without `GUARD_END` is the leader's death."""
+    out = os.open(directory / LEADER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        return subprocess.Popen(
+            [*interpreter(), "-m", MODULE, "guard", str(directory)],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            close_fds=True,
+        )
+    finally:
+        os.close(out)
+
+
+def guard(directory: Path) -> int:
+    """``guard DIR``: outlive the leader of the run whose node-0 directory is DIR. The ranks
+    the leader follows itself (every rank on Local, node 0's elsewhere) are its children; when
+    it dies (killed, out of memory) nothing else would stop them, while the other nodes' stop
+    as their channels to it close. So once the leader's end of our stdin closes without
+    `GUARD_END`, this stops those ranks as a follower does (SIGTERM to each group, SIGKILL
+    after the run's grace), removes what the run left here, and ends the run's state:
+    ``failed``, naming the supervisor's death."""
+    for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE):
+        signal.signal(signum, signal.SIG_IGN)
+    seen = b""
+    with contextlib.suppress(OSError):
+        while chunk := os.read(0, 64):
+            seen += chunk
+    if GUARD_END in seen:
+        return 0
+    plan = read_json(directory / LEADER)
+    grace = float(plan.get("grace", 10.0))
+    here = [Path(a[1]) for a in plan.get("launchers", []) if a and a[0] == IN_PROCESS]
+    groups = []
+    for node in here:
+        state = read_json(node / NODE_STATE)
+        if state.get("state") == "running":
+            groups.append((node, int(state["pid"]), state))
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(state["pid"]), signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_group_alive(pid) for _, pid, _ in groups):
+        time.sleep(0.1)
+    for node, pid, state in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        _node_state(node, {**state, "state": "exited", "status": -int(signal.SIGTERM)})
+    _finish_here(directory, here)
+    run = read_json(directory / RUN_STATE)
+    if run.get("state") not in FINAL:
+        reason = "the run's supervisor on node 0 died; the ranks it held were stopped"
+        ended = {"state": "failed", "status": -1, "reason": reason, "ended_at": time.time()}
+        _run_state(directory, {**run, **ended})
+    return 0
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _heartbeat(ranks: list[_Rank], stop: threading.Event) -> None:
@@ -673,13 +829,24 @@ def _watch(
         if word in ("gone", "lost") and rank.status is None:
             # The launcher ended before its follower said how the rank ended: the node or
             # its channel is gone (ssh's status 255, a cancelled srun step).
-            return {
-                "state": "failed",
-                "rank": index,
-                "status": -1,
-                "lost": True,
-                "reason": f"node {index} was lost (its supervisor could not be reached)",
-            }
+            reason = f"node {index} was lost (its supervisor could not be reached)"
+            if not rank.started:
+                reason = _unreached(index, rank.complaint)
+            return {"state": "failed", "rank": index, "status": -1, "lost": True, "reason": reason}
+
+
+def _unreached(node: int, complaint: Sequence[str]) -> str:
+    """Why node `node`'s rank was never reached, from what its launcher (``ssh``) said."""
+    said = " | ".join(line for line in complaint if line) or "it said nothing"
+    reason = f"node 0 could not reach node {node}'s rank ({said})"
+    if "Permission denied" in said:
+        reason += (
+            f"; node {node}'s sshd did not take the run's key, which skyward adds to "
+            "~/.ssh/authorized_keys there: its sshd_config reads keys from elsewhere "
+            "(AuthorizedKeysFile, AuthorizedKeysCommand). Add .ssh/authorized_keys to its "
+            "AuthorizedKeysFile, or run the script attached (without --detach)"
+        )
+    return reason
 
 
 def _status_words(rank: int, status: int) -> str:
@@ -692,10 +859,13 @@ def _status_words(rank: int, status: int) -> str:
     return f"rank {rank} exited with status {status}"
 
 
-def _stop_all(ranks: list[_Rank], events: queue.Queue[tuple[int, str]], grace: float) -> None:
-    """Stop every follower still running and wait for them (their grace, then a kill)."""
+def _stop_all(
+    ranks: list[_Rank], events: queue.Queue[tuple[int, str]], grace: float, again: bool = False
+) -> None:
+    """Stop every follower still running and wait for them (their grace, then a kill);
+    `again`: each is told that a restart follows (see `AGAIN`)."""
     for rank in ranks:
-        rank.stop()
+        rank.stop(again)
     deadline = time.monotonic() + grace + 5
     for rank in ranks:
         if rank.thread is not None:
@@ -746,8 +916,7 @@ def prepare_node(
     for parent in (directory.parent, directory.parent.parent):
         with contextlib.suppress(OSError):
             os.chmod(parent, 0o700)
-    for stale in (NODE_STATE, RUN_STATE, SAID, CLAIMED):  # an earlier run's of this name
-        (directory / stale).unlink(missing_ok=True)
+    _clear_earlier(directory)
     if source is not None:  # in a folder of its own: its name may be any of the run's files'
         (directory / SCRIPT).mkdir(mode=0o700, exist_ok=True)
         path = directory / SCRIPT / os.path.basename(script)
@@ -784,6 +953,18 @@ def prepare_node(
     }
 
 
+def _clear_earlier(directory: Path) -> None:
+    """Remove what an earlier run of the same name left in this node's `directory` (its
+    states, log and outputs): a new run starts with empty logs and outputs. A leader started
+    ahead here (`leader_ahead`) began from an empty directory, and its log is this run's."""
+    import shutil
+
+    for stale in (NODE_STATE, RUN_STATE, SAID, CLAIMED, LOG, EARLY_LOG, SPEC, ATTACH_LOCK):
+        (directory / stale).unlink(missing_ok=True)
+    for folder in (OUTPUTS, SCRIPT, KEYS):
+        shutil.rmtree(directory / folder, ignore_errors=True)
+
+
 def output_dir(directory: Path) -> str:
     """The rank's `sky.output_dir()`: the run's own, beside its log (the pool's goes with the
     pool, while the run goes on)."""
@@ -818,16 +999,16 @@ def start_leader(
     restarts: int,
     grace: float,
     timeout: float,
-    others_started: bool = False,
 ) -> RunState:
     """On node 0: start the run's leader outside the agent (its own session: it outlives the
-    agent and the client) and wait until every rank has started or the run has ended.
-    `others_started`: the other nodes' ranks run already (early followers, which the leader
-    attaches to after this returns): node 0's own rank running is every rank started."""
+    agent and the client) and wait until every rank has started or the run has ended. The
+    other nodes' ranks may run already (early followers): they count as started once the
+    leader has reached them, so a node whose sshd refuses the run's key fails the start."""
     directory = run_root(name) / "node-0"
+    (directory / LEADER_LOG).unlink(missing_ok=True)  # an earlier run's of this name
     write_plan(directory, launchers, keys, known_hosts, restarts, grace)
     leader = spawn_leader(directory, interpreter())
-    return wait_started(directory, leader, timeout, own=others_started)
+    return wait_started(directory, leader, timeout)
 
 
 def write_plan(
@@ -857,27 +1038,44 @@ def write_plan(
 def leader_ahead(name: str) -> tuple[Path, subprocess.Popen[bytes]]:
     """Where nodes are this machine's processes (Local): start run `name`'s leader now, before
     the pool, so its interpreter starts while the pool does; it waits for `write_plan`. Its
-    directory (node 0's) and process."""
+    directory (node 0's) and process, whose stdin the caller holds: a line on it says the
+    plan is there (`plan_written`), its end without one that there will be none."""
+    import shutil
+
+    # An earlier run of this name left its files here (every node's: they are this machine's):
+    # this run starts with empty logs and outputs.
+    shutil.rmtree(run_root(name), ignore_errors=True)
     directory = run_root(name) / "node-0"
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for stale in (LEADER, RUN_STATE):  # an earlier run's of this name: not this one's plan
-        (directory / stale).unlink(missing_ok=True)
-    return directory, spawn_leader(directory, interpreter())
+    return directory, spawn_leader(directory, interpreter(), ahead=True)
 
 
-def spawn_leader(directory: Path, prefix: Sequence[str]) -> subprocess.Popen[bytes]:
-    """``lead DIR`` in a session of its own, its stdio on files: nothing of the caller holds it."""
-    return _spawn_role([*prefix, "-m", MODULE, "lead"], directory, LEADER_LOG)
+def plan_written(leader: subprocess.Popen[bytes]) -> None:
+    """Tell a leader started ahead (`leader_ahead`) that its plan is there."""
+    assert leader.stdin is not None
+    with contextlib.suppress(OSError):
+        leader.stdin.write(b"plan\n")
+        leader.stdin.close()
 
 
-def _spawn_role(argv: Sequence[str], directory: Path, log: str) -> subprocess.Popen[bytes]:
+def spawn_leader(
+    directory: Path, prefix: Sequence[str], ahead: bool = False
+) -> subprocess.Popen[bytes]:
+    """``lead DIR`` in a session of its own, its output on a file: nothing of the caller holds
+    it. `ahead`: its stdin is a pipe from the caller, who writes the plan later."""
+    return _spawn_role([*prefix, "-m", MODULE, "lead"], directory, LEADER_LOG, piped=ahead)
+
+
+def _spawn_role(
+    argv: Sequence[str], directory: Path, log: str, piped: bool = False
+) -> subprocess.Popen[bytes]:
     """``argv DIR`` in a session of its own (it outlives its caller: the agent, the client),
-    its output appended to ``DIR/log``, no stdin: nothing of the caller holds it."""
+    its output appended to ``DIR/log``; no stdin (`piped`: one the caller holds)."""
     out = os.open(directory / log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         return subprocess.Popen(
             [*argv, str(directory)],
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
             stdout=out,
             stderr=out,
             start_new_session=True,
@@ -888,18 +1086,14 @@ def _spawn_role(argv: Sequence[str], directory: Path, log: str) -> subprocess.Po
 
 
 def wait_started(
-    directory: Path, leader: subprocess.Popen[bytes] | None, timeout: float, own: bool = False
+    directory: Path, leader: subprocess.Popen[bytes] | None, timeout: float
 ) -> RunState:
-    """Wait until ``run.json`` says every rank started (or the run ended) within `timeout`;
-    with `own`, until this node's rank has started, the others' being known to run."""
+    """Wait until ``run.json`` says every rank started (or the run ended) within `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = read_json(directory / RUN_STATE)
         if state.get("state") in ("running", *FINAL):
             return state  # type: ignore[return-value]
-        node = read_json(directory / NODE_STATE) if own else {}
-        if node.get("state") in ("running", "exited"):
-            return {**state, "state": "running", "running_at": float(node["at"])}  # type: ignore[typeddict-item]
         if leader is not None and leader.poll() is not None and not state:
             tail = _tail(directory / LEADER_LOG)
             return {"state": "failed", "reason": f"the supervisor did not start: {tail}"}
@@ -1020,11 +1214,12 @@ def main(argv: Sequence[str]) -> int:
         "early": follow_early,
         "attach": attach,
         "batch": lead_batch,
+        "guard": guard,
     }
     if len(argv) == 3 and argv[0] == "linger":
         return linger(Path(argv[1]), argv[2])
     if len(argv) != 2 or argv[0] not in roles:
-        usage = "lead|follow|early|attach|batch DIR"
+        usage = "lead|follow|early|attach|batch|guard DIR"
         print(f"usage: python -m skyward.worker.supervisor {usage}", file=sys.stderr)
         return 2
     return roles[argv[0]](Path(argv[1]))

@@ -174,3 +174,29 @@ def test_a_batch_jobs_ports_are_distinct() -> None:
     ports = supervisor._free_ports("127.0.0.1", 500)
     assert len(ports) == 500 and len(set(ports)) == 500
     assert all(0 < port < 65536 for port in ports)
+
+
+def test_key_lines_are_edited_in_place_under_the_lock_a_symlink_stays_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ~/.ssh/authorized_keys is a link (to a file a configuration tool manages), the
+    supervisor's edits and the client's clean-up both write through it, leaving it a link and
+    every other line as it was."""
+    from skyward.detached.reach import _UNAUTHORIZE
+
+    home, managed = tmp_path / "home", tmp_path / "managed_keys"
+    (home / ".ssh").mkdir(parents=True)
+    managed.write_text("ssh-ed25519 AAAAother someone@else\n")
+    (home / ".ssh" / "authorized_keys").symlink_to(managed)
+    monkeypatch.setenv("HOME", str(home))
+    for node in (1, 2):
+        supervisor.authorize(f"ssh-ed25519 AAAAkey{node}", "true", f"skyward-run:x:node-{node}")
+    supervisor.remove_authorized("skyward-run:x:node-1")
+    subprocess.run(
+        ["sh", "-c", _UNAUTHORIZE.format(tag="skyward-run:x:node-2")],
+        env={**os.environ, "HOME": str(home)},
+        check=True,
+    )
+    assert (home / ".ssh" / "authorized_keys").is_symlink()
+    assert managed.read_text() == "ssh-ed25519 AAAAother someone@else\n"
+    assert sorted(p.name for p in (home / ".ssh").iterdir()) == ["authorized_keys"]

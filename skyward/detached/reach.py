@@ -125,6 +125,18 @@ _PEEK = (
 )
 
 
+# Remove the authorized_keys lines that end in " <tag>" (a run's node; the tag has no regex
+# characters) as the supervisor does (`supervisor.remove_authorized`): under the same lock
+# (flock(2) on the file, which flock(1) takes too) and in place, so that a symlinked file
+# stays a symlink and a line another run appends meanwhile is kept.
+_UNAUTHORIZE = (
+    'f=$HOME/.ssh/authorized_keys; [ -f "$f" ] && flock "$f" sh -c \''
+    'umask 077; t="$1.skyward.$$"; grep -v -- " {tag}$" "$1" > "$t"; '
+    'cat "$t" > "$1"; rm -f "$t"\' _ "$f"; '
+    "true"
+)
+
+
 class Remote:
     """Nodes on SSH hosts, reached with the pool's login options and the host keys the pool
     verified (pinned in the record)."""
@@ -265,13 +277,7 @@ class Remote:
             if not tag:
                 await self._read(index, f"rm -f {spec}")
                 return
-            # sed's address: the lines ending in " <tag>" (the tag has no regex characters
-            # but '.', which only widens the match to the same run's line)
-            await self._read(
-                index,
-                f"rm -f {spec}; f=$HOME/.ssh/authorized_keys; "
-                f'[ -f "$f" ] && sed -i \'/ {tag}$/d\' "$f"; true',
-            )
+            await self._read(index, f"rm -f {spec}; {_UNAUTHORIZE.format(tag=tag)}")
 
         self._each(remove)
 

@@ -1,4 +1,8 @@
-"""A pool's cache and outputs are the user's alone: nothing in them open to group or others."""
+"""A pool's cache and outputs are the user's alone: nothing in them open to group or others.
+
+The SSH side (a host's cache, with uv sent there and an environment built) is
+tests/ssh/test_ssh_e2e.py's, with `open_to_others` from here.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
+from tests.contract import offline_image
 
 
 @sky.compute
@@ -33,9 +38,16 @@ def open_to_others(root: Path) -> list[str]:
 def test_a_fresh_cache_and_the_outputs_are_private(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """An environment built with uv (its venv, its locks, `.skyward-ready` with the image's
+    env=, the bytecode the agents write as they import), skyward's copy of itself and the
+    outputs: all owner-only, though the client's umask is the usual 022."""
     cache, outputs = tmp_path / "cache", tmp_path / "outputs"
     monkeypatch.setenv("SKYWARD_CACHE_DIR", str(cache))
-    image = sky.Image(env={"SKYWARD_CANARY": "a secret"})  # in .skyward-ready when built
+    monkeypatch.setenv("UV_OFFLINE", "1")  # every requirement is a local wheel
+    # Bytecode as most machines write it: the agents' imports make __pycache__ in the cache.
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    built = offline_image(tmp_path / "wheels", "private")
+    image = sky.Image(pip=built.pip, env={"SKYWARD_CANARY": "a secret"})
     pool = sky.ComputePool(provider=sky.Local(), nodes=2, output_dir=outputs, image=image)
     previous = os.umask(0o022)  # most users' umask: the pool must not rely on a stricter one
     try:
@@ -44,5 +56,7 @@ def test_a_fresh_cache_and_the_outputs_are_private(
     finally:
         os.umask(previous)
     assert all(Path(p).read_text() == "computed" for p in written)
+    assert list((cache / "envs").glob("*/.skyward-ready")), "the pool built an environment"
+    assert list(cache.glob("envs/*/lib/*/site-packages/*/__pycache__/*.pyc")), "no bytecode"
     assert cache.is_dir() and open_to_others(cache) == []
     assert open_to_others(outputs) == []

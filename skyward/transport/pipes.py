@@ -272,10 +272,14 @@ class _ControlReader:
 
 
 async def spawn(
-    argv: list[str], env: Mapping[str, str], cwd: str | None, linger: float = 0.0
+    argv: list[str],
+    env: Mapping[str, str],
+    cwd: str | None,
+    linger: float = 0.0,
+    umask: int = -1,
 ) -> SubprocessStream:
-    """Start `argv` with piped stdin/stdout/stderr in a new session; a caller waiting for a
-    reply polls up to `linger` seconds before it sleeps."""
+    """Start `argv` with piped stdin/stdout/stderr in a new session (with `umask`, when one is
+    given); a caller waiting for a reply polls up to `linger` seconds before it sleeps."""
     process = subprocess.Popen(
         argv,
         stdin=subprocess.PIPE,
@@ -285,5 +289,6 @@ async def spawn(
         cwd=cwd,
         start_new_session=True,
         bufsize=0,
+        umask=umask,
     )
     return SubprocessStream(process, linger)

@@ -95,7 +95,7 @@ def build(
     is the spec's Python; otherwise uv finds (or downloads) that version.
     """
     envs = cache / "envs"
-    envs.mkdir(parents=True, exist_ok=True)
+    envs.mkdir(mode=0o700, parents=True, exist_ok=True)
     env_dir = envs / spec.hash
     if (env_dir / READY_MARKER).exists():
         return env_python(env_dir)
@@ -108,7 +108,11 @@ def build(
         except BaseException:
             shutil.rmtree(env_dir, ignore_errors=True)
             raise
-        (env_dir / READY_MARKER).write_text(spec.to_json())
+        # uv makes the environment's own lock 0666 whatever the umask (for other users who
+        # share an environment): this one is the user's alone.
+        if (env_dir / ".lock").exists():
+            os.chmod(env_dir / ".lock", 0o600)
+        _write_private(env_dir / READY_MARKER, spec.to_json())
     return env_python(env_dir)
 
 
@@ -117,13 +121,20 @@ def run_setup_once(spec: EnvSpec, cache: Path, log: Callable[[str], None]) -> No
     if not spec.setup:
         return
     marks = cache / "setup"
-    marks.mkdir(parents=True, exist_ok=True)
+    marks.mkdir(mode=0o700, parents=True, exist_ok=True)
     done = marks / f"{spec.hash}.done"
     with locked(marks / f"{spec.hash}.lock"):
         if done.exists():
             return
         _run_setup(spec, log)
-        done.write_text("ok\n")
+        _write_private(done, "ok\n")
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `path` 0600 whatever the umask (a Local build runs in the client's, often 022):
+    `.skyward-ready` holds the image's env= values."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+        out.write(text)
 
 
 def _build_into(
@@ -242,8 +253,13 @@ def _run(
     env: dict[str, str] | None = None,
 ) -> None:
     tail: list[str] = []
+    # uv and the setup commands run under umask 077: `main` sets it on a host, but a Local
+    # build runs in the client's process, under the user's umask. So the venv, the new entries
+    # of uv's cache its files are linked from, a Python uv downloads and what setup commands
+    # write are owner-only. A shell sets it: Popen's `umask=` needs Python 3.9.
+    private = ["/bin/sh", "-c", 'umask 077 && exec "$@"', "sh", *command]
     with subprocess.Popen(
-        command,
+        private,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,

@@ -165,7 +165,7 @@ def install(dest: str, version: str, binary: bytes) -> None:
         os.makedirs(os.path.dirname(binary_path))
         with open(binary_path, "wb") as out:
             out.write(binary)
-        os.chmod(binary_path, 0o755)
+        os.chmod(binary_path, 0o700)
         try:
             said = subprocess.run(
                 [binary_path, "--version"], capture_output=True, text=True, timeout=60
@@ -183,11 +183,15 @@ def install(dest: str, version: str, binary: bytes) -> None:
 def main() -> None:
     """``python3 -m skyward.worker.uvinstall DEST VERSION --receive`` (the binary gzipped on
     stdin) or ``... --fetch`` (a JSON list of ``[url, flat, default]`` on stdin)."""
+    # What this makes under the cache (bootstrap/, the lock, uv's folder) is owner-only, as in
+    # the rest of the cache (`skyward.cachedir`; not imported: this runs on the host's python3).
+    os.umask(0o077)
     dest, version, how = sys.argv[1], sys.argv[2], sys.argv[3]
     try:
         root = os.path.dirname(os.path.dirname(os.path.dirname(dest)))  # <cache>/bootstrap
-        os.makedirs(root, exist_ok=True)
-        with open(f"{root}/uv-{version}.lock", "a") as lock:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        lock_fd = os.open(f"{root}/uv-{version}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(lock_fd, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # hosts sharing a home install once
             if not os.access(dest, os.X_OK):
                 if how == "--receive":

@@ -12,6 +12,7 @@ import pytest
 import skyward as sky
 from skyward.providers.source import source_hash
 from skyward.transport.sshhost import SSHHost
+from tests.contract import offline_image, probe_environment
 from tests.ssh.conftest import Hosts, Server
 from tests.support import sshd
 from tests.test_private_cache import open_to_others
@@ -197,6 +198,48 @@ def test_the_hosts_skyward_cache_dir_holds_what_skyward_keeps_there(
     # A fresh cache on the host: nothing in it open to group or others (.skyward-ready holds
     # the environment's env= values; data and outputs are the user's).
     assert open_to_others(cache) == []
+
+
+def test_a_local_and_an_ssh_pool_that_build_an_environment_keep_every_cache_private(
+    netns_hosts: Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fresh caches on the client and on a host, each pool building an environment: the
+    client's (Local's) and the host's get skyward's copy of itself, an environment built with
+    uv (its locks, uv's files, `.skyward-ready` with the image's env=) and its agents'
+    bytecode; the host also the client's uv, under bootstrap/ with its lock. Nothing in either
+    cache is open to group or others, though both sides start with umask 022."""
+    client, host = tmp_path / "client-cache", tmp_path / "host-cache"
+    monkeypatch.setenv("SKYWARD_CACHE_DIR", str(client))
+    monkeypatch.setenv("UV_OFFLINE", "1")  # every requirement is a local wheel
+    # Bytecode as most machines write it: the agents' imports make __pycache__ in the cache.
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    built = offline_image(tmp_path / "wheels", "private")
+    image = sky.Image(pip=built.pip, env={"SKYWARD_CANARY": "a secret"})
+    on_host = {"SKYWARD_CACHE_DIR": str(host)}
+    # A PATH with no uv on it: the host must take the client's (bootstrap/ and its lock).
+    build_env = {**on_host, "UV_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    pools = [
+        sky.ComputePool(provider=sky.Local(), nodes=2, image=image, stream_output=False),
+        sky.ComputePool(
+            provider=netns_hosts.provider(1, build_env=build_env),
+            image=image,
+            env=on_host,
+            stream_output=False,
+        ),
+    ]
+    previous = os.umask(0o022)  # the client's, and the host's login shell's (sshd's child)
+    try:
+        for pool in pools:
+            with pool:
+                assert {r[3] for r in probe_environment() @ pool} == {"private"}
+    finally:
+        os.umask(previous)
+    for cache in (client, host):
+        assert list(cache.glob("envs/*/.skyward-ready")), f"{cache} has no environment"
+        assert list(cache.glob("envs/*/lib/*/site-packages/*/__pycache__/*.pyc")), cache
+    assert list(host.glob("bootstrap/uv-*/bin/uv")), "the client's uv was sent to the host"
+    assert open_to_others(client) == []
+    assert open_to_others(host) == []
 
 
 @sky.compute

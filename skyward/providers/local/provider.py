@@ -93,7 +93,10 @@ class LocalNode(Node):
             "PYTHONUNBUFFERED": "1",
             LINGER_ENV: str(round(linger * 1e6)),
         }
-        return await spawn([python, "-m", "skyward.worker"], full_env, os.getcwd(), linger)
+        # The cache's umask from the first instruction: what the agent writes there before it
+        # sets its own (bytecode of the environment's packages, as it imports them) is private.
+        argv = [python, "-m", "skyward.worker"]
+        return await spawn(argv, full_env, os.getcwd(), linger, umask=0o077)
 
 
 class Local(Provider):

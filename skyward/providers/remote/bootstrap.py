@@ -91,10 +91,12 @@ class RemoteNode(Node):
         # The values travel as the first line of the agent's stdin, read by its shell before
         # the `exec` (`stdinenv`): the agent's command line, which lives as long as the pool
         # (on Slurm, srun's on the login node too), holds none of them. The source path must
-        # expand on the host: it is the one variable on the command line.
+        # expand on the host: it is the one variable on the command line. umask 077 from the
+        # start: the bytecode the agent writes as it imports, before it sets its own, is in
+        # the cache (the environment's packages) and private.
         line = env_line({k: v for k, v in full.items() if k != "PYTHONPATH"})
         command = (
-            f'{READ_ENV}cd "$HOME" && exec env {hoststeps.pythonpath()} '
+            f'{READ_ENV}umask 077; cd "$HOME" && exec env {hoststeps.pythonpath()} '
             f"{shlex.quote(self.python)} -m skyward.worker"
         )
         try:
@@ -347,4 +349,5 @@ def module_command(
     words = " ".join(shlex.quote(a) for a in args)
     flags = "" if site else "-S "
     path = hoststeps.pythonpath()
-    return f"cd {cwd} && {path} exec {shlex.quote(python)} {flags}-m {module} {words}"
+    # umask 077, as for the agent: the module's bytecode and what it writes are the cache's.
+    return f"umask 077; cd {cwd} && {path} exec {shlex.quote(python)} {flags}-m {module} {words}"

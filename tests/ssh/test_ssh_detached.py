@@ -225,7 +225,10 @@ def test_a_leader_that_dies_takes_the_run_down_and_says_lost(
     node0 = Path(record.load(name).directories[0])
     # Mid-run: the leader has reached node 1 (it says `running` once every follower did).
     assert wait_until(lambda: "running" in (node0 / "run.json").read_text(), 15)
+    # Node 0 fails: its leader, the leader's guard and its rank go at once.
     os.kill(json.loads((node0 / "run.json").read_text())["leader_pid"], signal.SIGKILL)
+    for pid in processes_with(f"runs/{name}/node-0"):
+        os.kill(pid, signal.SIGKILL)
     os.killpg(json.loads((node0 / "node.json").read_text())["pid"], signal.SIGKILL)  # its rank
     assert wait_until(lambda: not processes_with(f"token-{name}"), 15)
     assert "lost (the supervisor on node 0 is gone)" in _status_line(name, capsys)
@@ -287,4 +290,60 @@ def test_restarts_start_every_rank_again_through_the_same_launchers(
             assert f"(node {rank}) rank {rank} attempt {attempt}" in out, out
     assert "succeeded" in _status_line(name, capsys)
     assert wait_until(lambda: not processes_with(f"runs/{name}/"), 10)
+    assert _authorized_lines(name) == []
+
+
+@pytest.mark.slow
+def test_a_host_whose_sshd_ignores_authorized_keys_fails_the_start_and_says_why(
+    netns_hosts: Hosts, project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 0's leader reaches node 1 with a key the run adds to node 1's authorized_keys; an
+    sshd that reads keys from elsewhere refuses it. The start must fail, saying so, rather
+    than say every rank runs and lose node 1 a second later."""
+    name = "keyless"
+    server = netns_hosts.net.hosts[1].server
+    assert server is not None
+    server.user_keys = False
+    server.restart()
+    try:
+        assert main(["run", "--detach", "--name", name, "job.py", "600", f"token-{name}"]) == 1
+        out = capsys.readouterr()
+        assert "every rank is running" not in out.out
+        assert "node 1" in out.err and "AuthorizedKeysFile" in out.err, out.err
+        assert wait_until(lambda: not processes_with(f"token-{name}"), 15)
+        assert wait_until(lambda: not processes_with(f"runs/{name}/"), 10)
+        assert _authorized_lines(name) == []
+    finally:
+        server.user_keys = True
+        server.restart()
+
+
+@pytest.mark.slow
+def test_a_run_that_succeeds_after_a_restart_leaves_no_secret_on_its_nodes(
+    netns_hosts: Hosts, project: Path
+) -> None:
+    """The spec of every node holds the run's environment: it goes, and the leader's key lines
+    with it, as soon as the run has ended on the nodes, before any client looks."""
+    import secrets
+
+    import skyward as sky
+    from skyward.cachedir import cache_root
+
+    name = "secretive"
+    canary = f"canary-{secrets.token_hex(8)}"
+    (project / "quick.py").write_text("print('done')\n")
+    provider = netns_hosts.provider(2)
+    sky.submit("quick.py", [], provider=provider, name=name, env={"K": canary}, restarts=1)
+    node0 = Path(os.environ["SKYWARD_TEST_HOST_CACHE"]) / "runs" / name / "node-0"
+    assert wait_until(lambda: '"succeeded"' in (node0 / "run.json").read_text(), 30)
+    assert wait_until(lambda: not processes_with(f"runs/{name}/"), 15)
+    holders = [
+        str(path)
+        for root in (os.environ["SKYWARD_TEST_HOST_CACHE"], cache_root())
+        for path in Path(root).rglob("*")
+        if path.is_file()
+        and path.stat().st_size < 1 << 22  # (not an environment's libraries)
+        and canary.encode() in path.read_bytes()
+    ]
+    assert holders == []
     assert _authorized_lines(name) == []

@@ -667,6 +667,9 @@ class SshdServer:
             port = 22 if netns is not None else free_port(host)
         self.port = port
         self.extra_config = list(extra_config)
+        # False: sshd reads only the server-level keys file, not ~/.ssh/authorized_keys (as
+        # where logins are managed centrally); takes effect at the next (re)start.
+        self.user_keys = True
         self.start_timeout = start_timeout
         self.workdir = Path(tempfile.mkdtemp(prefix=_WORKDIR_PREFIX))
         # sshd reads authorized keys files with the user's uid: let them traverse the dir.
@@ -700,7 +703,8 @@ class SshdServer:
             "AddressFamily inet",
             f"HostKey {self.host_key.private_path}",
             f"PidFile {self.pid_path}",
-            f"AuthorizedKeysFile .ssh/authorized_keys {self.authorized_keys_file}",
+            f"AuthorizedKeysFile {'.ssh/authorized_keys ' if self.user_keys else ''}"
+            f"{self.authorized_keys_file}",
             "PubkeyAuthentication yes",
             "PasswordAuthentication no",
             "KbdInteractiveAuthentication no",

@@ -222,7 +222,7 @@ def _uv_indexes(uv: dict[str, Any], sent: dict[str, list[str]], where: str) -> t
     ``[tool.uv.sources]``) scopes an index to packages: an explicit one serves only those, and
     a package sent to an index is taken from it alone."""
     found: list[Index] = []
-    named = set()
+    named: set[str] = set()
     for entry in _list(uv.get("index", []), "[[tool.uv.index]]", where):
         if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
             raise ConfigError(f"{where}: each [[tool.uv.index]] needs a url")
@@ -236,9 +236,8 @@ def _uv_indexes(uv: dict[str, Any], sent: dict[str, list[str]], where: str) -> t
         if entry.get("default"):
             if flat:
                 raise ConfigError(
-                    f"{where}: the [[tool.uv.index]] {redact_urls(url)} with default = true is a "
-                    "flat page "
-                    '(format = "flat"): the default index must be a PEP 503 index, as for uv'
+                    f"{where}: the [[tool.uv.index]] {redact_urls(url)} with default = true is "
+                    'a flat page (format = "flat"): the default index must be a PEP 503 index'
                 )
             found.append(Index(url, default=True))
         else:

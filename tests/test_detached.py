@@ -423,3 +423,30 @@ def test_status_forgets_only_runs_that_have_ended(
     assert main(["status", "--forget-ended"]) == 0
     assert "forgot run going (stopped" in capsys.readouterr().out
     assert not record.exists("going")
+
+
+def test_a_runs_cost_counts_the_time_keep_for_holds_its_machines() -> None:
+    """A cloud run's machines wait --keep-for seconds after its end for its outputs, and are
+    paid for: its cost runs to the end of that wait, or to the fetch that lets them go."""
+    now = time.time()
+    ended = {"state": "succeeded", "running_at": now - 3600 * 3, "ended_at": now - 3600}
+    kept = record.RunRecord(
+        name="held",
+        provider="aws",
+        kind="ssh",
+        nodes=2,
+        script="train.py",
+        args=[],
+        created_at=now - 3600 * 3,
+        directories=["/a", "/b"],
+        price_per_hour=1.5,
+        keep_for=1800.0,
+        last=ended,
+    )
+    record.save(kept)
+    # two hours of the run and half an hour held, on two nodes at $1.50 an hour each
+    assert sky.Run("held").status().cost == pytest.approx(1.5 * 2 * 2.5)
+    kept.last = {**ended, "released_at": now - 3600 + 600}  # a fetch let them go 10 min in
+    record.save(kept)
+    assert sky.Run("held").status().cost == pytest.approx(1.5 * 2 * (2 + 1 / 6))
+    record.forget("held")

@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import subprocess
+import threading
 import time
 
 import pytest
 
 import skyward as sky
-from tests.ssh.conftest import Hosts
+from tests.ssh.conftest import Hosts, wait_until
 from tests.support import sshd
 
 pytestmark = pytest.mark.ssh
@@ -34,6 +36,11 @@ def random_bytes(n: int) -> tuple[str, bytes]:
     them."""
     data = random.Random(n).randbytes(n)
     return hashlib.sha256(data).hexdigest(), data
+
+
+@sky.compute
+def node_pid() -> int:
+    return os.getpid()
 
 
 @sky.compute
@@ -98,6 +105,30 @@ def test_an_argument_read_ahead_while_a_call_runs_leaves_the_node_heard(
             second = pool.submit(digest(data))
             assert first.result() == 14
             assert second.result() == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_an_agent_cut_off_while_it_sends_a_large_result_stops_by_itself(
+    netns_hosts: Hosts,
+) -> None:
+    """The link goes down while the agent writes 50 MB back at 8 Mbit/s: its write blocks for
+    good, and no ping reaches it. The client declares the node dead, and the agent, whose
+    watcher does not wait behind that write to send a heartbeat, hears the silence and stops
+    by itself."""
+    host = netns_hosts.net[0]
+    timeout = 3.0
+    link = ["ip", "link", "set", host.veth]
+    try:
+        with _pool(netns_hosts, heartbeat_timeout=timeout) as pool:
+            pid = node_pid() >> pool
+            random_bytes(10) >> pool
+            with sshd.throttle(host, 8, to_host=False):
+                threading.Timer(2.0, subprocess.run, ([*link, "down"],), {"check": True}).start()
+                with pytest.raises(sky.WorkerError, match="heartbeat_timeout"):
+                    random_bytes(50_000_000) >> pool
+                assert wait_until(lambda: not sshd.pid_alive(pid), timeout + 15), "agent runs"
+            subprocess.run([*link, "up"], check=True)  # so the pool's close is quick
+    finally:
+        subprocess.run([*link, "up"], check=False)
 
 
 @pytest.mark.slow

@@ -76,13 +76,17 @@ def test_gpu_accelerator_gets_cuda12_and_the_jax_index_scoped_to_jax() -> None:
 
 
 @pytest.mark.parametrize("accelerator", ["A100:8", "TPU-V5E:4"])
-def test_an_image_with_its_own_index_for_everything_gets_no_release_index(accelerator: str) -> None:
+def test_an_image_whose_default_index_is_a_mirror_gets_no_release_index(accelerator: str) -> None:
     """A private network's mirror serves jax too: a scoped release index would be the only
-    place uv looked for jax, and such hosts cannot reach it."""
-    mirror = sky.Index("http://10.0.0.1:8000/simple/")
+    place uv looked for jax, and such hosts cannot reach it. An extra index for everything
+    is not a mirror (PyPI stays): the release index stays too."""
+    mirror = sky.Index("http://10.0.0.1:8000/simple/", default=True)
     image = sky.plugins.jax().transform(sky.Image(indexes=[mirror]), cluster(accelerator))
     assert image.indexes == (mirror,)
     assert image.pip[-1].startswith("jax[")
+    extra = sky.Index("http://10.0.0.1:8000/simple/")
+    image = sky.plugins.jax().transform(sky.Image(indexes=[extra]), cluster(accelerator))
+    assert image.indexes[0] == extra and JAX_RELEASES in {i.url for i in image.indexes}
     scoped = sky.Index("http://10.0.0.1:8000/mine/", packages=["mypkg"])
     image = sky.plugins.jax().transform(sky.Image(indexes=[scoped]), cluster(accelerator))
     assert image.indexes[0] == scoped and JAX_RELEASES in {i.url for i in image.indexes}

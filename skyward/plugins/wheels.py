@@ -1,6 +1,6 @@
 """What the plugins that install an accelerated framework (JAX, PyTorch) read off a pool to
-choose its wheels: the CUDA the nodes' drivers support, and whether the image already names a
-mirror that must serve everything.
+choose its wheels: the CUDA the nodes' drivers support, and whether the image names a default
+index (a mirror) that must serve everything.
 
 Runs on the client only (from the plugins' `transform`).
 """
@@ -28,7 +28,8 @@ def driver_cuda(cluster: ClusterSpec) -> tuple[int, int]:
 
 
 def names_a_mirror(image: Image) -> bool:
-    """Whether `image` names an index for every package (a private network's mirror): then a
-    framework's wheels come from it too. A release index scoped to the framework would be the
-    only place uv looked for it, and hosts that need a mirror cannot reach that index."""
-    return any(not index.packages for index in image.indexes)
+    """Whether `image` names a default index (a private network's mirror, in place of PyPI):
+    then a framework's wheels come from it too. A release index scoped to the framework would
+    be the only place uv looked for it, and hosts that need a mirror cannot reach that index.
+    An extra index, even unscoped, is not one: PyPI stays, and so does the release index."""
+    return image.default_index is not None

@@ -663,9 +663,10 @@ def _write_client_token() -> str:
     other's: a node then seems not to share it, and builds for itself: slower, never wrong."""
     token = secrets.token_hex(8)
     path = Path(cache_root()).absolute() / hostcheck.CLIENT_TOKEN
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     temporary = path.with_name(f"{path.name}.{token}")
-    temporary.write_text(token)
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+        out.write(token)  # owner-only whatever the user's umask, as the whole cache is
     temporary.replace(path)
     return token
 
@@ -678,7 +679,7 @@ async def _shares_cache(cluster: SlurmCluster) -> bool:
     path = f'"{CACHE}"/' + shlex.quote(f".shared-{cluster.spec.pool_id}")
     first = bootstrap.remote_nodes(cluster)[0].host
     with contextlib.suppress(Exception):
-        await first.run(f'mkdir -p "{CACHE}" && echo {token} > {path}')
+        await first.run(f'umask 077 && mkdir -p "{CACHE}" && echo {token} > {path}')
         seen = await asyncio.gather(
             *(n.host.run(f"cat {path} 2>/dev/null") for n in bootstrap.remote_nodes(cluster)[1:])
         )

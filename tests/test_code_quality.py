@@ -32,6 +32,31 @@ def test_mypy_strict_on_the_package(mypy_report: MypyReport) -> None:
     assert mypy_report.errors["skyward"] == [], mypy_report.output
 
 
+# What a reader of the product cannot follow: the tracker's numbers, a commit given as the
+# reason for code, and the story of how or where the project was built.
+_HISTORY = re.compile(r"[Ii]ssue [0-9]+|this session|CI machines|commits? [0-9a-f]{7}\b")
+
+
+def test_the_product_speaks_of_the_product() -> None:
+    """Code, docs, benchmarks/README.md, pyproject.toml and the README say the reason itself
+    (a measured figure, what broke before); the history belongs to the commit messages."""
+    files = [
+        *(ROOT / "skyward").rglob("*.py"),
+        *(ROOT / "docs").rglob("*.md"),
+        *(ROOT / "benchmarks").rglob("*"),
+        ROOT / "pyproject.toml",
+        ROOT / "README.md",
+    ]
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in files
+        if path.is_file() and path.suffix in (".py", ".md", ".toml")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if _HISTORY.search(line)
+    ]
+    assert found == []
+
+
 def _imports() -> dict[str, set[str]]:
     """Which skyward modules each skyward module imports: every import statement, at the top,
     inside a function or under TYPE_CHECKING (a circle for the type checker only still means a

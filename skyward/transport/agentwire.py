@@ -3,7 +3,7 @@
 The agent spends its life in `AgentWire.serve`. With many agents sharing cores (an 8-node
 broadcast on a laptop), what a call costs on a node is mostly the memory its path touches,
 fetched again each time the agent wakes with cold caches, so each Python function call on the
-path costs several times what it does in a warm loop (commit edfef46: one Python call less per
+path costs several times what it does in a warm loop (one Python call less per
 call on a node made the 8-node broadcast of `benchmarks/bench_local.py` about 20% faster on 2
 cores). So the common case, a small call that returns, is read, run and answered within the
 one loop of `serve`, with the agent's functions (`CallHost`).
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 # provider sets it, and only where the agent has a core to itself: polling agents that share
 # cores would slow each other down. It lives here, beside `linger`, because both its users
 # (providers/local.py, worker/agent.py) import this module, and providers/local must not import
-# worker/agent (an import circle, commit 6495267).
+# worker/agent (an import circle).
 LINGER_ENV = "SKYWARD_AGENT_LINGER_US"
 
 _HEARTBEAT = b"".join(encode(Heartbeat()))
@@ -124,8 +124,8 @@ class AgentWire:
         self.fileno_in = fd_in
         # Reads take exactly what they ask for, so nothing is ever buffered here: small parts
         # with os.read (a BufferedReader's refill, copying each part through its own buffer,
-        # added to every call's cost on a node: commit 3a65aa1 measured the agent's CPU per
-        # call without it), a large segment with an unbuffered reader, which fills one bytes
+        # added to every call's cost on a node: `bench_local.py` measured the agent's CPU
+        # per call without it), a large segment with an unbuffered reader, which fills one bytes
         # object of the segment's size in place, noting each chunk as it comes (`_Chunks`).
         self._whole = io.BufferedReader(_Chunks(self, fd_in), buffer_size=1)
         # One poll object per thread that polls (a poll object refuses concurrent use): the
@@ -194,8 +194,8 @@ class AgentWire:
                 if linger:
                     self.linger(linger)
             return
-        # FAST PATH (the agent's only one; `bench_local.py` rtt and broadcast, commits edfef46
-        # and b8cd480): a small call's frame is read with two exact reads (its header and first
+        # FAST PATH (the agent's only one; `bench_local.py` rtt and
+        # broadcast): a small call's frame is read with two exact reads (its header and first
         # segment length, then the packed metadata and the pickled arguments), run, and
         # answered with one write, all in this loop: with many agents sharing cores, each
         # Python call on a node's path costs several times what it does in a warm loop (see
@@ -203,8 +203,9 @@ class AgentWire:
         # format is read and written here in place, with the structs `frames` defines it by,
         # where the plain steps call `frames.read_meta` and `frames.encode_result`: calling
         # them here made the 8-node broadcast read 1.76x of its floor against 1.20x, in six
-        # alternating runs (benchmarks/README.md, "Issue 26"). Anything else goes through the
-        # plain steps (`_rest_of_frame`, `_serve_frame`, `_answer`), which handle every frame.
+        # alternating runs (benchmarks/README.md, "The flat call path: before and after").
+        # Anything else goes through the plain steps (`_rest_of_frame`, `_serve_frame`,
+        # `_answer`), which handle every frame.
         fd_in, fd_out, lock = self.fileno_in, self._out_fd, self._write_lock
         functions, reports = host.functions, host.reports
         while True:

@@ -58,8 +58,7 @@ class all_held:
     out, also when the taking was interrupted (only what was taken is given back).
 
     Why not a ``with`` per lock: a broadcast takes one lock per node, and `map` over the lock
-    type's own methods costs no bytecode per lock (`bench_local.py --only broadcast`; commit
-    4bc77de)."""
+    type's own methods costs no bytecode per lock (`bench_local.py --only broadcast`)."""
 
     __slots__ = ("_locks", "_taken")
 
@@ -195,16 +194,15 @@ def settle_frames(
     `Result` settles its call in `pending` (`settle`), any other frame goes to `on_frame`.
     Returns where the whole frames end: the rest (a frame cut short) is for `FrameDecoder`.
 
-    FAST PATH (every reply of `rtt`, `broadcast` and `gather` comes here; commits 2330448 and
-    edfef46): each frame is sliced straight from `data`, with no copy into the decoder's
-    buffer, and a small `Result` settles its call without a message being built. A small
-    `Result`'s header and packed metadata are read in place with one struct,
-    `frames.RESULT_FRAME` (the agent's loop writes them with it), and its call settled here,
-    `settle` written out; every other frame's metadata is read by `frames.read_meta`, as on
-    the plain path. Reading a small `Result` with `read_meta` and `settle` made the client run
-    4% more instructions per no-op `>>` (callgrind), which put the `>>` at 1.19x of its
-    figure before issue 26, against 1.14x: too near its 1.2x target (benchmarks/README.md,
-    "Issue 26")."""
+    FAST PATH (every reply of `rtt`, `broadcast` and `gather` comes here): each frame is sliced
+    straight from `data`, with no copy into the decoder's buffer, and a small `Result` settles
+    its call without a message being built. A small `Result`'s header and packed metadata are
+    read in place with one struct, `frames.RESULT_FRAME` (the agent's loop writes them with it),
+    and its call settled here, `settle` written out; every other frame's metadata is read by
+    `frames.read_meta`, as on the plain path. Reading a small `Result` with `read_meta` and
+    `settle` made the client run 4% more instructions per no-op `>>` (callgrind), which put the
+    `>>` at 1.19x of the nested call path's figure, against 1.14x: too near its 1.2x target
+    (benchmarks/README.md, "The flat call path: before and after")."""
     offset, end = 0, len(data)
     while end - offset >= HEADER.size:
         if end - offset >= RESULT_FRAME.size:

@@ -203,7 +203,7 @@ def write_all(fd: int, data: Buffer) -> None:
     # One write is the common case (a small frame); a signal or a large frame cuts it short.
     # `nbytes(data)` written out: the agent's FAST PATH (`AgentWire.serve`) writes every small
     # call's answer through here, and one Python call less per call on a node made the 8-node
-    # broadcast of bench_local.py about 20% faster (commit edfef46).
+    # broadcast of bench_local.py about 20% faster.
     written = os.write(fd, data)
     if written == (data.nbytes if type(data) is memoryview else len(data)):
         return

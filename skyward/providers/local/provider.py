@@ -50,7 +50,7 @@ def cache_dir() -> Path:
 
 # How long each end of a small call polls for the other's answer before it sleeps: several
 # times a polled no-op round trip, so back-to-back calls find the other end awake, and short
-# enough that an idle pool's last poll costs little CPU (commit c145a43, which measured it with
+# enough that an idle pool's last poll costs little CPU (measured with
 # `benchmarks/bench_local.py --only rtt`; docs/concepts.md).
 LINGER_SECONDS = 0.0002
 

@@ -118,7 +118,7 @@ async def _launch(node: RemoteNode, what: str, *args: str) -> StreamedProcess:
             node=node.index,
         )
     # -S: the module needs only the stdlib, and a re-push is mostly this process's start-up,
-    # which site lengthens by every .pth file (commit 10415b9, benchmarks/bench_data.py).
+    # which site lengthens by every .pth file (benchmarks/bench_data.py).
     command = module_command(node.python, MODULE, *args, site=False)
     try:
         return await node.start_process(command)

@@ -359,7 +359,9 @@ class NodeSession:
         self._on_output(self.node, f"[skyward] {str(error).splitlines()[0]}")
 
     def check_heartbeat(self, now: float, timeout: float) -> None:
-        """Declare the node dead if it has sent nothing for `timeout` seconds."""
+        """Declare the node dead if it has sent nothing for `timeout` seconds: no bytes at all
+        (its decoder notes every chunk, the middle of a frame too, so a large result on a
+        slow link is word from the node all the way)."""
         silent = now - self._decoder.last_fed
         if self.dead is None and silent > timeout:
             self.mark_dead(

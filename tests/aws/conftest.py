@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from botocore.awsrequest import AWSResponse
 
 import skyward as sky
 from skyward.providers.aws import resources
-from tests.support import bareroots, sshd
+from tests.support import bareroots, motos3, sshd
 from tests.support.awspricing import PriceListServer
 
 REGION = "us-east-1"
@@ -279,9 +278,7 @@ def moto_server() -> Iterator[MotoServer]:
                     time.sleep(0.1)
             yield server
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            process.wait(10)
+            motos3.stop(process)
 
 
 # -- EC2 instances that are fresh Debian machines ---------------------------------------------

@@ -264,9 +264,11 @@ class Run:
             reason = "its nodes cannot be reached now (the run may still be going)"
         note = ""
         if "unsaved" in rec.reach:
+            pool = rec.reach["cloud"]["pool_id"]
             note = (
                 f"its logs and outputs are not kept here yet ({rec.reach['unsaved']}): its "
-                "machines stay up until a later look keeps them"
+                f"machines stay until a later look keeps them (`skyward down {pool}` removes "
+                "them without)"
             )
         elif "unplaced" in rec.reach:
             note = str(rec.reach["unplaced"])

@@ -112,12 +112,18 @@ def test_an_output_that_would_land_outside_the_target_is_refused_with_a_clear_er
 ) -> None:
     job = tmp_path / "escaping.py"
     job.write_text(ESCAPING)
-    assert sky.submit(str(job), [], nodes=1, name="escaping").wait(timeout=60) == 0
+    out = tmp_path / "out"
+    sky.submit(str(job), [], nodes=1, name="escaping", output_dir=out)
     capsys.readouterr()
-    assert main(["fetch", "escaping", "--to", str(tmp_path / "out")]) == 1
-    err = capsys.readouterr().err
-    assert "node 0" in err and "passwd" in err and "skyward fetch escaping" in err, err
-    assert not (tmp_path / "out" / "node-0" / "passwd").exists()
+    assert main(["logs", "-f", "escaping"]) == 1  # the end brings the outputs: they fail
+    said = capsys.readouterr()
+    assert "node 0" in said.err and "passwd" in said.err, said.err
+    assert "`skyward fetch escaping` tries again" in said.err
+    assert "outputs in" not in said.out
+    assert main(["fetch", "escaping", "--to", str(tmp_path / "again")]) == 1
+    assert "node 0" in capsys.readouterr().err
+    assert not (out / "node-0" / "passwd").exists()
+    assert not (tmp_path / "again" / "node-0" / "passwd").exists()
 
 
 def test_status_lists_every_run_and_says_why_one_cannot_be_read(

@@ -315,8 +315,8 @@ class Run:
                 self._flush(write)
                 local = self.record.output_dir and "://" not in self.record.output_dir
                 if local and "saved" not in self.record.reach:
+                    self.fetch()  # a node that cannot be read: an error naming it
                     write(f"[skyward] run {self.name}: outputs in {self.record.output_dir}")
-                    self.fetch()
                 return status.returncode
             time.sleep(POLL_SECONDS)
 

@@ -723,18 +723,7 @@ GUARD_END = b"end\n"
 def _start_guard(directory: Path) -> subprocess.Popen[bytes]:
     """The leader's guard (`guard`), in a session of its own, at the other end of a pipe from
     this process: its end without `GUARD_END` is the leader's death."""
-    out = os.open(directory / LEADER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        return subprocess.Popen(
-            [*interpreter(), "-m", MODULE, "guard", str(directory)],
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
-            close_fds=True,
-        )
-    finally:
-        os.close(out)
+    return _spawn_role([*interpreter(), "-m", MODULE, "guard"], directory, LEADER_LOG, piped=True)
 
 
 def guard(directory: Path) -> int:

@@ -133,12 +133,21 @@ def netns_hosts(keys: sshd.KeyPair, tmp_path_factory: pytest.TempPathFactory) ->
     """Three hosts on 10.213.2.0/24, each a network namespace running sshd.
 
     Each suite has its own subnet (the sshd support tests use 10.213.0.0/24, the AWS tests
-    10.213.8.0/24): two live sets of hosts on one subnet would answer for each other.
+    10.213.8.0/24, the slow links' 10.213.16.0/24): two live sets of hosts on one subnet would
+    answer for each other.
     """
+    yield from hosts_on("10.213.2.0/24", 3, keys, tmp_path_factory)
+
+
+def hosts_on(
+    subnet: str, count: int, keys: sshd.KeyPair, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Hosts]:
+    """`count` network-namespace hosts on `subnet`, each running sshd, while the generator is
+    open (a session fixture's body)."""
     reason = sshd.netns_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    net = sshd.NetnsHosts(3, subnet="10.213.2.0/24", authorized_keys=[keys])
+    net = sshd.NetnsHosts(count, subnet=subnet, authorized_keys=[keys])
     # All namespaces share this machine's hostname, which /etc/hosts maps to 127.0.0.1; gloo
     # (JAX's CPU collectives) binds to what the hostname resolves to. `ip netns exec` (which
     # starts each sshd) bind-mounts /etc/netns/<name>/hosts over /etc/hosts: give every host

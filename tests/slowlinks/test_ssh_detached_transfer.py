@@ -27,9 +27,9 @@ from tests.support import sshd
 pytestmark = [pytest.mark.ssh]
 
 MIB = 1 << 20
-OUTPUTS = 240 * MIB  # per node
-LOG = 160 * MIB  # of lines, per rank
-MBIT = 40  # each host's link: 240 MiB take 50 s, 160 MiB 34 s (5 MB/s)
+OUTPUTS = 80 * MIB  # per node
+LOG = 64 * MIB  # of lines, per rank
+MBIT = 20  # each host's link: 80 MiB take 34 s, 64 MiB 27 s (2.5 MB/s)
 WIDTH = 200  # bytes a log line
 
 # Each rank writes OUTPUTS bytes (1 MiB blocks, each numbered) and prints LOG bytes of numbered

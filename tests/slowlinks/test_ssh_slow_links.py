@@ -138,15 +138,15 @@ def test_an_agent_cut_off_while_it_sends_a_large_result_stops_by_itself(
 def test_a_400_mb_argument_over_a_slow_link_arrives_whole_with_the_default_heartbeat(
     netns_hosts: Hosts,
 ) -> None:
-    """400 MB at 50 Mbit/s takes about a minute, twice the default heartbeat_timeout (30 s),
-    as a large object does over a slow link: it arrives whole."""
+    """400 MB at 72 Mbit/s takes about 45 s, half as long again as the default
+    heartbeat_timeout (30 s), as a large object does over a slow link: it arrives whole."""
     data = os.urandom(400_000_000)
     with _pool(netns_hosts, heartbeat_timeout=30.0) as pool:
         digest(b"warm") >> pool
-        with sshd.throttle(netns_hosts.net[0], 50):
+        with sshd.throttle(netns_hosts.net[0], 72):
             started = time.monotonic()
             got = digest(data) >> pool
             took = time.monotonic() - started
-    print(f"400 MB at 50 Mbit/s to the node: {took:.1f} s")
+    print(f"400 MB at 72 Mbit/s to the node: {took:.1f} s")
     assert got == (len(data), hashlib.sha256(data).hexdigest())
-    assert took > 40
+    assert took > 35  # (what this test is about: longer than the heartbeat_timeout)

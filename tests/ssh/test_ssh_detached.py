@@ -219,7 +219,7 @@ def test_a_leader_that_dies_takes_the_run_down_and_says_lost(
     """Node 0's supervisor killed (its node failing) mid-run: node 1's rank stops too, and the
     run is `lost`, not `running` for ever. (One that dies before it reaches node 1: see
     tests/test_supervisor.py's early rank no leader attaches to.)"""
-    name = "headless"
+    name = "ssh-headless"
     assert main(["run", "--detach", "--name", name, "job.py", "600", f"token-{name}"]) == 0
     capsys.readouterr()
     node0 = Path(record.load(name).directories[0])
@@ -279,7 +279,7 @@ def test_restarts_start_every_rank_again_through_the_same_launchers(
 ) -> None:
     """Node 1's first attempt ran under the follower its agent started; the restart's comes
     through the leader's ssh, whose `attach` finds no early follower and is the follower."""
-    name = "again"
+    name = "ssh-again"
     (project / "restarting.py").write_text(RESTARTING)
     assert main(["run", "--detach", "--name", name, "--restarts", "1", "restarting.py"]) == 0
     capsys.readouterr()
@@ -329,7 +329,7 @@ def test_a_run_that_succeeds_after_a_restart_leaves_no_secret_on_its_nodes(
     import skyward as sky
     from skyward.cachedir import cache_root
 
-    name = "secretive"
+    name = "ssh-secretive"
     canary = f"canary-{secrets.token_hex(8)}"
     (project / "quick.py").write_text("print('done')\n")
     provider = netns_hosts.provider(2)

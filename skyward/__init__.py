@@ -10,7 +10,9 @@
 
 Public names are imported lazily, so the node agent (which imports this package too) starts
 without the client's dependencies. Nothing in skyward imports this module: every module imports
-the one it needs (`skyward.version` for the version).
+the one it needs (`skyward.version` for the version). skyward's own providers (`sky.AWS`) are
+the registry's (`skyward.providers.registry`): a provider's folder adds its class here, with no
+edit of this file.
 """
 
 from __future__ import annotations
@@ -98,66 +100,77 @@ if TYPE_CHECKING:
     from skyward.providers.ssh.provider import SSH
     from skyward.reports import Report, report
 
-# Literal, so type checkers see the re-exports (`mypy --strict` on a user's script).
-__all__ = [
-    "AWS",
-    "GCP",
-    "SSH",
-    "BootstrapError",
-    "BudgetExceeded",
-    "ClusterSpec",
-    "Compute",
-    "ComputePool",
-    "ConfigError",
-    "Cost",
-    "Data",
-    "DataError",
-    "Gather",
-    "Image",
-    "Index",
-    "InstanceInfo",
-    "Local",
-    "NoCapacity",
-    "NotOnNodeError",
-    "PendingCall",
-    "Plugin",
-    "PluginError",
-    "PoolClosedError",
-    "Preemption",
-    "Price",
-    "ProvisionError",
-    "RemoteError",
-    "Report",
-    "Run",
-    "RunStatus",
-    "SerializationError",
-    "SkywardError",
-    "Slurm",
-    "WorkerError",
-    "compute",
-    "gather",
-    "instance_info",
-    "on_preemption",
-    "output_dir",
-    "plugins",
-    "preempting",
-    "report",
-    "resume_from",
-    "submit",
-]
+    # What a type checker sees (`mypy --strict` on a user's script), which cannot run the
+    # registry: a provider not listed here is `Any` to it (through `__getattr__`). At run
+    # time `__all__` is the table's names and the registry's own providers' (`_public`).
+    __all__ = [
+        "AWS",
+        "GCP",
+        "SSH",
+        "BootstrapError",
+        "BudgetExceeded",
+        "ClusterSpec",
+        "Compute",
+        "ComputePool",
+        "ConfigError",
+        "Cost",
+        "Data",
+        "DataError",
+        "Gather",
+        "Image",
+        "Index",
+        "InstanceInfo",
+        "Local",
+        "NoCapacity",
+        "NotOnNodeError",
+        "PendingCall",
+        "Plugin",
+        "PluginError",
+        "PoolClosedError",
+        "Preemption",
+        "Price",
+        "ProvisionError",
+        "RemoteError",
+        "Report",
+        "Run",
+        "RunStatus",
+        "SerializationError",
+        "SkywardError",
+        "Slurm",
+        "WorkerError",
+        "compute",
+        "gather",
+        "instance_info",
+        "on_preemption",
+        "output_dir",
+        "plugins",
+        "preempting",
+        "report",
+        "resume_from",
+        "submit",
+    ]
 
 
 def __getattr__(name: str) -> Any:
-    module_name = _EXPORTS.get(name)
-    if module_name is None:
-        if name not in __all__:  # a submodule being imported asks too: no registry for it
-            raise AttributeError(f"module 'skyward' has no attribute {name!r}")
-        value = _own_provider(name)
-    else:
-        module = importlib.import_module(module_name)
+    if name == "__all__":
+        value: Any = _public()
+    elif name in _EXPORTS:
+        module = importlib.import_module(_EXPORTS[name])
         value = module if name == "plugins" else getattr(module, name)
+    elif name[:1].isupper():  # a class's name: one of skyward's own providers, or nothing
+        value = _own_provider(name)
+    else:  # a submodule being imported asks too: no registry for it
+        raise AttributeError(f"module 'skyward' has no attribute {name!r}")
     globals()[name] = value
     return value
+
+
+def _public() -> list[str]:
+    """The public names: the table's, and skyward's own providers' (`sky.AWS`) as their
+    registry entries name their classes, so a new provider's folder adds its own."""
+    from skyward.providers import registry
+
+    return [*_EXPORTS, *(entry.attr for entry in registry.own_entries())]
 
 
 def _own_provider(name: str) -> Any:
@@ -182,4 +195,4 @@ def _own_provider(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS, *__all__})
+    return sorted({*globals(), *_public()})

@@ -63,6 +63,35 @@ def test_all_lists_exactly_the_lazy_exports() -> None:
         assert getattr(sky, name) is entry.load()
 
 
+def test_a_new_provider_folder_is_a_root_name_without_editing_the_root(tmp_path: Path) -> None:
+    """The root's providers come from the registry: a folder under ``skyward/providers`` with
+    an entry is ``sky.<Class>`` and in ``__all__``; a provider registered from outside is not
+    a root name."""
+    folder = tmp_path / "fake"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "entry.py").write_text(
+        "from skyward.providers.registry import ProviderEntry\n"
+        "ENTRY = ProviderEntry('fake', 'skyward.providers.fake.provider', 'Fake')\n"
+    )
+    (folder / "provider.py").write_text(
+        "from skyward.providers.local.provider import Local\n"
+        "class Fake(Local):\n    name = 'fake'\n"
+    )
+    script = (
+        "import sys\nimport skyward.providers\n"
+        "skyward.providers.__path__.append(sys.argv[1])\n"
+        "import skyward as sky\nfrom skyward.providers import registry\n"
+        "registry.register(registry.ProviderEntry('other', 'builtins', 'Other'))\n"
+        "print(sky.Fake.name, 'Fake' in sky.__all__, 'Fake' in dir(sky))\n"
+        "print(hasattr(sky, 'Other'), 'Other' in sky.__all__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.split() == ["fake", "True", "True", "False", "False"], out
+
+
 def test_a_users_script_type_checks_under_mypy_strict(mypy_report: MypyReport) -> None:
     assert mypy_report.errors["train.py"] == [], mypy_report.output
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
-from skyward.cli import profiles, runner
+from skyward.cli import profiles
 from skyward.cli.main import main
+from skyward.providers.local.processes import local_pools
 from tests.conftest import alive, sigint_default, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -412,9 +413,9 @@ def test_status_lists_this_users_local_pools(
     monkeypatch.chdir(tmp_path)
     with sky.ComputePool(nodes=2, stream_output=False) as pool:
         agents = tuple(sorted(s.stream.pid for s in pool._dispatch.sessions))  # type: ignore[attr-defined]
-        mine = [p for p in runner.local_pools() if p.client == os.getpid()]
+        mine = [p for p in local_pools() if p.client == os.getpid()]
         assert [p.agents for p in mine] == [agents]
         assert main(["status"]) == 0
         out = capsys.readouterr().out
         assert f"here   client pid {os.getpid()} (" in out and "2 agent(s)" in out
-    assert [p for p in runner.local_pools() if p.client == os.getpid()] == []
+    assert [p for p in local_pools() if p.client == os.getpid()] == []

@@ -147,16 +147,19 @@ VOCABULARY = (
     "skyward.cost",
     "skyward.version",
 )
-# Every provider but the base class and the environment key: what the client never names.
-CONCRETE_PROVIDERS = (
-    "skyward.providers.local",
-    "skyward.providers.ssh",
-    "skyward.providers.aws",
-    "skyward.providers.gcp",
-    "skyward.providers.slurm",
-    "skyward.providers.remote",
-    "skyward.providers.cloud",
+# Every folder of providers/ (a provider's own, or what several share: remote/, cloud/), not
+# the base class, the registry or the environment key: what the client and the command line
+# never name. Read from the tree, so a new provider's folder is under the same rules.
+CONCRETE_PROVIDERS = tuple(
+    sorted(
+        f"skyward.providers.{folder.name}"
+        for folder in (ROOT / "skyward" / "providers").iterdir()
+        if (folder / "__init__.py").is_file()
+    )
 )
+# What detached/ may use of them: the SSH machinery the providers whose nodes are hosts share
+# (a node's verified connection, its host key); the rest it asks the provider.
+SHARED_REMOTE = "skyward.providers.remote"
 
 # What a package must not import (docs/architecture.md, "What each package may import").
 FORBIDDEN = {
@@ -181,7 +184,11 @@ FORBIDDEN = {
         "skyward.detached",
     ),
     "skyward.pool": ("skyward.cli", "skyward.detached"),
-    "skyward.detached": ("skyward.cli",),
+    "skyward.detached": (
+        "skyward.cli",
+        *(name for name in CONCRETE_PROVIDERS if name != SHARED_REMOTE),
+    ),
+    "skyward.cli": CONCRETE_PROVIDERS,
     "skyward.transport": (
         "skyward.client",
         "skyward.detached",

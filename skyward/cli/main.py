@@ -240,7 +240,8 @@ def _status(args: argparse.Namespace) -> int:
     if args.forget or args.forget_ended:
         return detached.forget(args.forget, every_ended=args.forget_ended)
     found = detached.print_runs()
-    found += runner.print_local_pools()
+    # This machine's pools, whatever started them: the embedded default provider's answer.
+    found += runner.print_live_pools(registry.provider_class(registry.DEFAULT)()) or 0
     chosen = [profiles.load_profile(args.profile)] if args.profile else profiles.all_profiles()
     seen: set[str] = set()
     for profile in chosen:
@@ -248,7 +249,10 @@ def _status(args: argparse.Namespace) -> int:
         if key in seen:
             continue
         seen.add(key)
-        count = runner.print_live_pools(profile.build_provider())
+        provider = profile.build_provider()  # a profile's mistake is said, whichever it is
+        if profile.provider == registry.DEFAULT:
+            continue  # its pools are this machine's, listed above
+        count = runner.print_live_pools(provider)
         if count is None:
             print(f"{profile.provider:<6} profile {profile.name!r}: not checked")
         found += count or 0

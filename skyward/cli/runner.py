@@ -13,10 +13,8 @@ the run and the pool; its status is the run's.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -32,7 +30,6 @@ from skyward.cli.packages import (
     unresolved,
 )
 from skyward.cli.profiles import Profile
-from skyward.console.progress import clock
 from skyward.detached.submit import script_target
 from skyward.errors import BootstrapError
 from skyward.plugins.base import Plugin
@@ -137,69 +134,6 @@ def _signal_name(number: int) -> str:
 
 
 # -- skyward status ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LocalPool:
-    """Agents of this user on this machine, under one client process."""
-
-    client: int
-    command: str
-    agents: tuple[int, ...]
-    age: float
-
-
-def local_pools() -> list[LocalPool]:
-    """Every client process of this user with skyward agents (``-m skyward.worker``) under it."""
-    uid, now, boot = os.getuid(), time.time(), _boot_time()
-    ticks = os.sysconf("SC_CLK_TCK")
-    clients: dict[int, list[tuple[int, float]]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{entry}").st_uid != uid:
-                continue
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if argv[1:3] != [b"-m", b"skyward.worker"] or fields[0] == "Z":
-            continue
-        started = boot + int(fields[19]) / ticks
-        clients.setdefault(int(fields[1]), []).append((int(entry), started))
-    found = []
-    for client, agents in sorted(clients.items()):
-        try:
-            argv = Path(f"/proc/{client}/cmdline").read_bytes().split(b"\0")
-            command = " ".join(a.decode(errors="replace") for a in argv if a)
-        except OSError:
-            command = "?"
-        if command.startswith("sshd"):
-            command = f"agents started by sshd: {command}"
-        oldest = min(started for _, started in agents)
-        pids = tuple(sorted(pid for pid, _ in agents))
-        found.append(LocalPool(client, command, pids, now - oldest))
-    return found
-
-
-def _boot_time() -> float:
-    for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith("btime "):
-            return float(line.split()[1])
-    return 0.0
-
-
-def print_local_pools() -> int:
-    """`skyward status` for this machine; how many pools it found."""
-    pools = local_pools()
-    for pool in pools:
-        command = pool.command if len(pool.command) <= 60 else pool.command[:57] + "..."
-        print(
-            f"here   client pid {pool.client} ({command}): {len(pool.agents)} agent(s) "
-            f"[{', '.join(map(str, pool.agents))}], up {clock(pool.age)}"
-        )
-    return len(pools)
 
 
 def print_live_pools(provider: Provider) -> int | None:

@@ -1,7 +1,8 @@
 """A detached run on Slurm is a batch job: the pool builds the environment and stages the
-script as for ``skyward run``, then ends; ``sbatch`` queues a job with the same request whose
-batch script is the run's leader (`skyward.worker.supervisor.lead_batch`). The job survives
-the login session, ``squeue`` shows it and ``scancel`` ends it.
+script as for ``skyward run``, then ends; ``sbatch`` queues a job with the same request (the
+command the provider makes: `Provider.batch_command`) whose batch script is the run's leader
+(`skyward.worker.supervisor.lead_batch`). The job survives the login session, ``squeue``
+shows it and ``scancel`` ends it.
 
 The run's directory is in the cache this machine shares with the nodes (a shared home, with
 the client on the login node), where the leader and the followers write and the client reads.
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from skyward.calls import compute
-from skyward.errors import ConfigError, ProvisionError
+from skyward.errors import ProvisionError
 from skyward.pool import ComputePool
 from skyward.worker import supervisor
 
@@ -44,19 +45,16 @@ def prepare(
     grace: float,
     upload: str | None = None,
 ) -> BatchJob:
-    """While `pool` is up: write the run's plan and batch script into its directory."""
-    from skyward.providers.slurm.provider import Slurm, SlurmCluster
-
-    cluster, provider = pool.cluster, pool.provider
-    assert isinstance(cluster, SlurmCluster) and isinstance(provider, Slurm)
-    if not cluster.client_shares:
-        raise ConfigError(
-            "a detached Slurm run needs this machine to share its cache directory with the "
-            "nodes (the client on the login node, with a shared home or SKYWARD_CACHE_DIR on a "
-            "shared filesystem): the nodes keep the run's logs there. Run it attached instead"
-        )
-    node = pool.run(compute(supervisor.node_environment)(target, cwd), node=0)
+    """While `pool` is up: write the run's plan and batch script into its directory. The
+    provider makes the batch job's command first: it refuses a run it cannot hold before
+    anything is written."""
+    assert pool.cluster is not None, "the pool has started"
     root = supervisor.run_root(name)
+    script = root / BATCH_SCRIPT
+    command = pool.provider.batch_command(
+        pool.cluster, pool.spec, name, str(script), str(root / BATCH_OUTPUT)
+    )
+    node = pool.run(compute(supervisor.node_environment)(target, cwd), node=0)
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     plan = {
         "name": name,
@@ -70,10 +68,8 @@ def prepare(
     }
     supervisor.write_private(root / supervisor.SLURM_PLAN, json.dumps(plan))
     words = " ".join(_quote(w) for w in [*node["prefix"], "-m", supervisor.MODULE, "batch"])
-    script = root / BATCH_SCRIPT
     supervisor.write_private(script, f"#!/bin/sh\nexec {words} {_quote(str(root))}\n")
     script.chmod(0o700)
-    command = provider.batch_command(pool.spec, name, str(script), str(root / BATCH_OUTPUT))
     return BatchJob(command, root, pool.spec.nodes)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from skyward.detached import record
@@ -116,36 +117,31 @@ def holds_nodes(pool: ComputePool) -> bool:
 
 def record_data(kind: str, pool: ComputePool, name: str) -> dict[str, Any]:
     """What the client keeps to reach the run's nodes later (the login options, the host keys
-    the pool verified: later connections trust those and no other). A cloud pool's login key
-    is copied beside the run's record (it goes with the pool otherwise), and the record says
-    how to remove what the pool made once the run has ended."""
+    the pool verified: later connections trust those and no other), as the provider says
+    (`Provider.detached_login`). A login key that goes with the pool (a cloud pool's) is
+    copied beside the run's record, and the record says how to remove what the pool made once
+    the run has ended."""
     if kind != "ssh":
         return {}
-    from skyward.providers.cloud.provider import CloudCluster, CloudProvider
-
     hosts = _host_keys(pool)
     found: dict[str, Any] = {
         "endpoints": [{"host": e.host, "port": e.port, "user": e.user} for e, _ in hosts],
         "known_hosts": [f"{_host_pattern(e.host, e.port)} {key}" for e, key in hosts],
     }
-    provider, cluster = pool.provider, pool.cluster
-    if isinstance(provider, CloudProvider) and isinstance(cluster, CloudCluster):
-        key = record.runs_dir() / f"{name}.key"
-        supervisor.write_private(key, cluster.key_path.read_text())
-        cls = type(provider)
-        found.update(
-            key=str(key),
-            config=[],  # as the pool logged in: no ~/.ssh/config rule may redirect it
-            timeout=provider.connect_timeout,
-            cloud={
-                "provider": f"{cls.__module__}:{cls.__qualname__}",
-                "arguments": provider.locate(cluster),
-                "pool_id": cluster.pool_id,
-            },
-        )
-        return found
-    options = provider.connect_options  # type: ignore[attr-defined]
-    found.update(key=options.key, config=list(options.config), timeout=options.timeout)
+    assert pool.cluster is not None, "the pool has started"
+    login = pool.provider.detached_login(pool.cluster)
+    key = login.key
+    if login.pool_key and key is not None:
+        copy = record.runs_dir() / f"{name}.key"
+        supervisor.write_private(copy, Path(key).read_text())
+        key = str(copy)
+    found.update(key=key, config=list(login.config), timeout=login.timeout)
+    if login.kept is not None:
+        found["cloud"] = {
+            "provider": login.kept.provider,
+            "arguments": dict(login.kept.arguments),
+            "pool_id": login.kept.pool_id,
+        }
     return found
 
 

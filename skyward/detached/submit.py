@@ -31,6 +31,7 @@ from skyward.plugins.jax_plugin import JaxPlugin
 from skyward.plugins.launcher import LauncherEnv
 from skyward.plugins.torch_plugin import TorchPlugin
 from skyward.pool import ComputePool
+from skyward.providers import registry
 from skyward.providers.base import Provider
 from skyward.worker import supervisor
 
@@ -178,9 +179,8 @@ def _submit(
     keep_for: float,
 ) -> Run:
     """`submit` once `name` is this process's to start."""
-    from skyward.providers.local import Local
-
-    provider = provider if provider is not None else Local()
+    if provider is None:
+        provider = registry.provider_class(registry.DEFAULT)()  # the embedded default
     kind = provider.detached_kind()
     restarts = checks.whole(restarts, "restarts", minimum=0)
     grace = checks.seconds(grace, "grace", zero=True)
@@ -240,7 +240,7 @@ def _submit(
         raise
     pool.close(keep_nodes=held)
     if kind == "slurm":
-        state = _start_batch(job, name, str(script), list(args), price)
+        state = _start_batch(job, provider.name, name, str(script), list(args), price)
     if "running_at" not in state:
         handle = Run(name)
         handle.stop()
@@ -369,14 +369,20 @@ def _abandon(pool: ComputePool, name: str) -> None:
 
 
 def _start_batch(
-    job: batch.BatchJob, name: str, script: str, args: list[str], price: float | None
+    job: batch.BatchJob,
+    provider: str,
+    name: str,
+    script: str,
+    args: list[str],
+    price: float | None,
 ) -> supervisor.RunState:
-    """Queue the batch job, keep the record, wait for every rank to start."""
+    """Queue the batch job, keep the record (`provider`: the provider's name), wait for every
+    rank to start."""
     job_id = batch.submit(job)
     record.save(
         record.RunRecord(
             name=name,
-            provider="slurm",
+            provider=provider,
             kind="slurm",
             nodes=job.nodes,
             script=script,

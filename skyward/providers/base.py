@@ -20,6 +20,11 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
 - `release(cluster)`       lets the client go but leaves the nodes running, for a detached run
                            that holds them (default: `terminate`, for nodes that are not made:
                            processes here, existing hosts, a Slurm allocation);
+- `detached_kind()`        how a detached run reaches the nodes (``local``, ``ssh``, ``slurm``),
+                           or a `ConfigError` where it cannot hold one (the default); with it,
+                           `detached_login(cluster)` (``ssh``: how a later process logs into the
+                           hosts, what the run keeps to remove them) or `batch_command(...)`
+                           (``slurm``: the command that queues the run as a batch job);
 - `teardown_summary(cluster)`  what `terminate` did, for the last line ("removed 4 instances");
 - `replace(cluster, index)`  a fresh node in place of a lost one (default: not supported);
 - `prestart(cluster, index)`  start that replacement ahead, on a preemption notice (default:
@@ -95,7 +100,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from skyward import checks
 from skyward.console.progress import Progress
@@ -190,6 +195,32 @@ class LivePool:
     def of(cls, where: str, pool: FoundPool, *more: str) -> LivePool:
         """A found pool under `where` (``aws us-east-1``), with `more` lines (its cost)."""
         return cls(f"{where}  {pool.pool_id}  created {created(pool)}", (*pool.describe(), *more))
+
+
+@dataclass(frozen=True)
+class KeptPool:
+    """A pool whose machines a detached run holds (`Provider.release`), as a later process
+    finds it again to remove it once the run has ended: the provider class
+    (``module:qualname``, which has ``remove_pool(pool_id)``), the arguments that find the pool
+    (its region; its project and zone) and the pool's id."""
+
+    provider: str
+    arguments: Mapping[str, Any]
+    pool_id: str
+
+
+@dataclass(frozen=True)
+class DetachedLogin:
+    """How a later process logs into a pool's hosts, for a detached run reached over SSH
+    (`Provider.detached_login`): the login key file, the ssh_config files read (none: ``[]``),
+    the seconds to connect. `pool_key`: the key is the pool's own and goes with it, so the run
+    keeps a copy; `kept`: the run holds machines the pool made, removed once it has ended."""
+
+    key: str | None
+    config: Sequence[str]
+    timeout: float
+    pool_key: bool = False
+    kept: KeptPool | None = None
 
 
 class Provider(ABC):
@@ -296,6 +327,26 @@ class Provider(ABC):
         raise ConfigError(
             f"the {self.name} provider cannot run detached (docs/detach.md lists the providers "
             "that can); run it attached (without --detach)"
+        )
+
+    def detached_login(self, cluster: Cluster) -> DetachedLogin:
+        """How a later process logs into `cluster`'s hosts, for a detached run its
+        `detached_kind` says is reached over SSH: the record of the run keeps it."""
+        raise NotImplementedError(
+            f"the {self.name} provider's detached runs are reached over SSH (detached_kind), "
+            "but it does not say how to log in: it must implement detached_login"
+        )
+
+    def batch_command(
+        self, cluster: Cluster, spec: ClusterSpec, run: str, script: str, output: str
+    ) -> list[str]:
+        """The command that queues detached run `run` as one batch job asking what the pool of
+        `spec` (made as `cluster`) has, running `script` with its output in `output`, for a
+        run its `detached_kind` says is a batch job; a `ConfigError` saying why where this
+        machine cannot submit it."""
+        raise NotImplementedError(
+            f"the {self.name} provider's detached runs are batch jobs (detached_kind), but it "
+            "does not say how to queue one: it must implement batch_command"
         )
 
     async def release(self, cluster: Cluster) -> None:

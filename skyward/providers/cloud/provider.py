@@ -25,7 +25,7 @@ from skyward.cost import Price
 from skyward.errors import ConfigError, ProvisionError
 from skyward.hardware import Hardware
 from skyward.image import Image
-from skyward.providers.base import Capability, Cluster
+from skyward.providers.base import Capability, Cluster, DetachedLogin, KeptPool
 from skyward.providers.cloud.bootscript import known_hosts_line
 from skyward.providers.cloud.threads import in_thread
 from skyward.providers.remote.bootstrap import (
@@ -239,6 +239,15 @@ class CloudProvider(RemoteData, ReplacingProvider):
 
     def detached_kind(self) -> str:
         return "ssh"  # the machines' sshd; the run keeps them up (`release`)
+
+    def detached_login(self, cluster: Cluster) -> DetachedLogin:
+        """The pool's key (removed with the pool, so the run keeps a copy), no ssh_config (as
+        the pool logged in: no rule may redirect it), and how a later process removes the
+        machines and what was made for them once the run has ended (`locate`, `remove_pool`)."""
+        pool = self._own(cluster)
+        cls = type(self)
+        kept = KeptPool(f"{cls.__module__}:{cls.__qualname__}", self.locate(pool), pool.pool_id)
+        return DetachedLogin(str(pool.key_path), [], self.connect_timeout, pool_key=True, kept=kept)
 
     async def release(self, cluster: Cluster) -> None:
         """The machines stay up for a detached run: only the connections go. Their watchdog

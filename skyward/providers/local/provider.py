@@ -32,7 +32,7 @@ from skyward.hardware import ClusterSpec, Hardware
 from skyward.image import Image
 from skyward.providers.base import Capability, Cluster, LivePool, Log, Node, Provider, count
 from skyward.providers.environment import env_spec, packaged_uv
-from skyward.providers.local import devices
+from skyward.providers.local import devices, processes
 from skyward.providers.source import source_hash, source_tarball, unpack_command
 from skyward.transport.agentwire import LINGER_ENV
 from skyward.transport.base import AgentStream
@@ -111,9 +111,9 @@ class Local(Provider):
     capabilities = frozenset({Capability.REPLACE, Capability.SIGNALS})
 
     def live_pools(self) -> list[LivePool] | None:
-        """None to add: ``skyward status`` lists this machine's pools itself, whatever started
-        them."""
-        return []
+        """This user's agents on this machine, by client, whatever started them: what
+        ``skyward status`` lists as ``here`` (the same whatever this provider's arguments)."""
+        return [pool.live() for pool in processes.local_pools()]
 
     def __init__(self, python: str | None = None) -> None:
         self._base_python = checks.optional_text(python, "sky.Local(python=)")

@@ -229,9 +229,20 @@ class Slurm(ReplacingProvider):
             options=self.options,
         )
 
-    def batch_command(self, spec: ClusterSpec, run: str, script: str, output: str) -> list[str]:
+    def batch_command(
+        self, cluster: Cluster, spec: ClusterSpec, run: str, script: str, output: str
+    ) -> list[str]:
         """The ``sbatch`` command line of detached run `run` on the pool `spec` described (the
-        same partition, account, time limit, GRES and options), its job named for the run."""
+        same partition, account, time limit, GRES and options), its job named for the run.
+        The run's logs are kept in the cache this machine shares with the nodes: refused when
+        `cluster`'s nodes do not share it."""
+        if not _slurm(cluster).client_shares:
+            raise ConfigError(
+                "a detached Slurm run needs this machine to share its cache directory with the "
+                "nodes (the client on the login node, with a shared home or SKYWARD_CACHE_DIR "
+                "on a shared filesystem): the nodes keep the run's logs there. Run it attached "
+                "instead"
+            )
         request = dataclasses.replace(
             self._request(spec),
             job_name=f"{jobs.JOB_PREFIX}run-{run}",

@@ -27,6 +27,7 @@ from skyward.image import Image
 from skyward.providers.base import (
     Capability,
     Cluster,
+    DetachedLogin,
     LivePool,
     Node,
     Provider,
@@ -179,6 +180,11 @@ class SSH(RemoteData, Provider):
 
     def detached_kind(self) -> str:
         return "ssh"
+
+    def detached_login(self, cluster: Cluster) -> DetachedLogin:
+        """The pool's own login: the hosts stay, and so do the key and ssh_config it used."""
+        options = self.connect_options
+        return DetachedLogin(options.key, options.config, options.timeout)
 
     async def terminate(self, cluster: Cluster) -> None:
         # The hosts stay: what the pool wrote on them goes, in the command that kills the

@@ -60,6 +60,17 @@ def start_with_node_1_stuck(pid_dir: Path, plugin: Plugin) -> SkywardError:
     return caught.value
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 of the file at `path`, read a MiB at a time (the files compared are large)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     try:

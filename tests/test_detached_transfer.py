@@ -5,7 +5,6 @@ The same over slow SSH links: tests/slowlinks/test_ssh_detached_transfer.py."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 import skyward as sky
 from skyward.cli.main import main
 from skyward.detached import record
+from tests.conftest import file_sha256
 
 MIB = 1 << 20
 SIZE = 128 * MIB  # of outputs, and of log lines, per rank
@@ -68,14 +68,6 @@ def _skyward(args: list[str], stdout: Path) -> int:
     return int(done.stderr.split()[-1]) // 1024
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(MIB):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 @pytest.mark.slow
 def test_logs_and_outputs_larger_than_a_look_come_back_whole_in_bounded_memory(
     tmp_path: Path,
@@ -100,7 +92,7 @@ def test_logs_and_outputs_larger_than_a_look_come_back_whole_in_bounded_memory(
         source = Path(directory) / "outputs" / "sub" / "blocks.bin"
         fetched = tmp_path / "out" / f"node-{node}" / "sub" / "blocks.bin"
         assert fetched.stat().st_size == SIZE
-        assert _sha256(fetched) == _sha256(source)
+        assert file_sha256(fetched) == file_sha256(source)
         fetched.unlink()  # the disk this test takes, given back at once
     assert peak < 100, f"skyward fetch peaked at {peak} MiB for {SIZE // MIB} MiB a node"
 

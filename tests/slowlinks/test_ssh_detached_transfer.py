@@ -7,11 +7,8 @@ nodes wrote is read here to compare; the client reads it over SSH."""
 
 from __future__ import annotations
 
-import hashlib
-import os
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -21,7 +18,8 @@ import pytest
 
 from skyward.cli.main import main
 from skyward.detached import reach, record
-from tests.ssh.conftest import Hosts
+from tests.conftest import file_sha256
+from tests.ssh.conftest import Hosts, detached_project
 from tests.support import sshd
 
 pytestmark = [pytest.mark.ssh]
@@ -51,35 +49,8 @@ sys.stdout.flush()
 @pytest.fixture
 def project(netns_hosts: Hosts, tmp_path: Path) -> Iterator[Path]:
     """A directory with the job and a profile for two of the hosts."""
-    (tmp_path / "job.py").write_text(JOB)
-    (tmp_path / "skyward.toml").write_text(
-        textwrap.dedent(
-            f"""
-            [profile.default]
-            provider = "ssh"
-            hosts = {netns_hosts.net.addresses[:2]!r}
-            user = "root"
-            key = "{netns_hosts.key.private_path}"
-            known_hosts = "{netns_hosts.known_hosts}"
-            python = "{sys.executable}"
-            nodes = 2
-            """
-        )
-    )
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        yield tmp_path
-    finally:
-        os.chdir(cwd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(MIB):
-            digest.update(block)
-    return digest.hexdigest()
+    with detached_project(netns_hosts, tmp_path, JOB) as directory:
+        yield directory
 
 
 @pytest.mark.slow
@@ -126,4 +97,4 @@ def test_logs_and_outputs_longer_to_travel_than_the_silence_allowed_come_back_wh
         source = Path(directory) / "outputs" / "blocks.bin"
         copy = project / "out" / f"node-{node}" / "blocks.bin"
         assert copy.stat().st_size == OUTPUTS
-        assert _sha256(copy) == _sha256(source)
+        assert file_sha256(copy) == file_sha256(source)

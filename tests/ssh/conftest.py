@@ -9,9 +9,12 @@ environments log in as the unprivileged ``skyward-test`` user with the system ``
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import socket
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,3 +196,36 @@ def wait_until(check: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return check()
+
+
+@contextlib.contextmanager
+def detached_project(hosts: Hosts, directory: Path, job: str) -> Iterator[Path]:
+    """`directory` as the working directory, holding `job` as job.py and a default profile for
+    two of `hosts` (what ``skyward run --detach job.py`` reads); on the way out, the working
+    directory as it was and no run's key line left in root's authorized_keys (a test that
+    failed half-way may leave one)."""
+    (directory / "job.py").write_text(job)
+    (directory / "skyward.toml").write_text(
+        textwrap.dedent(
+            f"""
+            [profile.default]
+            provider = "ssh"
+            hosts = {hosts.net.addresses[:2]!r}
+            user = "root"
+            key = "{hosts.key.private_path}"
+            known_hosts = "{hosts.known_hosts}"
+            python = "{sys.executable}"
+            nodes = 2
+            """
+        )
+    )
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        yield directory
+    finally:
+        os.chdir(cwd)
+        keys = Path("/root/.ssh/authorized_keys")
+        if keys.exists():
+            lines = keys.read_text().splitlines(keepends=True)
+            keys.write_text("".join(line for line in lines if " skyward-run:" not in line))

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 
 from skyward.cli.main import main
 from skyward.detached import record
-from tests.ssh.conftest import Hosts, processes_with, wait_until
+from tests.ssh.conftest import Hosts, detached_project, processes_with, wait_until
 from tests.support import cmdlines, sshd
 
 pytestmark = [pytest.mark.ssh]
@@ -47,36 +46,8 @@ print(f"rank {rank} done", flush=True)
 @pytest.fixture
 def project(netns_hosts: Hosts, tmp_path: Path) -> Iterator[Path]:
     """A directory with the job and a profile for two of the hosts."""
-    (tmp_path / "job.py").write_text(JOB)
-    (tmp_path / "skyward.toml").write_text(
-        textwrap.dedent(
-            f"""
-            [profile.default]
-            provider = "ssh"
-            hosts = {netns_hosts.net.addresses[:2]!r}
-            user = "root"
-            key = "{netns_hosts.key.private_path}"
-            known_hosts = "{netns_hosts.known_hosts}"
-            python = "{sys.executable}"
-            nodes = 2
-            """
-        )
-    )
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        yield tmp_path
-    finally:
-        os.chdir(cwd)
-        _remove_leftover_keys()
-
-
-def _remove_leftover_keys() -> None:
-    """A test that failed half-way may leave a run's key line in root's authorized_keys."""
-    path = Path("/root/.ssh/authorized_keys")
-    if path.exists():
-        lines = path.read_text().splitlines(keepends=True)
-        path.write_text("".join(line for line in lines if " skyward-run:" not in line))
+    with detached_project(netns_hosts, tmp_path, JOB) as directory:
+        yield directory
 
 
 def _run_files(name: str) -> list[Path]:

@@ -63,6 +63,7 @@ __all__ = [
     "remove_stale_bare_resources",
     "roots_dir",
     "wheels_dir",
+    "write_owner",
 ]
 
 VARIANT = "minbase"
@@ -625,7 +626,7 @@ class BareHosts(sshd.HostSet[BareHost]):
         self.hosts = []
         try:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"{BARE_NAME_PREFIX}{self.run_id}-"))
-            self._write_owner()
+            write_owner(self.workdir, self.net)
             self.net.build()
             for i, nh in enumerate(self.net.hosts):
                 folder = self.workdir / f"host{i}"
@@ -658,19 +659,6 @@ class BareHosts(sshd.HostSet[BareHost]):
             self.close(raise_on_leftovers=False)
             raise
         return self
-
-    def _write_owner(self) -> None:
-        assert self.workdir is not None
-        stat = sshd._proc_stat(os.getpid())
-        owner = {
-            "pid": os.getpid(),
-            "start": stat[1] if stat else 0,
-            "netns": self.net.netns_names,
-            "veths": [h.veth for h in self.net.hosts],
-            "bridge": self.net.bridge,
-            "unreachable": self.net.unreachable_address,
-        }
-        (self.workdir / "owner.json").write_text(json.dumps(owner))
 
     def leftovers(self) -> list[str]:
         """Describe anything of this instance that still exists (empty after close).
@@ -730,6 +718,24 @@ class BareHosts(sshd.HostSet[BareHost]):
     def pids(self) -> list[int]:
         """PIDs of every process on every host."""
         return [pid for host in self.hosts for pid in host.pids()]
+
+
+def write_owner(workdir: Path, net: sshd.NetnsHosts) -> None:
+    """Record in ``workdir/owner.json`` this process and what `net` holds now (its namespaces,
+    veths, bridge), so that :func:`remove_stale_bare_resources` removes them and ``workdir``
+    once this process is gone without its teardown. Call it again when `net` changes."""
+    stat = sshd._proc_stat(os.getpid())
+    owner = {
+        "pid": os.getpid(),
+        "start": stat[1] if stat else 0,
+        "netns": net.netns_names,
+        "veths": [h.veth for h in net.hosts],
+        "bridge": net.bridge,
+        "unreachable": net.unreachable_address,
+    }
+    partial = workdir / "owner.json.partial"
+    partial.write_text(json.dumps(owner))
+    partial.replace(workdir / "owner.json")
 
 
 def remove_stale_bare_resources() -> list[str]:

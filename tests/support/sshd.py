@@ -1080,8 +1080,8 @@ class NetnsHosts(HostSet[NetnsHost]):
         network = ipaddress.IPv4Network(subnet)
         if network.prefixlen < 17 or network.prefixlen > 24:
             raise ValueError("subnet must be between a /17 and a /24")
-        if not 1 <= count <= self.UNREACHABLE_OFFSET - self.HOST_OFFSET - 1:
-            raise ValueError(f"count must be between 1 and {self.UNREACHABLE_OFFSET - 12}")
+        if not 0 <= count <= self.UNREACHABLE_OFFSET - self.HOST_OFFSET - 1:
+            raise ValueError(f"count must be between 0 and {self.UNREACHABLE_OFFSET - 12}")
         self.run_id = run_id or secrets.token_hex(3)
         if not (self.run_id.isalnum() and len(self.run_id) <= 6):
             raise ValueError("run_id must be at most 6 alphanumeric characters")
@@ -1327,6 +1327,32 @@ class NetnsHosts(HostSet[NetnsHost]):
         _delete_netns(host.netns)
         if _link_exists(host.veth):
             _run([_ip(), "link", "del", host.veth], check=False)
+
+    def add_namespace(self, index: int, address: str) -> NetnsHost:
+        """One more namespace (no sshd) on the bridge, at `address` of the subnet, named as
+        host `index` (``skyt-ID-<index>``, veth ``skytIDh<index>``): a machine that comes later,
+        such as a pod. It is one of `hosts` until `remove_namespace`, and goes with the set."""
+        if ipaddress.IPv4Address(address) not in self.subnet:
+            raise ValueError(f"{address} is not on {self.subnet}")
+        host = NetnsHost(
+            netns=f"{NAME_PREFIX}-{self.run_id}-{index}",
+            address=address,
+            veth=f"{NAME_PREFIX}{self.run_id}h{index}",
+        )
+        self.hosts.append(host)
+        try:
+            self._build_host(host)
+        except BaseException:
+            self.remove_namespace(host)
+            raise
+        return host
+
+    def remove_namespace(self, host: NetnsHost) -> None:
+        """Kill every process in `host`'s namespace, delete it and its veth, and drop it from
+        `hosts` (an `add_namespace` one, or any host of the set)."""
+        self.delete_namespace(host)
+        with contextlib.suppress(ValueError):
+            self.hosts.remove(host)
 
     @property
     def netns_names(self) -> list[str]:

@@ -1,0 +1,23 @@
+"""The Kubernetes provider as the registry knows it: the ``kubernetes`` extra, its
+``skyward run`` flags and where ``skyward ls``/``down`` look (a namespace of a context)."""
+
+from skyward.providers.registry import Option, ProviderEntry
+
+ENTRY = ProviderEntry(
+    "kubernetes",
+    "skyward.providers.kubernetes.provider",
+    "Kubernetes",
+    "kubernetes",
+    options=(
+        Option("--namespace", "namespace", "the namespace (default: the context's)", listing=True),
+        Option(
+            "--context",
+            "context",
+            "the kubeconfig context (default: the current one); comma-separated: failover",
+            "list",
+            listing=True,
+        ),
+        Option("--image", "image", "the pods' image (default: python:3.X-slim)"),
+    ),
+    position=35,
+)

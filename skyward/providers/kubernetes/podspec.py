@@ -1,0 +1,188 @@
+"""What skyward asks a cluster for: one bare Pod per node and a headless Service, as manifests.
+
+Every node's pod has the same spec but for its name and node label (a gang scheduler such as
+Kueue admits them together): ``restartPolicy: Never``, the pod keeper as its one container's
+process (`skyward.worker.podkeeper`), a memory ``emptyDir`` at ``/dev/shm`` (NCCL's shared
+memory; a container's default is 64 MiB), no service links or token it does not need, and
+``hostname``/``subdomain`` under the Service, so node i is ``<pod>.<service>.<namespace>.svc``
+to the others before it is even ready (``publishNotReadyAddresses``).
+
+GPUs: ``accelerator="H100:8"`` asks ``nvidia.com/gpu: 8`` of each pod and requires a node whose
+GPU-type label names an H100, by the labels the cluster's nodes carry: NVIDIA's GPU feature
+discovery (``nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3``), GKE
+(``cloud.google.com/gke-accelerator: nvidia-h100-80gb``) or Karpenter on EKS
+(``karpenter.k8s.aws/instance-gpu-name: h100``). The values are those the nodes listed carry
+that name the GPU, and the usual ones besides (nodes an autoscaler has not made yet carry none).
+``"GPU:8"`` asks 8 of any type. A GPU pod tolerates the ``nvidia.com/gpu`` taint.
+"""
+
+from __future__ import annotations
+
+import getpass
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from skyward.hardware import Accelerator
+from skyward.providers.kubernetes.api import MANAGED_BY, NODE, POOL, POOL_ID, USER
+from skyward.providers.kubernetes.execstream import CONTAINER
+from skyward.worker import podkeeper
+
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_LABELS = (
+    "nvidia.com/gpu.product",
+    "cloud.google.com/gke-accelerator",
+    "karpenter.k8s.aws/instance-gpu-name",
+)
+ANY_GPU = "GPU"
+
+# The values each label key takes for common GPUs where no node lists them yet (an autoscaled
+# node pool): GKE's accelerator names and Karpenter's GPU names.
+_KNOWN = {
+    "H100": (("nvidia-h100-80gb", "nvidia-h100-mega-80gb"), ("h100",)),
+    "H200": (("nvidia-h200-141gb",), ("h200",)),
+    "B200": (("nvidia-b200",), ("b200",)),
+    "A100": (("nvidia-tesla-a100", "nvidia-a100-80gb"), ("a100",)),
+    "L4": (("nvidia-l4",), ("l4",)),
+    "L40S": ((), ("l40s",)),
+    "T4": (("nvidia-tesla-t4",), ("t4",)),
+    "V100": (("nvidia-tesla-v100",), ("v100",)),
+    "A10G": ((), ("a10g",)),
+}
+
+
+def default_image() -> str:
+    """An official Python image of the client's minor version."""
+    return f"python:{sys.version_info.major}.{sys.version_info.minor}-slim"
+
+
+def dns_label(text: str, limit: int = 63) -> str:
+    """`text` as a DNS-1123 label (lower case, digits, ``-``; at most `limit`)."""
+    label = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-")
+    return label or "x"
+
+
+def label_value(text: str) -> str:
+    """`text` as a label value (63 characters of ``[A-Za-z0-9._-]``, alphanumeric ends)."""
+    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text)[:63]
+    return value.strip("-._")
+
+
+def user_label() -> str:
+    try:
+        return label_value(getpass.getuser()) or "unknown"
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def service_name(pool: str) -> str:
+    return dns_label(f"sky-{pool}", 63)
+
+
+def pod_name(pool: str, index: int, generation: int = 0) -> str:
+    suffix = f"-{index}" if generation == 0 else f"-{index}-r{generation}"
+    return f"{dns_label(f'sky-{pool}', 63 - len(suffix))}{suffix}"
+
+
+def pool_label(pool: str) -> str:
+    return label_value(pool.lower())
+
+
+def labels(pool: str, index: int | None = None) -> dict[str, str]:
+    found = {MANAGED_BY: "skyward", POOL: pool_label(pool), USER: user_label()}
+    if index is not None:
+        found[NODE] = str(index)
+    return found
+
+
+def gpu_values(name: str, nodes: Sequence[Mapping[str, str]] | None) -> dict[str, list[str]]:
+    """For each GPU-type label key, the values that name GPU `name`: those the listed nodes
+    carry (``H100`` matches ``NVIDIA-H100-80GB-HBM3``, not ``H1000``), and the usual ones."""
+    wanted = re.compile(rf"(^|[^a-z0-9]){re.escape(name.lower())}($|[^a-z0-9])")
+    found: dict[str, set[str]] = {key: set() for key in GPU_LABELS}
+    for node in nodes or ():
+        for key in GPU_LABELS:
+            value = node.get(key)
+            if value and wanted.search(value.lower()):
+                found[key].add(value)
+    gke, karpenter = _KNOWN.get(name.upper(), ((), ()))
+    found[GPU_LABELS[1]].update(gke)
+    found[GPU_LABELS[2]].update(karpenter)
+    return {key: sorted(values) for key, values in found.items() if values}
+
+
+def gpu_affinity(values: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """A required node affinity: any of the label keys with one of its values (terms are ORed)."""
+    terms = [
+        {"matchExpressions": [{"key": key, "operator": "In", "values": list(vals)}]}
+        for key, vals in values.items()
+    ]
+    required = {"nodeSelectorTerms": terms}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
+
+
+def pod(
+    *,
+    name: str,
+    pool: str,
+    index: int,
+    service: str,
+    image: str,
+    idle: float,
+    accelerator: Accelerator | None,
+    gpu_labels: Mapping[str, Sequence[str]] | None,
+    env: Mapping[str, str],
+    pull_policy: str | None = None,
+) -> dict[str, Any]:
+    """The manifest of node `index`'s pod."""
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": image,
+        "command": ["python3", "-c", podkeeper.program(), f"{idle:g}"],
+        "env": [{"name": k, "value": v} for k, v in env.items()],
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    if pull_policy:
+        container["imagePullPolicy"] = pull_policy
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "hostname": name,
+        "subdomain": service,
+        "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        # The keeper ends on SIGTERM at once; the agents are the pool's to stop before.
+        "terminationGracePeriodSeconds": 5,
+    }
+    if accelerator is not None and not accelerator.is_tpu:
+        count = str(accelerator.count)
+        container["resources"] = {"limits": {GPU_RESOURCE: count}}
+        spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+        if accelerator.name != ANY_GPU and gpu_labels:
+            spec["affinity"] = gpu_affinity(gpu_labels)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": labels(pool, index),
+            "annotations": {POOL_ID: pool},
+        },
+        "spec": spec,
+    }
+
+
+def service(pool: str, name: str) -> dict[str, Any]:
+    """The pool's headless Service: DNS names for its pods, ready or not."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": labels(pool), "annotations": {POOL_ID: pool}},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {POOL: pool_label(pool)},
+        },
+    }

@@ -1,0 +1,158 @@
+"""Waiting for a pool's pods to run, and saying plainly why they do not.
+
+While a pod pends, its node's line on the console shows the scheduler's reason (the pod's
+``PodScheduled`` condition, the words of its ``FailedScheduling`` event). What cannot get
+better fails the start at once with the kubelet's words: an image that cannot be pulled
+(``ErrImagePull``, ``ImagePullBackOff``, an invalid name), a container that cannot be created or
+that ended. A pod the scheduler cannot place fails it after `pending` seconds (a cluster whose
+autoscaler adds nodes needs longer: ``pending_timeout=``), with the scheduler's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from skyward.console.progress import Phase, Progress
+from skyward.errors import ProvisionError
+from skyward.providers.kubernetes.api import KubeApi
+
+# Container states that do not get better by waiting.
+FATAL_WAITING = {
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+    "CrashLoopBackOff",
+}
+
+
+class Unschedulable(ProvisionError):
+    """The scheduler could not place a pod in time (failover tries the next context)."""
+
+
+@dataclass
+class Running:
+    """A pod that runs: its name and IP."""
+
+    name: str
+    ip: str
+
+
+def scheduling_message(pod: Any) -> str | None:
+    """The scheduler's reason for a pending pod, or None when it is placed."""
+    for condition in (pod.status and pod.status.conditions) or []:
+        if condition.type == "PodScheduled" and condition.status == "False":
+            return str(condition.message or condition.reason or "waiting for the scheduler")
+    return None
+
+
+def container_problem(pod: Any) -> str | None:
+    """What makes a pod's container fail for good, or None."""
+    status = pod.status
+    if status is None:
+        return None
+    image = pod.spec.containers[0].image if pod.spec and pod.spec.containers else "?"
+    for container in status.container_statuses or []:
+        state = container.state
+        if state is None:
+            continue
+        if state.waiting is not None and state.waiting.reason in FATAL_WAITING:
+            return f"image {image!r}: {state.waiting.reason}" + (
+                f" ({state.waiting.message})" if state.waiting.message else ""
+            )
+        if state.terminated is not None:
+            term = state.terminated
+            return (
+                f"its container (image {image!r}) ended: {term.reason or 'terminated'}, exit "
+                f"code {term.exit_code}" + (f" ({term.message})" if term.message else "")
+            )
+    if status.phase in ("Failed", "Succeeded"):
+        return f"it is {status.phase}" + (f": {status.message}" if status.message else "")
+    return None
+
+
+async def wait_running(
+    api: KubeApi,
+    selector: str,
+    names: Sequence[str],
+    progress: Progress,
+    pending: float,
+    boot: float,
+    indices: Sequence[int] | None = None,
+) -> list[Running]:
+    """Wait until every pod of `names` runs with an IP; they in `names`' order. Raises
+    `ProvisionError` (`Unschedulable` for the scheduler) naming the pod and the reason."""
+    index = dict(zip(names, indices or range(len(names)), strict=True))
+    running: dict[str, Running] = {}
+    shown: dict[str, str] = {}
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    last_reason: dict[str, str] = {}
+
+    def look(pod: Any) -> None:
+        name = pod.metadata.name
+        if name not in index:
+            return
+        if pod.metadata.deletion_timestamp is not None:
+            raise ProvisionError(f"pod {name} was deleted while the pool started")
+        problem = container_problem(pod)
+        if problem is not None:
+            raise ProvisionError(f"pod {name} cannot start: {problem}")
+        waiting = scheduling_message(pod)
+        if waiting is not None:
+            last_reason[name] = waiting
+            if shown.get(name) != waiting:
+                shown[name] = waiting
+                progress.phase(index[name], Phase.REQUESTED, f"pending: {waiting}")
+            return
+        last_reason.pop(name, None)
+        if pod.status.phase == "Running" and pod.status.pod_ip and name not in running:
+            running[name] = Running(name, pod.status.pod_ip)
+            progress.phase(index[name], Phase.CONNECTING, pod.status.pod_ip)
+        elif name not in running and shown.get(name) != "scheduled":
+            shown[name] = "scheduled"
+            where = pod.spec.node_name or "a node"
+            progress.phase(index[name], Phase.BOOTING, f"on {where}: pulling and starting")
+
+    while len(running) < len(names):
+        waited = loop.time() - started
+        if waited >= pending and last_reason:
+            name, reason = next(iter(last_reason.items()))
+            raise Unschedulable(
+                f"pod {name} could not be scheduled within {pending:g} s "
+                f"(pending_timeout=): {reason}"
+            )
+        if waited >= boot:
+            late = [n for n in names if n not in running]
+            raise ProvisionError(
+                f"pod(s) {', '.join(late)} did not run within {boot:g} s (boot_timeout=)"
+            )
+        # A short watch, ended by the server, so the deadlines above are looked at; the
+        # timeout around it only guards against a server that does not end it.
+        with contextlib.suppress(TimeoutError):
+            async with (
+                asyncio.timeout(10),
+                contextlib.aclosing(api.watch_pods(selector, timeout=2)) as events,
+            ):
+                async for _, pod in events:
+                    look(pod)
+                    if len(running) == len(names):
+                        break
+        if len(running) < len(names):
+            # The watch may have ended between events; one list catches what it missed.
+            for pod in await api.list_pods(selector):
+                look(pod)
+    return [running[name] for name in names]
+
+
+async def explain_failure(api: KubeApi, name: str) -> str:
+    """The pod's Warning events, for an error (the kubelet's and the scheduler's words)."""
+    events = await api.warnings(name)
+    return "; ".join(events[-3:])

@@ -3,8 +3,8 @@
 bridge (the only thing the pods reach).
 
 The cluster is made once per module (a fresh one costs about a second, a pod less than one);
-each test's pools are its own. Pods are on 10.213.40.0/24, a second cluster (failover) on
-10.213.41.0/24. Everything skips, saying why, without root or network namespaces, or where the
+each test's pools are its own. Pods are on 10.213.40.0/24, a second cluster (failover, a strict
+one) on 10.213.41.0/24 (`SKYWARD_TEST_K8S_SUBNETS` moves both). Everything skips, saying why, without root or network namespaces, or where the
 root or the wheels cannot be fetched.
 """
 
@@ -24,8 +24,11 @@ import skyward as sky
 from tests.support import bareroots
 from tests.support.fakek8s import FakeCluster, User
 
-SUBNET = "10.213.40.0/24"
-SECOND_SUBNET = "10.213.41.0/24"
+# Two runs of these tests at once (two checkouts on one machine) each need subnets of their own:
+# SKYWARD_TEST_K8S_SUBNETS="10.213.42.0/24,10.213.43.0/24" gives the second its pair.
+SUBNET, SECOND_SUBNET = os.environ.get(
+    "SKYWARD_TEST_K8S_SUBNETS", "10.213.40.0/24,10.213.41.0/24"
+).split(",")
 IMAGE = f"python:{bareroots.SUITE_PYTHON[bareroots.MACHINE_SUITE]}-slim"
 
 

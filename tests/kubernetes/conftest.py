@@ -4,8 +4,8 @@ bridge (the only thing the pods reach).
 
 The cluster is made once per module (a fresh one costs about a second, a pod less than one);
 each test's pools are its own. Pods are on 10.213.40.0/24, a second cluster (failover, a strict
-one) on 10.213.41.0/24 (`SKYWARD_TEST_K8S_SUBNETS` moves both). Everything skips, saying why, without root or network namespaces, or where the
-root or the wheels cannot be fetched.
+one) on 10.213.41.0/24 (`SKYWARD_TEST_K8S_SUBNETS` moves both). Everything skips, saying why,
+without root or network namespaces, or where the root or the wheels cannot be fetched.
 """
 
 from __future__ import annotations
@@ -65,8 +65,18 @@ def kubeconfig(cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pod_index(cluster: FakeCluster, instance_wheels: Path) -> Iterator[bareroots.PackageIndex]:
-    with bareroots.PackageIndex(instance_wheels, host=cluster.bridge) as index:
+def pod_index(
+    cluster: FakeCluster, instance_wheels: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[bareroots.PackageIndex]:
+    """The machines' wheels served on the cluster's bridge; its folder is the module's own
+    (links to the cache), so a test may add a wheel to it."""
+    folder = tmp_path_factory.mktemp("pod-index")
+    for wheel in instance_wheels.iterdir():
+        try:
+            os.link(wheel, folder / wheel.name)
+        except OSError:  # another filesystem
+            shutil.copy2(wheel, folder / wheel.name)
+    with bareroots.PackageIndex(folder, host=cluster.bridge) as index:
         yield index
 
 

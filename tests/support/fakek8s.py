@@ -8,9 +8,11 @@ same HTTPS API the provider and ``kubectl`` use. What it speaks, as the official
 - HTTPS with a CA of its own (in the kubeconfig's ``certificate-authority-data``) and bearer
   tokens, each a user; a wrong token is 401, a verb the user's rules deny is 403 with the API
   server's words, answered as well by ``SelfSubjectAccessReview``;
-- namespaces (read), nodes (list), pods and services (create, get, list, delete; label and
-  field selectors; ``?watch=true`` streams with ``timeoutSeconds``, starting with the current
-  objects as ``ADDED``), events (list, by ``involvedObject.name``), a pod's log (``tailLines``);
+- namespaces (read; one may have a ResourceQuota on its pods, refused as admission refuses
+  them: 403 ``exceeded quota``), nodes (list), pods and services (create, get, list, delete;
+  label and field selectors; ``?watch=true`` streams with ``timeoutSeconds``, starting with the
+  current objects as ``ADDED``), events (list, by ``involvedObject.name``), a pod's log
+  (``tailLines``);
 - exec over the websocket, subprotocols ``v5.channel.k8s.io`` and ``v4.channel.k8s.io`` (a
   config may offer v4 only, as a cluster before 1.30): channel 0 stdin, 1 stdout, 2 stderr,
   3 the command's end as a ``Status`` (``Success``, or ``NonZeroExitCode`` with its
@@ -78,6 +80,7 @@ class FakeCluster:
         namespaces: tuple[str, ...] = ("default",),
         users: Mapping[str, User] | None = None,
         protocols: tuple[str, ...] = (V5, V4),
+        pod_quotas: Mapping[str, int] | None = None,
         context: str = "fake",
         context_namespace: str | None = None,
     ) -> None:
@@ -95,6 +98,7 @@ class FakeCluster:
                 self.tokens[n]: {"user": u.name, "deny": u.deny} for n, u in self.users.items()
             },
             "protocols": list(protocols),
+            "pod_quotas": dict(pod_quotas or {}),
         }
         self.context_namespace = context_namespace
         self.process: subprocess.Popen[bytes] | None = None
@@ -370,6 +374,7 @@ class Server:
         self.tokens: dict[str, dict[str, Any]] = config["tokens"]
         self.namespaces = set(config["namespaces"])
         self.protocols = list(config["protocols"])
+        self.pod_quotas: dict[str, int] = config.get("pod_quotas", {})
         self.nodes = [fakekubelet.Node(**n) for n in config["nodes"]]
         self.objects: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (kind, ns) -> name
         self.events: dict[str, list[dict[str, Any]]] = {}  # ns -> events
@@ -559,6 +564,16 @@ class Server:
         store = self.store(kind, namespace)
         if name in store:
             raise ApiError(409, "AlreadyExists", f'{kind} "{name}" already exists')
+        limit = self.pod_quotas.get(namespace) if kind == "pods" else None
+        if limit is not None:
+            used = sum(p["status"].get("phase") in ("Pending", "Running") for p in store.values())
+            if used >= limit:
+                raise ApiError(
+                    403,
+                    "Forbidden",
+                    f'pods "{name}" is forbidden: exceeded quota: pods-{namespace}, requested: '
+                    f"pods=1, used: pods={used}, limited: pods={limit}",
+                )
         meta.update(name=name, namespace=namespace, uid=str(uuid.uuid4()),
                     creationTimestamp=_now())  # fmt: skip
         if kind == "pods":

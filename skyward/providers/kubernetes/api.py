@@ -94,6 +94,12 @@ class KubeApi:
                 f"{what}: the API server at {self.server} refused the credentials of "
                 f"{self.target} ({message}): renew them (kubectl would fail too)"
             )
+        if exc.status == 403 and "exceeded quota" in message:
+            return ProvisionError(
+                f"{what}: the namespace's ResourceQuota refuses it ({message}): delete pods "
+                f"you no longer need in namespace {self.namespace}, ask for a larger quota, or "
+                "use fewer nodes"
+            )
         if exc.status == 403:
             return ConfigError(
                 f"{what}: {message}. Ask the cluster's admins for the Role in docs/kubernetes.md "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,18 @@ def kube(kubeconfig: Path, pod_index: bareroots.PackageIndex) -> MakeProvider:
 def ours(cluster: FakeCluster, namespace: str = "default") -> list[dict[str, Any]]:
     """Every pod skyward made in `namespace` that is still there."""
     return cluster.pods(namespace, "app.kubernetes.io/managed-by=skyward")
+
+
+def wait_none_left(
+    cluster: FakeCluster, timeout: float = 30, namespace: str = "default"
+) -> list[str]:
+    """Wait until skyward has no pod left in `namespace`; the names still there at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p["metadata"]["name"] for p in ours(cluster, namespace)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def foreign_pod(cluster: FakeCluster, name: str = "bobs-notebook") -> dict[str, Any]:

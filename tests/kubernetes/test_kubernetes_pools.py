@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
-from tests.kubernetes.conftest import MakeProvider, dump, foreign_pod, ours
+from tests.kubernetes.conftest import MakeProvider, dump, foreign_pod, ours, wait_none_left
 from tests.support.fakek8s import FakeCluster
 
 pytestmark = pytest.mark.slow
@@ -24,15 +24,6 @@ def where() -> tuple[int, str, str, str, str]:
     info = sky.instance_info()
     own = socket.gethostbyname(socket.gethostname())
     return info.node, own, socket.gethostname(), info.head_addr, info.pool_id
-
-
-def _wait_none_left(cluster: FakeCluster, timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p["metadata"]["name"] for p in ours(cluster)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
 
 
 def test_three_pods_are_three_nodes_in_order_and_go_with_the_block(
@@ -62,7 +53,7 @@ def test_three_pods_are_three_nodes_in_order_and_go_with_the_block(
     head = results[0][3]
     assert head.startswith(f"{labelled[ips[0]]['metadata']['name']}.") and head.endswith(".svc")
     assert len(services) == 1 and services[0]["spec"]["clusterIP"] == "None"
-    assert _wait_none_left(cluster, 30) == []
+    assert wait_none_left(cluster, 30) == []
     assert time.monotonic() - ended < 30
     assert cluster.services(selector="app.kubernetes.io/managed-by=skyward") == []
     # The other user's pod was never touched.
@@ -104,7 +95,7 @@ def test_jax_spans_two_pods_with_wheels_from_the_images_index(
     assert results[0][2] == results[1][2] == float(sum(range(1, 3))) * devices / 2
     asked = [path for path in pod_index.requests if "jax" in path]  # type: ignore[attr-defined]
     assert asked, "the pods did not install jax from the image's index"
-    assert _wait_none_left(cluster, 30) == []
+    assert wait_none_left(cluster, 30) == []
 
 
 def test_gpus_no_node_has_fail_with_the_schedulers_words_in_time(
@@ -117,7 +108,7 @@ def test_gpus_no_node_has_fail_with_the_schedulers_words_in_time(
     took = time.monotonic() - started
     assert took < 60, (took, str(caught.value))
     assert "pending_timeout" in str(caught.value)
-    assert _wait_none_left(cluster, 10) == []
+    assert wait_none_left(cluster, 10) == []
 
 
 def test_an_image_that_does_not_exist_fails_at_once_naming_it(
@@ -131,7 +122,7 @@ def test_an_image_that_does_not_exist_fails_at_once_naming_it(
     message = str(caught.value)
     assert "example.invalid/no-such:1" in message and "ErrImagePull" in message, message
     assert took < 60
-    assert _wait_none_left(cluster, 10) == []
+    assert wait_none_left(cluster, 10) == []
 
 
 def test_a_namespace_that_does_not_exist_is_a_config_error_with_nothing_made(

@@ -391,7 +391,7 @@ class Server:
             net=self.net,
             workdir=self.workdir,
             images=config["images"],
-            report=lambda pod: self.publish("pods", pod, "MODIFIED"),
+            report=self.pod_changed,
             event=self.event,
             owner=self._owner,
         )
@@ -415,6 +415,12 @@ class Server:
                 queue.put_nowait({"type": change, "object": json.loads(json.dumps(obj))})
         if kind == "pods":
             self.schedule_wake.set()
+
+    def pod_changed(self, pod: dict[str, Any]) -> None:
+        """The kubelet changed `pod`: publish it, and give its Service's pods its new name
+        (a pod that got its IP is in every sibling's /etc/hosts, as DNS would answer at once)."""
+        self.publish("pods", pod, "MODIFIED")
+        self.refresh_hosts(pod["metadata"]["namespace"])
 
     def event(self, obj: dict[str, Any], kind: str, reason: str, message: str) -> None:
         meta = obj["metadata"]

@@ -114,6 +114,7 @@ class Exec:
         self._drained = asyncio.Event()
         self._drained.set()
         self.after_delivery: Callable[[], None] | None = None
+        self.sized = False  # v4: the command reads an exact count of bytes, no end of input
         self._reader = self.loop.create_task(self._read())
         self._writer = self.loop.create_task(self._write())
 
@@ -197,7 +198,11 @@ class Exec:
             self._drained.clear()
 
     def send_eof(self) -> None:
-        """Close the command's stdin (v5); on v4, end the stream (the kubelet then closes it)."""
+        """Close the command's stdin (v5). A v4 stream cannot: a command whose input was sized
+        (`start`'s `v4_input`) reads exactly that and needs nothing more; any other ends the
+        whole stream (the kubelet then closes its stdin), and its output with it."""
+        if not self.v5 and self.sized:
+            return
         self._queue.put_nowait(None)
 
     async def drain(self) -> None:
@@ -259,6 +264,7 @@ async def start(api: KubeApi, pod: str, command: str, v4_input: int | None = Non
         argv, preface = _argv(limited)
         ws = await connect(api, pod, argv)
     execution = Exec(ws, pod)
+    execution.sized = v4_input is not None
     if preface:
         execution.send(preface)  # first in the writer's queue: before any caller's input
     await execution.wait_pid()

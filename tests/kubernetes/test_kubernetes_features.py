@@ -171,3 +171,29 @@ def test_skyward_run_on_pods(
     outcome = runner.run(profile, str(script), ["3"])
     assert outcome == runner.RunEnd(3, "rank 1 exited with status 3")
     assert wait_none_left(cluster) == []
+
+
+def test_a_client_in_a_pod_uses_its_service_account(
+    cluster: FakeCluster,
+    pod_index: bareroots.PackageIndex,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from skyward.providers.kubernetes import connection
+
+    # What the kubelet mounts in a pod with a service account, and the variables it sets.
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text(cluster.token())
+    (account / "ca.crt").write_bytes(cluster.ca)
+    (account / "namespace").write_text("team-a")
+    monkeypatch.setattr(connection, "SERVICE_ACCOUNT", account)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(cluster.port))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    provider = sky.Kubernetes(build_env={"UV_INDEX": pod_index.simple_url})
+    assert provider.targets[0].in_cluster and provider.targets[0].namespace == "team-a"
+    with sky.ComputePool(provider=provider, nodes=1, stream_output=False) as pool:
+        assert pod_name() >> pool == f"sky-{pool.pool_id}-0"
+        assert len(ours(cluster, "team-a")) == 1 and ours(cluster) == []
+    assert wait_none_left(cluster, namespace="team-a") == []

@@ -48,7 +48,11 @@ class Target:
         configuration = Configuration()
         if self.in_cluster:
             load: Any = kube_config.load_incluster_config  # untyped in the client
-            load(client_configuration=configuration)
+            load(
+                client_configuration=configuration,
+                token_filename=str(SERVICE_ACCOUNT / "token"),
+                cert_filename=str(SERVICE_ACCOUNT / "ca.crt"),
+            )
         else:
             await kube_config.load_kube_config(
                 config_file=os.pathsep.join(self.files),

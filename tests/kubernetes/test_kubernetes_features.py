@@ -5,7 +5,10 @@ the scheduler's reason on the console while a pod waits, and ``skyward run``."""
 
 from __future__ import annotations
 
+import shutil
+import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ import pytest
 import skyward as sky
 from skyward.cli import runner
 from skyward.cli.profiles import Profile
+from tests.contract import PROBE
 from tests.kubernetes.conftest import (
     SECOND_SUBNET,
     MakeProvider,
@@ -20,7 +24,7 @@ from tests.kubernetes.conftest import (
     ours,
     wait_none_left,
 )
-from tests.support import bareroots
+from tests.support import bareroots, wheels
 from tests.support.fakek8s import V4, FakeCluster
 
 pytestmark = pytest.mark.slow
@@ -197,3 +201,44 @@ def test_a_client_in_a_pod_uses_its_service_account(
         assert pod_name() >> pool == f"sky-{pool.pool_id}-0"
         assert len(ours(cluster, "team-a")) == 1 and ours(cluster) == []
     assert wait_none_left(cluster, namespace="team-a") == []
+
+
+@sky.compute
+def interpreter() -> tuple[str, str]:
+    import skyward_contract_probe  # type: ignore[import-not-found]  # only in the image
+
+    return sys.prefix, skyward_contract_probe.TOKEN
+
+
+def test_an_image_that_has_what_the_pool_asks_is_used_as_it_is(
+    instance_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image with the agent's packages and the pool's own in its python3 (as a CUDA image
+    with jax or torch has them): the pods run that python3, and build nothing."""
+    import importlib.util
+
+    layer = tmp_path / "layer"
+    site = layer / "usr/local/lib/python3.11/dist-packages"
+    for name in ("cloudpickle", "packaging"):
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None
+        shutil.copytree(Path(spec.origin).parent, site / name)
+        for info in Path(spec.origin).parent.parent.glob(f"{name}-*.dist-info"):
+            shutil.copytree(info, site / info.name)
+    wheels.make_wheel(tmp_path / "probe", PROBE, "1.0",
+                      {"skyward_contract_probe/__init__.py": "TOKEN = 'baked in'\n"})  # fmt: skip
+    (wheel,) = (tmp_path / "probe").glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    images = {"ml-image:1": [str(layer), str(instance_root)]}
+    baked = FakeCluster(tmp_path / "baked", subnet=SECOND_SUBNET, images=images).start()
+    try:
+        monkeypatch.setenv("KUBECONFIG", str(baked.kubeconfig))
+        # No index at all: any build would fail, since the pods reach nothing.
+        provider = sky.Kubernetes(image="ml-image:1", build_env={"UV_OFFLINE": "1"})
+        with sky.ComputePool(
+            provider=provider, nodes=2, image=sky.Image(pip=[PROBE]), stream_output=False
+        ) as pool:
+            assert interpreter() @ pool == [("/usr", "baked in")] * 2
+    finally:
+        baked.stop()

@@ -75,7 +75,7 @@ class FakeCluster:
         workdir: Path,
         *,
         subnet: str,
-        images: Mapping[str, str],
+        images: Mapping[str, str | list[str]],
         nodes: list[dict[str, Any]] | None = None,
         namespaces: tuple[str, ...] = ("default",),
         users: Mapping[str, User] | None = None,

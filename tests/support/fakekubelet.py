@@ -8,7 +8,7 @@ real scheduler writes (``0/2 nodes are available: 2 Insufficient nvidia.com/gpu.
 
 The kubelet runs a placed pod's one container as real processes (`tests.support.podruntime`):
 a network namespace of its own on the stand-in's bridge with the pod's IP, an overlay of the
-image's root (a cached Debian root; an image the stand-in does not know fails its pull with
+image's layers (a cached Debian root, and folders above it; an image the stand-in does not know fails its pull with
 ``ErrImagePull`` then ``ImagePullBackOff``), the container's command as PID 1, the pod's
 ``/etc/hosts`` holding the names of every pod under the same headless Service (the cluster's
 DNS, which the stand-in has not: its resolver is an address with no route). A container that
@@ -161,7 +161,7 @@ class Kubelet:
         *,
         net: Any,  # sshd.NetnsHosts, built with no host
         workdir: Path,
-        images: Mapping[str, str],
+        images: Mapping[str, str | list[str]],
         report: Callable[[dict[str, Any]], None],
         event: Callable[[dict[str, Any], str, str, str], None],
         owner: Callable[[], None],
@@ -230,10 +230,10 @@ class Kubelet:
         volumes = self._volumes(pod, container, folder)
         self.event(pod, "Normal", "Created", f"Created container {container['name']}")
         try:
-            podruntime.find_executable(Path(root), argv[0] if argv else "", env["PATH"])
+            self._find(root, argv[0] if argv else "", env["PATH"])
             started = await podruntime.start(
                 netns=host.netns,
-                lower=Path(root),
+                layers=root,
                 folder=folder,
                 hostname=hostname,
                 argv=argv,
@@ -265,11 +265,26 @@ class Kubelet:
         self._terminated(pod, code, "Completed" if code == 0 else "Error", None)
         self.report(pod)
 
-    def _image_root(self, image: str) -> str | None:
+    def _image_root(self, image: str) -> list[Path] | None:
+        """The image's layers, top first (the config names a root, or a list of folders)."""
         for name in (image, image.removeprefix("docker.io/library/")):
             if name in self.images:
-                return self.images[name]
+                found = self.images[name]
+                return [Path(p) for p in ([found] if isinstance(found, str) else found)]
         return None
+
+    @staticmethod
+    def _find(layers: list[Path], command: str, path: str) -> None:
+        """What execve would say of `command` in the image (its first layer that has it)."""
+        error: OSError | None = None
+        for layer in layers:
+            try:
+                podruntime.find_executable(layer, command, path)
+                return
+            except OSError as exc:
+                error = error or exc
+        assert error is not None
+        raise error
 
     async def _pull_fails(self, pod: dict[str, Any], image: str) -> None:
         ref = image if "/" in image else f"docker.io/library/{image}"

@@ -8,15 +8,15 @@ real scheduler writes (``0/2 nodes are available: 2 Insufficient nvidia.com/gpu.
 
 The kubelet runs a placed pod's one container as real processes (`tests.support.podruntime`):
 a network namespace of its own on the stand-in's bridge with the pod's IP, an overlay of the
-image's layers (a cached Debian root, and folders above it; an image the stand-in does not know fails its pull with
-``ErrImagePull`` then ``ImagePullBackOff``), the container's command as PID 1, the pod's
+image's layers (a cached Debian root, and folders above it; an image the stand-in does not
+know fails its pull with ``ErrImagePull`` then ``ImagePullBackOff``), the container's command as PID 1, the pod's
 ``/etc/hosts`` holding the names of every pod under the same headless Service (the cluster's
 DNS, which the stand-in has not: its resolver is an address with no route). A container that
 ends makes the pod ``Succeeded`` or ``Failed`` with its exit code; a deleted pod gets SIGTERM,
 then SIGKILL after its grace period.
 
 What it cannot imitate: a CNI (pods reach each other and the bridge's address only, no Service
-IPs, no NetworkPolicy), image pulls (an image is a name for a root on this machine), resource
+IPs, no NetworkPolicy), image pulls (an image is a name for folders on this machine), resource
 limits (no cgroups: ``nvidia.com/gpu`` is only counted, no device is given), probes, restarts.
 """
 

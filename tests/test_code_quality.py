@@ -319,6 +319,7 @@ SHARED_NAMES = {
     "teardown.py",
     "prices.py",
     "quotas.py",
+    "api.py",  # the calls a provider makes to its service's API (GCP's, a cluster's)
 }
 
 

@@ -156,3 +156,28 @@ def test_a_verb_rbac_forbids_is_named_before_any_pod(
 def test_a_context_not_in_the_kubeconfig_is_named(kubeconfig: Path) -> None:
     with pytest.raises(sky.ConfigError, match=r"context 'elsewhere' is not in the kubeconfig"):
         sky.Kubernetes(context="elsewhere")
+
+
+def test_an_image_without_python3_fails_at_once_naming_it(
+    instance_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.kubernetes.conftest import SECOND_SUBNET
+
+    # An image whose root has a shell but no python3 (a distroless or a busybox image).
+    bare = tmp_path / "no-python"
+    for folder in ("bin", "etc", "proc", "sys", "dev", "tmp"):
+        (bare / folder).mkdir(parents=True)
+    images = {"tools:1": [str(bare)]}
+    cluster = FakeCluster(tmp_path / "k8s", subnet=SECOND_SUBNET, images=images).start()
+    try:
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        started = time.monotonic()
+        with pytest.raises(sky.ProvisionError) as caught:
+            with sky.ComputePool(provider=sky.Kubernetes(image="tools:1"), nodes=1):
+                pytest.fail("the container cannot start")
+        message = str(caught.value)
+        assert "'tools:1'" in message and "python3" in message, message
+        assert time.monotonic() - started < 30
+        assert cluster.pods() == []
+    finally:
+        cluster.stop()

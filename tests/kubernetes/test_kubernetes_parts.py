@@ -76,7 +76,8 @@ def test_an_h100_is_matched_by_the_labels_the_nodes_carry() -> None:
 def test_a_gpu_pod_asks_for_its_gpus_tolerates_their_taint_and_has_shared_memory() -> None:
     labels = podspec.gpu_values("H100", [{"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}])
     manifest = podspec.pod(
-        name="sky-p-0", pool="p", index=0, service="sky-p", image="img", idle=30,
+        name="sky-p-0", pool="p", index=0, nodes=2, service="sky-p",
+        settings=podspec.PodSettings("img", 30),
         accelerator=Accelerator.parse("H100:8"), gpu_labels=labels, env={},
     )  # fmt: skip
     spec = manifest["spec"]
@@ -99,11 +100,49 @@ def test_a_gpu_pod_asks_for_its_gpus_tolerates_their_taint_and_has_shared_memory
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert manifest["metadata"]["labels"]["skyward.dev/pool"] == "p"
     any_gpu = podspec.pod(
-        name="sky-p-0", pool="p", index=0, service="sky-p", image="img", idle=30,
+        name="sky-p-0", pool="p", index=0, nodes=2, service="sky-p",
+        settings=podspec.PodSettings("img", 30),
         accelerator=Accelerator.parse("GPU:2"), gpu_labels=None, env={},
     )  # fmt: skip
     assert "affinity" not in any_gpu["spec"]
     assert any_gpu["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+def test_cpus_memory_and_a_kueue_queue_reach_every_pod() -> None:
+    settings = podspec.PodSettings("img", 30, cpus=7.5, memory="60Gi", queue="team-a-queue")
+    manifests = [
+        podspec.pod(
+            name=f"sky-p-{i}", pool="p", index=i, nodes=3, service="sky-p", settings=settings,
+            accelerator=Accelerator.parse("GPU:1"), gpu_labels=None, env={},
+        )
+        for i in range(3)
+    ]  # fmt: skip
+    for manifest in manifests:
+        (container,) = manifest["spec"]["containers"]
+        assert container["resources"] == {
+            "requests": {"cpu": "7.5", "memory": "60Gi"},
+            "limits": {"memory": "60Gi", "nvidia.com/gpu": "1"},
+        }
+        meta = manifest["metadata"]
+        assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-queue"
+        assert meta["labels"]["kueue.x-k8s.io/pod-group-name"] == "p"
+        assert meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "3"
+    # The pods' specs are the same but for their names: a gang scheduler sees one shape.
+    specs = [dict(m["spec"], hostname=None) for m in manifests]
+    assert specs[0] == specs[1] == specs[2]
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("cpus", 0), ("cpus", "2"), ("cpus", float("nan")), ("memory", "lots"), ("memory", 64),
+     ("queue", "no spaces"), ("image_pull_policy", "Sometimes")],
+)  # fmt: skip
+def test_bad_pod_settings_are_config_errors_naming_them(
+    setting: str, value: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path / "config", {"a": None}, "a")))
+    with pytest.raises(sky.ConfigError, match=setting):
+        sky.Kubernetes(**{setting: value})
 
 
 def test_names_are_what_kubernetes_accepts() -> None:

@@ -14,6 +14,9 @@ discovery (``nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3``), GKE
 (``karpenter.k8s.aws/instance-gpu-name: h100``). The values are those the nodes listed carry
 that name the GPU, and the usual ones besides (nodes an autoscaler has not made yet carry none).
 ``"GPU:8"`` asks 8 of any type. A GPU pod tolerates the ``nvidia.com/gpu`` taint.
+
+With a Kueue LocalQueue (``queue=``) the pods carry Kueue's plain-pod group labels, so the
+queue admits the whole pool at once or none of it.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ import getpass
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from skyward import checks
+from skyward.errors import ConfigError
 from skyward.hardware import Accelerator
 from skyward.providers.kubernetes.api import MANAGED_BY, NODE, POOL, POOL_ID, USER
 from skyward.providers.kubernetes.execstream import CONTAINER
@@ -36,6 +42,9 @@ GPU_LABELS = (
     "karpenter.k8s.aws/instance-gpu-name",
 )
 ANY_GPU = "GPU"
+KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP = "kueue.x-k8s.io/pod-group-name"
+KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 
 # The values each label key takes for common GPUs where no node lists them yet (an autoscaled
 # node pool): GKE's accelerator names and Karpenter's GPU names.
@@ -122,29 +131,64 @@ def gpu_affinity(values: Mapping[str, Sequence[str]]) -> dict[str, Any]:
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
 
 
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    """What every pod of a pool is given beside its node's GPUs: the image and its pull policy,
+    the seconds a pod outlives its last process (`podkeeper`), the CPUs and memory it requests
+    (its limit too, for memory: the scheduler places it by them, and a pod without requests is
+    the first evicted), and the Kueue LocalQueue that admits the pool's pods as one group."""
+
+    image: str
+    idle: float
+    pull_policy: str | None = None
+    cpus: float | None = None
+    memory: str | None = None
+    queue: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.pull_policy not in (None, *_PULL_POLICIES):
+            raise ConfigError(
+                f"image_pull_policy must be {', '.join(_PULL_POLICIES)}, got {self.pull_policy!r}"
+            )
+        if self.cpus is not None:
+            checks.seconds(self.cpus, "cpus")  # a positive, finite number (of CPUs here)
+        if self.memory is not None and (
+            not isinstance(self.memory, str) or not _QUANTITY.match(self.memory)
+        ):
+            raise ConfigError(
+                f"memory must be a Kubernetes quantity such as '32Gi' or '500M', got "
+                f"{self.memory!r}"
+            )
+        if self.queue is not None and label_value(str(self.queue)) != self.queue:
+            raise ConfigError(f"queue must be a LocalQueue's name, got {self.queue!r}")
+
+
 def pod(
     *,
     name: str,
     pool: str,
     index: int,
+    nodes: int,
     service: str,
-    image: str,
-    idle: float,
+    settings: PodSettings,
     accelerator: Accelerator | None,
     gpu_labels: Mapping[str, Sequence[str]] | None,
     env: Mapping[str, str],
-    pull_policy: str | None = None,
 ) -> dict[str, Any]:
-    """The manifest of node `index`'s pod."""
+    """The manifest of node `index`'s pod (of `nodes`)."""
     container: dict[str, Any] = {
         "name": CONTAINER,
-        "image": image,
-        "command": ["python3", "-c", podkeeper.program(), f"{idle:g}"],
+        "image": settings.image,
+        "command": ["python3", "-c", podkeeper.program(), f"{settings.idle:g}"],
         "env": [{"name": k, "value": v} for k, v in env.items()],
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
-    if pull_policy:
-        container["imagePullPolicy"] = pull_policy
+    if settings.pull_policy:
+        container["imagePullPolicy"] = settings.pull_policy
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "hostname": name,
@@ -156,22 +200,32 @@ def pod(
         # The keeper ends on SIGTERM at once; the agents are the pool's to stop before.
         "terminationGracePeriodSeconds": 5,
     }
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if settings.cpus is not None:
+        requests["cpu"] = f"{settings.cpus:g}"
+    if settings.memory is not None:
+        requests["memory"] = limits["memory"] = settings.memory
     if accelerator is not None and not accelerator.is_tpu:
-        count = str(accelerator.count)
-        container["resources"] = {"limits": {GPU_RESOURCE: count}}
+        limits[GPU_RESOURCE] = str(accelerator.count)
         spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
         if accelerator.name != ANY_GPU and gpu_labels:
             spec["affinity"] = gpu_affinity(gpu_labels)
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "labels": labels(pool, index),
-            "annotations": {POOL_ID: pool},
-        },
-        "spec": spec,
+    if requests or limits:
+        container["resources"] = {
+            key: value for key, value in (("requests", requests), ("limits", limits)) if value
+        }
+    metadata: dict[str, Any] = {
+        "name": name,
+        "labels": labels(pool, index),
+        "annotations": {POOL_ID: pool},
     }
+    if settings.queue is not None:
+        # Kueue's plain-pod groups: the pool's pods are admitted together or not at all.
+        metadata["labels"][KUEUE_QUEUE] = settings.queue
+        metadata["labels"][KUEUE_GROUP] = pool_label(pool)
+        metadata["annotations"][KUEUE_GROUP_COUNT] = str(nodes)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
 def service(pool: str, name: str) -> dict[str, Any]:

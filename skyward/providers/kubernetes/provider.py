@@ -31,7 +31,15 @@ from skyward.cost import Price
 from skyward.errors import ConfigError
 from skyward.hardware import ClusterSpec, Hardware
 from skyward.image import Image
-from skyward.providers.base import Capability, Cluster, FoundPool, count, given_rate
+from skyward.providers.base import (
+    Capability,
+    Cluster,
+    DetachedReach,
+    FoundPool,
+    NodeCommands,
+    count,
+    given_rate,
+)
 from skyward.providers.kubernetes import connection, podspec, waiting
 from skyward.providers.kubernetes.api import NODE, OURS, POOL, POOL_ID, USER, KubeApi, pool_selector
 from skyward.providers.kubernetes.connection import Target
@@ -93,6 +101,12 @@ class Kubernetes(RemoteData, ReplacingProvider):
         price_per_hour: what one pod costs you per hour, in US dollars, if anything: the pool
             then counts its spend and can keep a ``max_cost``.
         image_pull_policy: the pods' ``imagePullPolicy`` (default: the cluster's).
+        cpus: the CPUs each pod requests (default: none, which the scheduler places anywhere
+            and evicts first).
+        memory: the memory each pod requests and is limited to, as a Kubernetes quantity
+            (``"32Gi"``).
+        queue: a Kueue LocalQueue in the namespace: the pool's pods are admitted by it as one
+            group (all of them or none).
     """
 
     name = "kubernetes"
@@ -111,6 +125,9 @@ class Kubernetes(RemoteData, ReplacingProvider):
         build_env: Mapping[str, str] | None = None,
         price_per_hour: float | None = None,
         image_pull_policy: str | None = None,
+        cpus: float | None = None,
+        memory: str | None = None,
+        queue: str | None = None,
     ) -> None:
         checks.optional_text(namespace, "namespace")
         checks.optional_text(image, "image")
@@ -121,17 +138,19 @@ class Kubernetes(RemoteData, ReplacingProvider):
             contexts = list(context)
         else:
             raise ConfigError(f"context must be a context's name or a list of names: {context!r}")
-        if image_pull_policy not in (None, "Always", "IfNotPresent", "Never"):
-            raise ConfigError(
-                "image_pull_policy must be Always, IfNotPresent or Never, got "
-                f"{image_pull_policy!r}"
-            )
+        self.pods = podspec.PodSettings(
+            image=image or podspec.default_image(),
+            idle=checks.seconds(idle_timeout, "idle_timeout"),
+            pull_policy=image_pull_policy,
+            cpus=cpus,
+            memory=memory,
+            queue=queue,
+        )
         self.targets = [connection.resolve(c, namespace) for c in contexts]
-        self.image = image or podspec.default_image()
+        self.image = self.pods.image
+        self.idle_timeout = self.pods.idle
         self.pending_timeout = checks.seconds(pending_timeout, "pending_timeout")
         self.boot_timeout = checks.seconds(boot_timeout, "boot_timeout")
-        self.idle_timeout = checks.seconds(idle_timeout, "idle_timeout")
-        self.pull_policy = image_pull_policy
         self.bootstrap = Bootstrap(python, build_env=checks.environment(build_env, "build_env"))
         self._price = given_rate(price_per_hour, "sky.Kubernetes")
 
@@ -201,13 +220,12 @@ class Kubernetes(RemoteData, ReplacingProvider):
             name=name,
             pool=pool.spec.pool_id,
             index=index,
+            nodes=pool.spec.nodes,
             service=pool.service,
-            image=self.image,
-            idle=self.idle_timeout,
+            settings=self.pods,
             accelerator=pool.spec.accelerator,
             gpu_labels=pool.gpu_labels,
             env={},
-            pull_policy=self.pull_policy,
         )
 
     def _node(self, pool: PodCluster, index: int, pod: waiting.Running) -> PodNode:
@@ -329,3 +347,35 @@ class Kubernetes(RemoteData, ReplacingProvider):
             return await api.delete_pool(selector)
         finally:
             await api.close()
+
+    # -- detached runs (docs/detach.md, "Kubernetes"; the parts: kubernetes/detached.py) -------
+
+    def detached_kind(self) -> str:
+        # No sshd in a pod and no API credentials: node 0's leader reaches each other pod at a
+        # door the run opens on the pod network, and the client reaches them by exec.
+        return "tcp"
+
+    def detached_reach(self, cluster: Cluster) -> DetachedReach:
+        """Where the run's pods are (the kubeconfig, context and namespace of this pool, each
+        node's pod), and the pool to delete once the run has ended."""
+        from skyward.providers.kubernetes import detached
+
+        pool = self._own(cluster)
+        pods = [pool.pods[index] for index in range(len(pool.nodes))]
+        return detached.reach_of(pool.api.target, pods, pool.spec.pool_id)
+
+    @classmethod
+    def detached_commands(cls, data: Mapping[str, Any]) -> NodeCommands:
+        from skyward.providers.kubernetes import detached
+
+        return detached.PodCommands(data)
+
+    async def release(self, cluster: Cluster) -> None:
+        """A detached run holds the pods: only this client's streams and API session go. The
+        pods end themselves once the run has (their keeper), and the later command that sees
+        its end deletes them and the Service (`detached_reach`'s kept pool)."""
+        pool = self._own(cluster)
+        await bootstrap.close_hosts(pool)
+        await drop_spares(pool)
+        pool.removed = True  # the run's now: a terminate after this deletes nothing
+        await pool.api.close()

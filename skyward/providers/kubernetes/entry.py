@@ -18,6 +18,8 @@ ENTRY = ProviderEntry(
             listing=True,
         ),
         Option("--image", "image", "the pods' image (default: python:3.X-slim)"),
+        Option("--memory", "memory", "the memory each pod requests, e.g. 60Gi"),
+        Option("--queue", "queue", "a Kueue LocalQueue that admits the pool's pods together"),
     ),
     position=35,
 )

@@ -181,3 +181,29 @@ def test_an_image_without_python3_fails_at_once_naming_it(
         assert cluster.pods() == []
     finally:
         cluster.stop()
+
+
+def test_a_container_that_crashes_fails_at_once_with_its_last_lines(
+    instance_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.kubernetes.conftest import SECOND_SUBNET
+
+    # An image whose python3 crashes at start (a broken interpreter, a wrong architecture).
+    layer = tmp_path / "broken"
+    (layer / "usr/local/bin").mkdir(parents=True)
+    crash = layer / "usr/local/bin/python3"
+    crash.write_text("#!/bin/sh\necho 'Fatal Python error: init_fs_encoding' >&2\nexit 1\n")
+    crash.chmod(0o755)
+    images = {"broken:1": [str(layer), str(instance_root)]}
+    cluster = FakeCluster(tmp_path / "k8s", subnet=SECOND_SUBNET, images=images).start()
+    try:
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        with pytest.raises(sky.ProvisionError) as caught:
+            with sky.ComputePool(provider=sky.Kubernetes(image="broken:1"), nodes=2):
+                pytest.fail("the container crashes")
+        message = str(caught.value)
+        assert "'broken:1'" in message and "exit code 1" in message, message
+        assert "Fatal Python error: init_fs_encoding" in message, message
+        assert wait_none_left(cluster) == []
+    finally:
+        cluster.stop()

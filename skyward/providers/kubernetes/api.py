@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -297,7 +297,3 @@ def status_message(exc: ApiException) -> str:
         return str(body.get("message") or exc.reason)
     except (ValueError, TypeError, AttributeError):
         return str(exc.reason or exc)
-
-
-def names(items: Sequence[Any]) -> list[str]:
-    return [str(i.metadata.name) for i in items]

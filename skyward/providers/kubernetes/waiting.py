@@ -104,7 +104,7 @@ async def wait_running(
             raise ProvisionError(f"pod {name} was deleted while the pool started")
         problem = container_problem(pod)
         if problem is not None:
-            raise ProvisionError(f"pod {name} cannot start: {problem}")
+            raise _CannotStart(name, problem)
         waiting = scheduling_message(pod)
         if waiting is not None:
             last_reason[name] = waiting
@@ -134,25 +134,43 @@ async def wait_running(
             raise ProvisionError(
                 f"pod(s) {', '.join(late)} did not run within {boot:g} s (boot_timeout=)"
             )
-        # A short watch, ended by the server, so the deadlines above are looked at; the
-        # timeout around it only guards against a server that does not end it.
-        with contextlib.suppress(TimeoutError):
-            async with (
-                asyncio.timeout(10),
-                contextlib.aclosing(api.watch_pods(selector, timeout=2)) as events,
-            ):
-                async for _, pod in events:
+        try:
+            # A short watch, ended by the server, so the deadlines above are looked at; the
+            # timeout around it only guards against a server that does not end it.
+            with contextlib.suppress(TimeoutError):
+                async with (
+                    asyncio.timeout(10),
+                    contextlib.aclosing(api.watch_pods(selector, timeout=2)) as events,
+                ):
+                    async for _, pod in events:
+                        look(pod)
+                        if len(running) == len(names):
+                            break
+            if len(running) < len(names):
+                # The watch may have ended between events; one list catches what it missed.
+                for pod in await api.list_pods(selector):
                     look(pod)
-                    if len(running) == len(names):
-                        break
-        if len(running) < len(names):
-            # The watch may have ended between events; one list catches what it missed.
-            for pod in await api.list_pods(selector):
-                look(pod)
+        except _CannotStart as failed:
+            raise ProvisionError(
+                f"pod {failed.pod} cannot start: {failed.problem}{await _explain(api, failed.pod)}"
+            ) from None
     return [running[name] for name in names]
 
 
-async def explain_failure(api: KubeApi, name: str) -> str:
-    """The pod's Warning events, for an error (the kubelet's and the scheduler's words)."""
-    events = await api.warnings(name)
-    return "; ".join(events[-3:])
+class _CannotStart(Exception):
+    def __init__(self, pod: str, problem: str) -> None:
+        super().__init__(problem)
+        self.pod, self.problem = pod, problem
+
+
+async def _explain(api: KubeApi, pod: str) -> str:
+    """What the cluster said of a pod that cannot start, for its error: the last Warning
+    events (the kubelet's words) and the container's last lines (a crash's traceback)."""
+    events = await api.warnings(pod)
+    tail = (await api.log_tail(pod)).strip()
+    said = ""
+    if events:
+        said += "\nevents: " + "; ".join(events[-3:])
+    if tail:
+        said += "\n--- its last lines ---\n" + tail
+    return said

@@ -68,9 +68,22 @@ def test_an_h100_is_matched_by_the_labels_the_nodes_carry() -> None:
         {"karpenter.k8s.aws/instance-gpu-name": "h100"},
     ]
     values = podspec.gpu_values("H100", nodes)
-    assert values["nvidia.com/gpu.product"] == ["NVIDIA-H100-80GB-HBM3"]
+    products = values["nvidia.com/gpu.product"]
+    assert "NVIDIA-H100-80GB-HBM3" in products and "NVIDIA-H1000-Fake" not in products
+    assert not any("A100" in v for v in products)
     assert values["karpenter.k8s.aws/instance-gpu-name"] == ["h100"]
     assert "nvidia-h100-80gb" in values["cloud.google.com/gke-accelerator"]
+
+
+def test_a_gpu_is_matched_by_its_words_even_where_no_node_can_be_listed() -> None:
+    # A namespaced Role cannot list nodes: GPU feature discovery's usual names are asked.
+    h100 = podspec.gpu_values("H100", None)
+    assert "NVIDIA-H100-80GB-HBM3" in h100["nvidia.com/gpu.product"]
+    a100 = podspec.gpu_values("A100-80GB", [{"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}])
+    assert a100["nvidia.com/gpu.product"] == ["NVIDIA-A100-80GB-PCIe", "NVIDIA-A100-SXM4-80GB"]
+    assert a100["cloud.google.com/gke-accelerator"] == ["nvidia-a100-80gb"]  # not the 40 GB
+    assert a100["karpenter.k8s.aws/instance-gpu-name"] == ["a100"]
+    assert not podspec.names_gpu("NVIDIA-H1000-Fake", "H100")
 
 
 def test_a_gpu_pod_asks_for_its_gpus_tolerates_their_taint_and_has_shared_memory() -> None:
@@ -91,11 +104,8 @@ def test_a_gpu_pod_asks_for_its_gpus_tolerates_their_taint_and_has_shared_memory
         "nodeSelectorTerms"
     ]
     expressions = [t["matchExpressions"][0] for t in terms]
-    assert {
-        "key": "nvidia.com/gpu.product",
-        "operator": "In",
-        "values": ["NVIDIA-H100-80GB-HBM3"],
-    } in expressions
+    (products,) = [e for e in expressions if e["key"] == "nvidia.com/gpu.product"]
+    assert products["operator"] == "In" and "NVIDIA-H100-80GB-HBM3" in products["values"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert manifest["metadata"]["labels"]["skyward.dev/pool"] == "p"

@@ -38,8 +38,12 @@ NEEDED = (
     ("list", "pods", ""),
     ("watch", "pods", ""),
     ("delete", "pods", ""),
+    # An exec over a websocket is an HTTP GET, which RBAC reads as ``get pods/exec``; API
+    # servers from 1.35 on require ``create`` of it too, as for the older SPDY POST.
+    ("get", "pods", "exec"),
     ("create", "pods", "exec"),
     ("create", "services", ""),
+    ("list", "services", ""),
     ("delete", "services", ""),
     ("list", "events", ""),
 )
@@ -100,10 +104,15 @@ class KubeApi:
                 f"you no longer need in namespace {self.namespace}, ask for a larger quota, or "
                 "use fewer nodes"
             )
-        if exc.status == 403:
+        if exc.status == 403 and " cannot " in message:
             return ConfigError(
                 f"{what}: {message}. Ask the cluster's admins for the Role in docs/kubernetes.md "
                 f"in namespace {self.namespace}"
+            )
+        if exc.status == 403:  # admission: Pod Security, a quota that needs requests, a policy
+            return ConfigError(
+                f"{what}: the cluster refused it ({message}); the pods' settings must meet the "
+                f"namespace's policies (ask its admins what namespace {self.namespace} admits)"
             )
         if exc.status == 404 and "namespaces" in message and "not found" in message:
             return ConfigError(f"{what}: namespace {self.namespace!r} does not exist ({message})")

@@ -62,9 +62,18 @@ async def connect(api: KubeApi, pod: str, argv: Sequence[str]) -> aiohttp.Client
     headers = {s["key"]: s["value"] for s in settings.values() if s["in"] == "header"}
     headers = {key: value for key, value in headers.items() if value}
     session = api.client.rest_client.pool_manager
+    configuration = api.client.configuration
     try:
         return await session.ws_connect(
-            url, protocols=(V5, V4), headers=headers, max_msg_size=0, autoping=True, compress=0
+            url,
+            protocols=(V5, V4),
+            headers=headers,
+            max_msg_size=0,
+            autoping=True,
+            compress=0,
+            # The kubeconfig's proxy-url, as the client's other calls take it.
+            proxy=configuration.proxy or None,
+            proxy_headers=configuration.proxy_headers or None,
         )
     except aiohttp.WSServerHandshakeError as exc:
         raise ProvisionError(
@@ -157,6 +166,10 @@ class Exec:
         except (aiohttp.ClientError, OSError, asyncio.CancelledError):
             pass
         finally:
+            # The stream is over: nothing more can be written (a writer left waiting on its
+            # queue would be a pending task when the loop ends).
+            self._writer.cancel()
+            self._drained.set()
             code, self.message = exit_code(self._status)
             if not self.pid_known.done():
                 self.pid_known.set_exception(

@@ -46,18 +46,32 @@ KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
 KUEUE_GROUP = "kueue.x-k8s.io/pod-group-name"
 KUEUE_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 
-# The values each label key takes for common GPUs where no node lists them yet (an autoscaled
-# node pool): GKE's accelerator names and Karpenter's GPU names.
-_KNOWN = {
-    "H100": (("nvidia-h100-80gb", "nvidia-h100-mega-80gb"), ("h100",)),
-    "H200": (("nvidia-h200-141gb",), ("h200",)),
-    "B200": (("nvidia-b200",), ("b200",)),
-    "A100": (("nvidia-tesla-a100", "nvidia-a100-80gb"), ("a100",)),
-    "L4": (("nvidia-l4",), ("l4",)),
-    "L40S": ((), ("l40s",)),
-    "T4": (("nvidia-tesla-t4",), ("t4",)),
-    "V100": (("nvidia-tesla-v100",), ("v100",)),
-    "A10G": ((), ("a10g",)),
+# The values each label key takes for common GPUs where no node can be listed (a namespaced
+# Role) or none carries them yet (an autoscaled node pool): NVIDIA GPU feature discovery's
+# product names, GKE's accelerator names and Karpenter's GPU names.
+_KNOWN: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "H100": (
+        ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe", "NVIDIA-H100-NVL"),
+        ("nvidia-h100-80gb", "nvidia-h100-mega-80gb"),
+        ("h100",),
+    ),
+    "H200": (("NVIDIA-H200", "NVIDIA-H200-NVL"), ("nvidia-h200-141gb",), ("h200",)),
+    "B200": (("NVIDIA-B200",), ("nvidia-b200",), ("b200",)),
+    "A100": (
+        (
+            "NVIDIA-A100-SXM4-80GB",
+            "NVIDIA-A100-SXM4-40GB",
+            "NVIDIA-A100-PCIE-40GB",
+            "NVIDIA-A100-80GB-PCIe",
+        ),
+        ("nvidia-tesla-a100", "nvidia-a100-80gb"),
+        ("a100",),
+    ),
+    "L4": (("NVIDIA-L4",), ("nvidia-l4",), ("l4",)),
+    "L40S": (("NVIDIA-L40S",), (), ("l40s",)),
+    "T4": (("Tesla-T4",), ("nvidia-tesla-t4",), ("t4",)),
+    "V100": (("Tesla-V100-SXM2-16GB", "Tesla-V100-SXM2-32GB"), ("nvidia-tesla-v100",), ("v100",)),
+    "A10G": (("NVIDIA-A10G",), (), ("a10g",)),
 }
 
 
@@ -105,19 +119,36 @@ def labels(pool: str, index: int | None = None) -> dict[str, str]:
     return found
 
 
+def _words(text: str) -> list[str]:
+    return [word for word in re.split(r"[^a-z0-9]+", text.lower()) if word]
+
+
+def names_gpu(value: str, name: str) -> bool:
+    """Whether a GPU-type label's value names GPU `name`: every word of the name is a word of
+    the value (``H100`` is in ``NVIDIA-H100-80GB-HBM3``, ``A100-80GB`` in
+    ``NVIDIA-A100-SXM4-80GB``; ``H100`` is not in ``NVIDIA-H1000``)."""
+    have = set(_words(value))
+    return all(word in have for word in _words(name))
+
+
 def gpu_values(name: str, nodes: Sequence[Mapping[str, str]] | None) -> dict[str, list[str]]:
     """For each GPU-type label key, the values that name GPU `name`: those the listed nodes
-    carry (``H100`` matches ``NVIDIA-H100-80GB-HBM3``, not ``H1000``), and the usual ones."""
-    wanted = re.compile(rf"(^|[^a-z0-9]){re.escape(name.lower())}($|[^a-z0-9])")
+    carry, and the usual ones of that GPU (`_KNOWN`, by the name's first word: an
+    ``A100-80GB`` keeps only those that name it whole, ``nvidia-a100-80gb`` and not
+    ``nvidia-tesla-a100``, the 40 GB one)."""
     found: dict[str, set[str]] = {key: set() for key in GPU_LABELS}
     for node in nodes or ():
         for key in GPU_LABELS:
             value = node.get(key)
-            if value and wanted.search(value.lower()):
+            if value and names_gpu(value, name):
                 found[key].add(value)
-    gke, karpenter = _KNOWN.get(name.upper(), ((), ()))
-    found[GPU_LABELS[1]].update(gke)
-    found[GPU_LABELS[2]].update(karpenter)
+    words = _words(name)
+    usual = _KNOWN.get(words[0].upper(), ((), (), ())) if words else ((), (), ())
+    for key, values in zip(GPU_LABELS, usual, strict=True):
+        # Karpenter's names are the GPU's alone (``a100``; its memory is another label): only
+        # the first word must match them. GFD's and GKE's name the model whole.
+        whole = key != GPU_LABELS[2]
+        found[key].update(v for v in values if not whole or names_gpu(v, name))
     return {key: sorted(values) for key, values in found.items() if values}
 
 

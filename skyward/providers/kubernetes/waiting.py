@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyward.console.progress import Phase, Progress
-from skyward.errors import ProvisionError
+from skyward.errors import NoCapacity, ProvisionError
 from skyward.providers.kubernetes.api import KubeApi
 
 # Container states that do not get better by waiting.
@@ -33,8 +33,12 @@ FATAL_WAITING = {
 }
 
 
-class Unschedulable(ProvisionError):
-    """The scheduler could not place a pod in time (failover tries the next context)."""
+class Unschedulable(NoCapacity):
+    """The scheduler could not place a pod in time: no room for the pool in this context
+    (failover tries the next context, and a pool's next provider after the last)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, attempts=[("the cluster", message)])
 
 
 @dataclass

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+import skyward as sky
 from tests.conftest import sigint_default
-from tests.kubernetes.conftest import environment_with, foreign_pod, ours
+from tests.kubernetes.conftest import IMAGE, environment_with, foreign_pod, ours
 from tests.support import bareroots
 from tests.support.fakek8s import FakeCluster
 
@@ -132,3 +133,56 @@ def test_ls_names_a_namespace_that_does_not_exist(cluster: FakeCluster, kubeconf
     assert listed.returncode != 0
     assert "nowhere" in listed.stderr, listed.stderr
     assert "Traceback" not in listed.stderr, textwrap.shorten(listed.stderr, 2000)
+
+
+def test_a_pod_that_runs_first_is_held_while_its_sibling_is_pulled(
+    instance_root: Path,
+    instance_wheels: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Node 0's pod runs at once; node 1's lands on a cold node whose pull takes 8 s, longer
+    than the pods' idle_timeout of 3 s: node 0's pod must not end itself meanwhile."""
+    from tests.kubernetes.conftest import SECOND_SUBNET, cluster_for
+
+    nodes = [{"name": "warm", "max_pods": 1}, {"name": "cold", "pull_seconds": 8.0}]
+    slow = cluster_for(tmp_path / "slow", instance_root, SECOND_SUBNET, nodes=nodes)
+    try:
+        monkeypatch.setenv("KUBECONFIG", str(slow.kubeconfig))
+        with bareroots.PackageIndex(instance_wheels, host=slow.bridge) as index:
+            provider = sky.Kubernetes(idle_timeout=3, build_env={"UV_INDEX": index.simple_url})
+            with sky.ComputePool(provider=provider, nodes=2, stream_output=False) as pool:
+                assert where_am_i() @ pool == [0, 1]
+                placed = sorted(p["spec"]["nodeName"] for p in slow.pods())
+                assert placed == ["cold", "warm"]
+    finally:
+        slow.stop()
+
+
+@sky.compute
+def where_am_i() -> int:
+    return sky.instance_info().node
+
+
+def test_down_all_removes_this_users_pools_only(cluster: FakeCluster, kubeconfig: Path) -> None:
+    # Another skyward user's pool in the same namespace (bob's labels, bob's own token).
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "sky-bobs-pool-0",
+            "labels": {"app.kubernetes.io/managed-by": "skyward", "skyward.dev/pool": "bobs-pool",
+                       "skyward.dev/user": "bob", "skyward.dev/node": "0"},
+        },
+        "spec": {"restartPolicy": "Never",
+                 "containers": [{"name": "node", "image": IMAGE, "command": ["sleep", "600"]}]},
+    }  # fmt: skip
+    cluster.create_pod(theirs, user="bob")
+    try:
+        down = _skyward("down", "--provider", "kubernetes", "--all", kubeconfig=kubeconfig)
+        assert down.returncode == 0, down.stderr
+        assert "sky-bobs-pool-0" not in down.stdout
+        listed = _skyward("ls", "--provider", "kubernetes", kubeconfig=kubeconfig)
+        assert "bobs-pool  created" in listed.stdout and "by bob" in listed.stdout, listed.stdout
+    finally:
+        cluster.request("DELETE", "/api/v1/namespaces/default/pods/sky-bobs-pool-0", user="bob")

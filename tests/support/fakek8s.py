@@ -394,6 +394,7 @@ class Server:
             report=self.pod_changed,
             event=self.event,
             owner=self._owner,
+            pull_seconds={n.name: n.pull_seconds for n in self.nodes},
         )
         self.schedule_wake = asyncio.Event()
 
@@ -492,6 +493,7 @@ class Server:
         while True:
             self.schedule_wake.clear()
             used: dict[str, int] = {}
+            held: dict[str, int] = {}
             pending: list[dict[str, Any]] = []
             for (kind, _), pods in self.objects.items():
                 if kind != "pods":
@@ -500,11 +502,12 @@ class Server:
                     node = pod["spec"].get("nodeName")
                     if node and pod["status"].get("phase") in ("Pending", "Running"):
                         used[node] = used.get(node, 0) + fakekubelet.gpu_request(pod)
+                        held[node] = held.get(node, 0) + 1
                     elif not node and not pod["metadata"].get("deletionTimestamp"):
                         pending.append(pod)
             for pod in sorted(pending, key=lambda p: p["metadata"]["creationTimestamp"]):
                 try:
-                    node = fakekubelet.schedule(pod, self.nodes, used)
+                    node = fakekubelet.schedule(pod, self.nodes, used, held)
                 except ValueError as exc:
                     message = str(exc)
                     current = [c for c in pod["status"].get("conditions", [])
@@ -516,6 +519,7 @@ class Server:
                     self.event(pod, "Warning", "FailedScheduling", message)
                     continue
                 used[node] = used.get(node, 0) + fakekubelet.gpu_request(pod)
+                held[node] = held.get(node, 0) + 1
                 pod["spec"]["nodeName"] = node
                 fakekubelet.condition(pod, "PodScheduled", "True")
                 meta = pod["metadata"]

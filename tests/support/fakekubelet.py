@@ -6,14 +6,14 @@ none does, the pod's ``PodScheduled`` condition says ``Unschedulable`` with the 
 real scheduler writes (``0/2 nodes are available: 2 Insufficient nvidia.com/gpu. ...``) and a
 ``FailedScheduling`` event, retried every second as the real one does on a change.
 
-The kubelet runs a placed pod's one container as real processes (`tests.support.podruntime`):
-a network namespace of its own on the stand-in's bridge with the pod's IP, an overlay of the
-image's layers (a cached Debian root, and folders above it; an image the stand-in does not
-know fails its pull with ``ErrImagePull`` then ``ImagePullBackOff``), the container's command as PID 1, the pod's
-``/etc/hosts`` holding the names of every pod under the same headless Service (the cluster's
-DNS, which the stand-in has not: its resolver is an address with no route). A container that
-ends makes the pod ``Succeeded`` or ``Failed`` with its exit code; a deleted pod gets SIGTERM,
-then SIGKILL after its grace period.
+The kubelet runs a placed pod's one container as real processes (`tests.support.podruntime`): a
+network namespace of its own on the stand-in's bridge with the pod's IP, an overlay of the
+image's layers (a cached Debian root, and folders above it; an image the stand-in does not know
+fails its pull with ``ErrImagePull`` then ``ImagePullBackOff``), the container's command as PID
+1, the pod's ``/etc/hosts`` holding the names of every pod under the same headless Service (the
+cluster's DNS, which the stand-in has not: its resolver is an address with no route). A
+container that ends makes the pod ``Succeeded`` or ``Failed`` with its exit code; a deleted pod
+gets SIGTERM, then SIGKILL after its grace period.
 
 What it cannot imitate: a CNI (pods reach each other and the bridge's address only, no Service
 IPs, no NetworkPolicy), image pulls (an image is a name for folders on this machine), resource
@@ -48,9 +48,11 @@ class Node:
     labels: dict[str, str] = field(default_factory=dict)
     gpus: int = 0
     taints: list[dict[str, str]] = field(default_factory=list)
+    max_pods: int = 110  # the kubelet's default
+    pull_seconds: float = 0.0  # how long an image takes to be pulled there (a cold node)
 
     def manifest(self) -> dict[str, Any]:
-        capacity = {"cpu": "2", "memory": "24Gi", "pods": "110"}
+        capacity = {"cpu": "2", "memory": "24Gi", "pods": str(self.max_pods)}
         if self.gpus:
             capacity[GPU] = str(self.gpus)
         return {
@@ -121,8 +123,11 @@ def _tolerated(pod: Mapping[str, Any], node: Node) -> bool:
     return True
 
 
-def schedule(pod: Mapping[str, Any], nodes: list[Node], used: Mapping[str, int]) -> str:
-    """The node to place `pod` on, or raise `ValueError` with the scheduler's message."""
+def schedule(
+    pod: Mapping[str, Any], nodes: list[Node], used: Mapping[str, int], held: Mapping[str, int]
+) -> str:
+    """The node to place `pod` on, given the GPUs `used` and the pods `held` on each node, or
+    raise `ValueError` with the scheduler's message."""
     want = gpu_request(pod)
     reasons: dict[str, int] = {}
     for node in nodes:
@@ -133,6 +138,8 @@ def schedule(pod: Mapping[str, Any], nodes: list[Node], used: Mapping[str, int])
             reason = "node(s) didn't match Pod's node affinity/selector"
         elif want and node.gpus - used.get(node.name, 0) < want:
             reason = f"Insufficient {GPU}"
+        elif held.get(node.name, 0) >= node.max_pods:
+            reason = "Too many pods"
         else:
             return node.name
         reasons[reason] = reasons.get(reason, 0) + 1
@@ -165,6 +172,7 @@ class Kubelet:
         report: Callable[[dict[str, Any]], None],
         event: Callable[[dict[str, Any], str, str, str], None],
         owner: Callable[[], None],
+        pull_seconds: Mapping[str, float] | None = None,
     ) -> None:
         self.net = net
         self.workdir = workdir
@@ -172,6 +180,7 @@ class Kubelet:
         self.report = report
         self.event = event
         self.owner = owner
+        self.pull_seconds = dict(pull_seconds or {})  # node -> seconds an image pull takes
         self.sandboxes: dict[str, Sandbox] = {}  # pod uid -> sandbox
         self.subnet = ipaddress.IPv4Network(str(net.subnet))
         self._offsets: set[int] = set()
@@ -198,6 +207,12 @@ class Kubelet:
         if root is None:
             await self._pull_fails(pod, image)
             return
+        slow = self.pull_seconds.get(pod["spec"].get("nodeName", ""), 0.0)
+        if slow:
+            self.event(pod, "Normal", "Pulling", f'Pulling image "{image}"')
+            await asyncio.sleep(slow)
+            if pod["metadata"].get("deletionTimestamp"):
+                return
         self.event(pod, "Normal", "Pulled", f'Container image "{image}" already present on machine')
         offset = self._claim_offset()
         address = str(self.subnet.network_address + offset)

@@ -58,11 +58,12 @@ _SETUP_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 _NSENTER = "/usr/bin/nsenter"
 
 # Run by `sh` as PID 1 of the container's new namespaces (mount, UTS, IPC, PID), inside its
-# network namespace. $1 root (the overlay's mount point), $2 the image's layers (top first), $3 upper, $4 work, $5 the
-# kubelet's files folder, $6 hostname, $7 working directory, $8 the container's PATH, $9 the
-# /dev/shm size in bytes ("" for no limit), then volume words up to "--", then the command.
-# A volume is "tmpfs PATH SIZE" (SIZE "" for none) or "bind PATH SOURCE". Its stdin is the
-# write end of the readiness pipe: moved to fd 3, it gets one byte once the root is pivoted.
+# network namespace. $1 root (the overlay's mount point), $2 the image's layers (top first,
+# colon-separated), $3 upper, $4 work, $5 the kubelet's files folder, $6 hostname, $7 working
+# directory, $8 the container's PATH, $9 the /dev/shm size in bytes ("" for no limit), then
+# volume words up to "--", then the command. A volume is "tmpfs PATH SIZE" (SIZE "" for none)
+# or "bind PATH SOURCE". Its stdin is the write end of the readiness pipe: moved to fd 3, it
+# gets one byte once the root is pivoted.
 _LAUNCH = """\
 set -e
 root=$1 lower=$2 upper=$3 work=$4 files=$5 name=$6 cwd=$7 cpath=$8 shm=$9
@@ -224,7 +225,8 @@ async def start(
         sshd._ip(), "netns", "exec", netns,
         "unshare", "--mount", "--uts", "--ipc", "--pid", "--fork", "--propagation", "private",
         "sh", "-c", _LAUNCH, "sh",
-        str(folder / "merged"), ":".join(str(layer) for layer in layers), str(folder / "upper"), str(folder / "work"),
+        str(folder / "merged"), ":".join(str(layer) for layer in layers),
+        str(folder / "upper"), str(folder / "work"),
         str(folder / "etc"), hostname, cwd, env.get("PATH", _SETUP_PATH), shm,
         *words, "--", *argv,
     ]  # fmt: skip

@@ -207,14 +207,16 @@ def pod(
     service: str,
     settings: PodSettings,
     accelerator: Accelerator | None,
+    python: str = "python3",
     gpu_labels: Mapping[str, Sequence[str]] | None,
     env: Mapping[str, str],
 ) -> dict[str, Any]:
-    """The manifest of node `index`'s pod (of `nodes`)."""
+    """The manifest of node `index`'s pod (of `nodes`), its keeper run by the image's
+    `python`."""
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": settings.image,
-        "command": ["python3", "-c", podkeeper.program(), f"{settings.idle:g}"],
+        "command": [python, "-c", podkeeper.program(), f"{settings.idle:g}"],
         "env": [{"name": k, "value": v} for k, v in env.items()],
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }

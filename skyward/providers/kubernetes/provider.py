@@ -28,7 +28,7 @@ from typing import Any
 from skyward import checks
 from skyward.console.progress import Phase, Progress
 from skyward.cost import Price
-from skyward.errors import ConfigError
+from skyward.errors import ConfigError, NoCapacity
 from skyward.hardware import ClusterSpec, Hardware
 from skyward.image import Image
 from skyward.providers.base import (
@@ -43,6 +43,7 @@ from skyward.providers.base import (
 from skyward.providers.kubernetes import connection, podspec, waiting
 from skyward.providers.kubernetes.api import NODE, OURS, POOL, POOL_ID, USER, KubeApi, pool_selector
 from skyward.providers.kubernetes.connection import Target
+from skyward.providers.kubernetes.holding import Holds
 from skyward.providers.kubernetes.podhost import PodHost, PodNode
 from skyward.providers.remote import bootstrap
 from skyward.providers.remote.datasync import RemoteData
@@ -62,6 +63,7 @@ class PodCluster(ReplacingCluster):
     api: KubeApi
     service: str
     selector: str
+    holds: Holds
     gpu_labels: dict[str, list[str]] | None = None
     generations: dict[int, int] = field(default_factory=dict)  # node -> replacements made
     pods: dict[int, str] = field(default_factory=dict)  # node -> its pod's name
@@ -167,14 +169,21 @@ class Kubernetes(RemoteData, ReplacingProvider):
     # -- launch --------------------------------------------------------------------------------
 
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
+        if len(self.targets) == 1:
+            return await self._launch_in(self.targets[0], spec, progress)
+        attempts: list[tuple[str, str]] = []
         for number, target in enumerate(self.targets):
             try:
                 return await self._launch_in(target, spec, progress)
             except waiting.Unschedulable as exc:
-                if number == len(self.targets) - 1:
-                    raise
-                progress(f"{target}: {exc}; trying {self.targets[number + 1]}")
-        raise AssertionError("no context to launch in")
+                attempts.append((str(target), str(exc)))
+                if number < len(self.targets) - 1:
+                    progress(f"{target}: {exc}; trying {self.targets[number + 1]}")
+        raise NoCapacity(
+            "no context could place the pool's pods; nothing was left there:\n"
+            + "\n".join(f"  {where}: {said}" for where, said in attempts),
+            attempts=attempts,
+        )
 
     async def _launch_in(self, target: Target, spec: ClusterSpec, progress: Progress) -> PodCluster:
         api = await KubeApi.open(target)
@@ -191,6 +200,7 @@ class Kubernetes(RemoteData, ReplacingProvider):
                 api=api,
                 service=podspec.service_name(spec.pool_id),
                 selector=pool_selector(podspec.pool_label(spec.pool_id)),
+                holds=Holds(api),
                 gpu_labels=labels,
             )
             pool.tell = progress
@@ -203,7 +213,13 @@ class Kubernetes(RemoteData, ReplacingProvider):
                     *(api.create_pod(self._manifest(pool, i, n)) for i, n in enumerate(names))
                 )
                 running = await waiting.wait_running(
-                    api, pool.selector, names, progress, self.pending_timeout, self.boot_timeout
+                    api,
+                    pool.selector,
+                    names,
+                    progress,
+                    self.pending_timeout,
+                    self.boot_timeout,
+                    on_running=pool.holds.hold,
                 )
             except BaseException:
                 await asyncio.shield(self._remove(pool, wait=True))
@@ -223,6 +239,7 @@ class Kubernetes(RemoteData, ReplacingProvider):
             nodes=pool.spec.nodes,
             service=pool.service,
             settings=self.pods,
+            python=self.bootstrap.python or "python3",
             accelerator=pool.spec.accelerator,
             gpu_labels=pool.gpu_labels,
             env={},
@@ -257,8 +274,10 @@ class Kubernetes(RemoteData, ReplacingProvider):
                 self.pending_timeout,
                 self.boot_timeout,
                 [index],
+                on_running=own.holds.hold,
             )
         except BaseException:
+            await asyncio.shield(own.holds.release(name))
             await asyncio.shield(own.api.delete_pod(name))
             raise
         return Made(self._node(own, index, running), name)
@@ -271,6 +290,7 @@ class Kubernetes(RemoteData, ReplacingProvider):
         own = self._own(pool)
         lost = own.pods.get(index)
         if lost is not None:
+            await own.holds.release(lost)
             with contextlib.suppress(Exception):
                 await own.api.delete_pod(lost)
 
@@ -288,6 +308,7 @@ class Kubernetes(RemoteData, ReplacingProvider):
         """Delete the pool's pods and Service (no grace: the pool stopped its agents); with
         `wait`, until no pod is left (a failed start says so only once they are gone)."""
         try:
+            await pool.holds.close()
             await pool.api.delete_pool(pool.selector)
             if wait:
                 left = await pool.api.wait_gone(pool.selector, 30)
@@ -310,7 +331,15 @@ class Kubernetes(RemoteData, ReplacingProvider):
     # -- what pools left, for the command line -------------------------------------------------
 
     def find(self) -> Mapping[str, FoundPool]:
-        return asyncio.run(self._find(self.targets[0]))
+        """Every skyward pool in the namespace of each context given (any user's)."""
+
+        async def every() -> dict[str, KubePool]:
+            found: dict[str, KubePool] = {}
+            for target in self.targets:
+                found.update(await self._find(target))
+            return found
+
+        return asyncio.run(every())
 
     async def _find(self, target: Target) -> dict[str, KubePool]:
         api = await KubeApi.open(target)
@@ -338,12 +367,25 @@ class Kubernetes(RemoteData, ReplacingProvider):
         return pools
 
     def cleanup(self, pool: str | None = None) -> list[str]:
-        return asyncio.run(self._cleanup(self.targets[0], pool))
+        """Delete pool `pool`'s pods and Service in each context given; without one, every
+        pool this user made there (another user's skyward pools in a shared namespace are
+        theirs: name one to remove it)."""
+
+        async def every() -> list[str]:
+            removed: list[str] = []
+            for target in self.targets:
+                removed += await self._cleanup(target, pool)
+            return removed
+
+        return asyncio.run(every())
 
     async def _cleanup(self, target: Target, pool: str | None) -> list[str]:
         api = await KubeApi.open(target)
         try:
-            selector = OURS if pool is None else pool_selector(podspec.pool_label(pool))
+            if pool is None:
+                selector = f"{OURS},{USER}={podspec.user_label()}"
+            else:
+                selector = pool_selector(podspec.pool_label(pool))
             return await api.delete_pool(selector)
         finally:
             await api.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,9 +90,11 @@ async def wait_running(
     pending: float,
     boot: float,
     indices: Sequence[int] | None = None,
+    on_running: Callable[[str], None] | None = None,
 ) -> list[Running]:
-    """Wait until every pod of `names` runs with an IP; they in `names`' order. Raises
-    `ProvisionError` (`Unschedulable` for the scheduler) naming the pod and the reason."""
+    """Wait until every pod of `names` runs with an IP; they in `names`' order, each given to
+    `on_running` as soon as it runs (its hold). Raises `ProvisionError` (`Unschedulable` for
+    the scheduler) naming the pod and the reason."""
     index = dict(zip(names, indices or range(len(names)), strict=True))
     running: dict[str, Running] = {}
     shown: dict[str, str] = {}
@@ -119,6 +121,8 @@ async def wait_running(
         last_reason.pop(name, None)
         if pod.status.phase == "Running" and pod.status.pod_ip and name not in running:
             running[name] = Running(name, pod.status.pod_ip)
+            if on_running is not None:
+                on_running(name)
             progress.phase(index[name], Phase.CONNECTING, pod.status.pod_ip)
         elif name not in running and shown.get(name) != "scheduled":
             shown[name] = "scheduled"

@@ -11,10 +11,17 @@ which: `Provider.detached_kind`), and what the client records to reach the run l
   and a key made for this run and node, which node i's authorized_keys lets run that node's
   ``attach`` and nothing else (``restrict,command=...``); node 0 trusts only the host keys the
   client verified. No port is opened: sshd is already there.
+- ``tcp``: the nodes have no sshd (`sky.Kubernetes`' pods). Node i's agent starts its early
+  follower behind a door, a TCP listener on the nodes' own network (none faces the client)
+  that admits only who proves it holds a secret made here for this run and node (node i's spec
+  and node 0's plan hold it, never the record); the leader's launcher for node i is ``dial``,
+  which connects to node i's private address and relays as ``ssh`` would. The client reaches
+  the nodes later through the provider (`Provider.detached_reach`, `detached_commands`).
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from skyward.detached import record
 from skyward.pool import ComputePool
-from skyward.providers.base import Provider
+from skyward.providers.base import KeptPool, Provider
 from skyward.worker import supervisor
 
 if TYPE_CHECKING:  # asyncssh, which an SSH node needs, is an extra: loaded where one is used
@@ -31,15 +38,26 @@ if TYPE_CHECKING:  # asyncssh, which an SSH node needs, is an extra: loaded wher
 
 @dataclass
 class LeaderKeys:
-    """The keys node 0's leader logs into the other nodes with: one per node, made here."""
+    """What node 0's leader proves itself to the other nodes with, one per node, made here:
+    an SSH key pair (``ssh``: node i's authorized_keys gets the public key), or a secret both
+    ends hold (``tcp``: node i's door admits who proves it); `private` goes to node 0."""
 
+    kind: str = "local"
     public: dict[int, str] = field(default_factory=dict)
     private: dict[int, str] = field(default_factory=dict)
+
+    def login_key(self, node: int) -> str | None:
+        """The public key node `node`'s authorized_keys lets run its attach (``ssh``)."""
+        return self.public.get(node) if self.kind == "ssh" else None
+
+    def door_secret(self, node: int) -> str | None:
+        """The secret node `node`'s door admits the leader with (``tcp``)."""
+        return self.public.get(node) if self.kind == "tcp" else None
 
     def known_hosts(self, pool: ComputePool) -> str:
         """node 0's known_hosts: each other node's host key, as the client verified it, under
         the address and port node 0 reaches it at."""
-        if not self.public:
+        if not self.public or self.kind != "ssh":
             return ""
         lines = []
         for node, (endpoint, key) in enumerate(_host_keys(pool)):
@@ -50,7 +68,10 @@ class LeaderKeys:
 
 
 def leader_keys(kind: str, nodes: int) -> LeaderKeys:
-    keys = LeaderKeys()
+    keys = LeaderKeys(kind)
+    if kind == "tcp":
+        for node in range(1, nodes):
+            keys.public[node] = keys.private[node] = secrets.token_hex(32)
     if kind != "ssh":
         return keys
     import asyncssh
@@ -65,6 +86,15 @@ def leader_keys(kind: str, nodes: int) -> LeaderKeys:
 def launchers(kind: str, pool: ComputePool, setups: Sequence[dict[str, Any]]) -> list[list[str]]:
     """The command line node 0's leader starts each rank's follower with. ``{key}`` and
     ``{known_hosts}`` are filled in on node 0, where those files are written."""
+    if kind == "tcp":  # node 0's dial (its interpreter) to node i's door, at its private address
+        assert pool.cluster is not None, "the pool has started"
+        nodes = pool.cluster.nodes
+        dial = list(setups[0]["dial"])
+        doors = [
+            [*dial, nodes[i].private_addr, str(setups[i]["door"]), "{key}"]
+            for i in range(1, len(setups))
+        ]
+        return [list(setups[0]["here"]), *doors]
     if kind != "ssh":  # every node is this machine: the leader follows each rank itself
         return [list(setup["here"]) for setup in setups]
     from skyward.providers.remote.bootstrap import ssh_host
@@ -120,7 +150,16 @@ def record_data(kind: str, pool: ComputePool, name: str) -> dict[str, Any]:
     the pool verified: later connections trust those and no other), as the provider says
     (`Provider.detached_login`). A login key that goes with the pool (a cloud pool's) is
     copied beside the run's record, and the record says how to remove what the pool made once
-    the run has ended."""
+    the run has ended. Where the provider reaches the nodes itself (``tcp``), it says what to
+    keep (`Provider.detached_reach`), and the record names its class for a later process."""
+    assert pool.cluster is not None, "the pool has started"
+    if kind == "tcp":
+        told = pool.provider.detached_reach(pool.cluster)
+        cls = type(pool.provider)
+        data = {"provider": f"{cls.__module__}:{cls.__qualname__}", "data": dict(told.data)}
+        if told.kept is not None:
+            data["cloud"] = _kept(told.kept)
+        return data
     if kind != "ssh":
         return {}
     hosts = _host_keys(pool)
@@ -128,7 +167,6 @@ def record_data(kind: str, pool: ComputePool, name: str) -> dict[str, Any]:
         "endpoints": [{"host": e.host, "port": e.port, "user": e.user} for e, _ in hosts],
         "known_hosts": [f"{_host_pattern(e.host, e.port)} {key}" for e, key in hosts],
     }
-    assert pool.cluster is not None, "the pool has started"
     login = pool.provider.detached_login(pool.cluster)
     key = login.key
     if login.pool_key and key is not None:
@@ -137,12 +175,13 @@ def record_data(kind: str, pool: ComputePool, name: str) -> dict[str, Any]:
         key = str(copy)
     found.update(key=key, config=list(login.config), timeout=login.timeout)
     if login.kept is not None:
-        found["cloud"] = {
-            "provider": login.kept.provider,
-            "arguments": dict(login.kept.arguments),
-            "pool_id": login.kept.pool_id,
-        }
+        found["cloud"] = _kept(login.kept)
     return found
+
+
+def _kept(kept: KeptPool) -> dict[str, Any]:
+    """A pool the run holds as its record keeps it (``cloud``): how to remove it later."""
+    return {"provider": kept.provider, "arguments": dict(kept.arguments), "pool_id": kept.pool_id}
 
 
 def _host_keys(pool: ComputePool) -> list[tuple[Any, str]]:

@@ -1,10 +1,11 @@
 """How the client reaches a detached run's nodes: read their state and logs, bring their
 outputs here, stop the run, and remove what the run left once it has ended.
 
-`Local` reads this machine's files; `Remote` runs one shell command per node over a verified
-SSH connection (an SSH host). Each `peek` asks every node at once and returns, per node, what
-its files say: node 0 also says whether its leader is alive. A node that cannot be reached is
-`None`, never a failed run.
+`Local` reads this machine's files; a `Shell` runs one shell command per node: `Remote` over a
+verified SSH connection (an SSH host), `Commands` through the provider's own way in (a pod's
+exec stream: `Provider.detached_commands`). Each `peek` asks every node at once and returns,
+per node, what its files say: node 0 also says whether its leader is alive. A node that cannot
+be reached is `None` (`why` says why), never a failed run.
 
 Logs and outputs of any size travel in bounded memory: a look reads at most `LOG_LIMIT` bytes
 of each rank's log (the caller looks again while a node had more), and a node's outputs are
@@ -16,17 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import os
 import shlex
 import signal
 import tarfile
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from skyward.errors import ConfigError
+from skyward.providers.base import NodeCommands, Provider
 from skyward.worker import supervisor
 from skyward.worker.supervisor import LOG, NODE_STATE, RUN_STATE, read_json
 
@@ -67,6 +72,10 @@ class Reach(Protocol):
 
     def signal(self, pids: Sequence[tuple[int, int]], signum: int) -> None: ...
     def clean(self, key_tags: Sequence[str | None]) -> None: ...
+    def why(self, node: int) -> str:
+        """Why node `node` could not be reached at the last look ("" when it was)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -109,6 +118,9 @@ class Local:
         for directory, tag in zip(self.directories, key_tags, strict=True):
             supervisor.finish_node(directory, tag)
 
+    def why(self, node: int) -> str:
+        return ""
+
     def close(self) -> None:
         return None
 
@@ -137,27 +149,26 @@ _UNAUTHORIZE = (
 )
 
 
-class Remote:
-    """Nodes on SSH hosts, reached with the pool's login options and the host keys the pool
-    verified (pinned in the record)."""
+class Shell:
+    """Nodes reached with one shell command each (`_run`, which a subclass implements): the
+    looks, transfers, signals and clean-up every such node gets, on one event loop of its own
+    that each call runs to its end."""
 
-    def __init__(self, reach: dict[str, Any], directories: Sequence[str]) -> None:
-        import asyncssh
-
-        from skyward.providers.remote.connect import ConnectOptions
-        from skyward.transport.sshhost import Endpoint
-
+    def __init__(self, directories: Sequence[str]) -> None:
         self.directories = list(directories)
-        self.endpoints = [Endpoint(e["host"], e["port"], e["user"]) for e in reach["endpoints"]]
-        self.options = ConnectOptions(
-            known_hosts=asyncssh.import_known_hosts("\n".join(reach["known_hosts"]) + "\n"),
-            key=reach.get("key"),
-            config=tuple(reach.get("config", ())),
-            timeout=float(reach.get("timeout", 10.0)),
-            keepalive=5.0,
-        )
         self._loop = asyncio.new_event_loop()
-        self._hosts: dict[int, Any] = {}
+        self._why: dict[int, str] = {}
+
+    async def _run(self, index: int, command: str, sink: Callable[[bytes], Awaitable[None]]) -> int:
+        """Run `command` on node `index`, handing its output to `sink` as it comes; its exit
+        status. `TimeoutError` when the node sends nothing for `PROGRESS_TIMEOUT` seconds."""
+        raise NotImplementedError
+
+    async def _drop(self, index: int) -> None:
+        """Forget node `index`'s connection (a command failed): the next connects again."""
+
+    async def _close_all(self) -> None:
+        """Close every connection."""
 
     def _each(self, job: Callable[[int], Awaitable[_T]]) -> list[_T | Exception]:
         """`job` for every node at once; per node, what it returned or what it raised (that
@@ -165,40 +176,22 @@ class Remote:
 
         async def one(index: int) -> _T | Exception:
             try:
-                return await job(index)
+                found = await job(index)
             except Exception as exc:
-                host = self._hosts.pop(index, None)
-                if host is not None:
-                    host.conn.close()
+                self._why[index] = _why(exc)
+                with contextlib.suppress(Exception):
+                    await self._drop(index)
                 return exc
+            self._why.pop(index, None)
+            return found
 
         async def every() -> list[_T | Exception]:
-            return list(await asyncio.gather(*(one(i) for i in range(len(self.endpoints)))))
+            return list(await asyncio.gather(*(one(i) for i in range(len(self.directories)))))
 
         return self._loop.run_until_complete(every())
 
-    async def _run(self, index: int, command: str, sink: Callable[[bytes], Awaitable[None]]) -> int:
-        """Run `command` on node `index`, handing its output to `sink` as it comes; its exit
-        status. `TimeoutError` when the node sends nothing for `PROGRESS_TIMEOUT` seconds."""
-        import asyncssh
-
-        host = self._hosts.get(index)
-        if host is None or host.conn.is_closed():
-            host = await self.options.connect(self.endpoints[index])
-            self._hosts[index] = host
-        process = await asyncio.wait_for(
-            host.conn.create_process(command, encoding=None, stdin=asyncssh.DEVNULL),
-            PROGRESS_TIMEOUT,
-        )
-        try:
-            while chunk := await asyncio.wait_for(process.stdout.read(_CHUNK), PROGRESS_TIMEOUT):
-                await sink(chunk)
-            done = await asyncio.wait_for(process.wait(), PROGRESS_TIMEOUT)
-        finally:
-            process.close()
-        if done.exit_status is None:
-            raise ConnectionError(f"the command ended without a status ({done.exit_signal})")
-        return int(done.exit_status)
+    def why(self, node: int) -> str:
+        return self._why.get(node, "")
 
     async def _read(self, index: int, command: str) -> bytes:
         """`command`'s whole output (the caller's command bounds it)."""
@@ -253,7 +246,7 @@ class Remote:
             if status is None or status > 1:
                 raise ConnectionError(f"tar on the node exited with status {status}")
 
-        with ThreadPoolExecutor(max_workers=2 * len(self.endpoints)) as threads:
+        with ThreadPoolExecutor(max_workers=2 * len(self.directories)) as threads:
             fetched = self._each(fetch)
         return [None if done is None else _why(done) for done in fetched]
 
@@ -265,8 +258,10 @@ class Remote:
         async def send(index: int) -> None:
             found = by_node.get(index)
             if found:
+                # No ``--``: dash (a pod's sh, Debian's) takes it for a pid and signals
+                # nothing; after the signal, every shell reads ``-N`` as group N.
                 listed = " ".join(str(int(p)) for p in found)
-                await self._read(index, f"kill -{int(signum)} -- {listed} 2>/dev/null; true")
+                await self._read(index, f"kill -{int(signum)} {listed} 2>/dev/null; true")
 
         self._each(send)
 
@@ -282,14 +277,107 @@ class Remote:
         self._each(remove)
 
     def close(self) -> None:
-        async def close_all() -> None:
-            for host in self._hosts.values():
-                host.conn.close()
-
         with contextlib.suppress(Exception):
-            self._loop.run_until_complete(close_all())
-        self._hosts.clear()
+            self._loop.run_until_complete(self._close_all())
         self._loop.close()
+
+
+class Remote(Shell):
+    """Nodes on SSH hosts, reached with the pool's login options and the host keys the pool
+    verified (pinned in the record)."""
+
+    def __init__(self, reach: dict[str, Any], directories: Sequence[str]) -> None:
+        import asyncssh
+
+        from skyward.providers.remote.connect import ConnectOptions
+        from skyward.transport.sshhost import Endpoint
+
+        super().__init__(directories)
+        self.endpoints = [Endpoint(e["host"], e["port"], e["user"]) for e in reach["endpoints"]]
+        self.options = ConnectOptions(
+            known_hosts=asyncssh.import_known_hosts("\n".join(reach["known_hosts"]) + "\n"),
+            key=reach.get("key"),
+            config=tuple(reach.get("config", ())),
+            timeout=float(reach.get("timeout", 10.0)),
+            keepalive=5.0,
+        )
+        self._hosts: dict[int, Any] = {}
+
+    async def _run(self, index: int, command: str, sink: Callable[[bytes], Awaitable[None]]) -> int:
+        """Run `command` on node `index`, handing its output to `sink` as it comes; its exit
+        status. `TimeoutError` when the node sends nothing for `PROGRESS_TIMEOUT` seconds."""
+        import asyncssh
+
+        host = self._hosts.get(index)
+        if host is None or host.conn.is_closed():
+            host = await self.options.connect(self.endpoints[index])
+            self._hosts[index] = host
+        process = await asyncio.wait_for(
+            host.conn.create_process(command, encoding=None, stdin=asyncssh.DEVNULL),
+            PROGRESS_TIMEOUT,
+        )
+        try:
+            while chunk := await asyncio.wait_for(process.stdout.read(_CHUNK), PROGRESS_TIMEOUT):
+                await sink(chunk)
+            done = await asyncio.wait_for(process.wait(), PROGRESS_TIMEOUT)
+        finally:
+            process.close()
+        if done.exit_status is None:
+            raise ConnectionError(f"the command ended without a status ({done.exit_signal})")
+        return int(done.exit_status)
+
+    async def _drop(self, index: int) -> None:
+        host = self._hosts.pop(index, None)
+        if host is not None:
+            host.conn.close()
+
+    async def _close_all(self) -> None:
+        for host in self._hosts.values():
+            host.conn.close()
+        self._hosts.clear()
+
+
+class Commands(Shell):
+    """Nodes reached through their provider's own commands (`NodeCommands`: a pod's exec
+    stream), made from what the run's record kept (`Provider.detached_commands`). A node that
+    sends nothing for `PROGRESS_TIMEOUT` seconds while a command runs there is given up on,
+    whatever the provider's transport does meanwhile."""
+
+    def __init__(self, commands: NodeCommands, directories: Sequence[str]) -> None:
+        super().__init__(directories)
+        self.commands = commands
+
+    async def _run(self, index: int, command: str, sink: Callable[[bytes], Awaitable[None]]) -> int:
+        heard = time.monotonic()
+        busy = False  # the sink is writing here: a slow disk is not a silent node
+
+        async def take(chunk: bytes) -> None:
+            nonlocal heard, busy
+            heard, busy = time.monotonic(), True
+            try:
+                await sink(chunk)
+            finally:
+                heard, busy = time.monotonic(), False
+
+        running = asyncio.ensure_future(self.commands.run(index, command, take))
+        try:
+            while True:
+                done, _ = await asyncio.wait({running}, timeout=1.0)
+                if done:
+                    return running.result()
+                if not busy and time.monotonic() - heard > PROGRESS_TIMEOUT:
+                    raise TimeoutError(f"node {index} sent nothing for {PROGRESS_TIMEOUT:.0f} s")
+        finally:
+            if not running.done():
+                running.cancel()
+                with contextlib.suppress(BaseException):
+                    await running
+
+    async def _drop(self, index: int) -> None:
+        await self.commands.drop(index)
+
+    async def _close_all(self) -> None:
+        await self.commands.close()
 
 
 def _why(error: Exception) -> str:
@@ -391,4 +479,25 @@ def connect(kind: str, reach: dict[str, Any], directories: Sequence[str]) -> Rea
         return Remote(reach, directories)
     if kind == "slurm":
         return Batch(str(reach["job_id"]), directories)
+    if kind == "tcp":
+        provider = named_class(str(reach["provider"]), "its provider")
+        if not (isinstance(provider, type) and issubclass(provider, Provider)):
+            raise ConfigError(f"the run's record names {reach['provider']}, not a provider")
+        return Commands(provider.detached_commands(dict(reach["data"])), directories)
     return Local(directories)
+
+
+def named_class(name: str, what: str) -> Any:
+    """The object a record names as ``module:qualname`` (a provider class, or the class that
+    removes a kept pool); `ConfigError` saying so where this process cannot load it."""
+    module, _, qualname = name.partition(":")
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(
+            f"the run's record names {what} {name}, which cannot be loaded here ({exc}): "
+            "install the extra it needs (pip install 'skyward[...]')"
+        ) from None
+    return found

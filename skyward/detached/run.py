@@ -164,8 +164,9 @@ class Run:
         self.record.reach.pop("unsaved", None)
         self.record.reach["saved"] = saved
         self.record.reach["removed"] = _remove_cloud_pool(cloud)
-        with contextlib.suppress(OSError):
-            os.unlink(self.record.reach["key"])
+        if self.record.reach.get("key"):  # a copy of the pool's login key (SSH), kept here
+            with contextlib.suppress(OSError):
+                os.unlink(self.record.reach["key"])
         self.close()
         if self.record.output_dir and "://" not in self.record.output_dir:
             try:  # from the copy just kept: the machines are not needed for it
@@ -261,7 +262,10 @@ class Run:
             cost = rec.price_per_hour * rec.nodes * billed / 3600
         reason = str(run.get("reason", ""))
         if not reachable:
+            why = self._reach.why(0) if self._reach is not None else ""
             reason = "its nodes cannot be reached now (the run may still be going)"
+            if why:
+                reason = f"node 0 cannot be reached now ({why}; the run may still be going)"
         note = ""
         if "unsaved" in rec.reach:
             pool = rec.reach["cloud"]["pool_id"]
@@ -409,11 +413,8 @@ class Run:
 def _remove_cloud_pool(cloud: dict[str, Any]) -> list[str]:
     """Remove what a cloud run's pool made (its machines, if still up, its rules and keys)
     with the provider the record names; what was removed, or why it could not be."""
-    import importlib
-
-    module, _, name = str(cloud["provider"]).partition(":")
     try:
-        provider = getattr(importlib.import_module(module), name)(**cloud["arguments"])
+        provider = reach.named_class(str(cloud["provider"]), "the pool's")(**cloud["arguments"])
         removed: list[str] = provider.remove_pool(cloud["pool_id"])
     except Exception as exc:
         return [f"not removed ({exc}); `skyward down {cloud['pool_id']}` removes it"]

@@ -78,8 +78,9 @@ def _output_dir(
     local = "://" not in text
     if local and type(provider).release is not Provider.release and keep_for <= 0:
         raise ConfigError(
-            f"output_dir={text!r}: the {provider.name} machines power off within 30 s of the "
-            "run's end; give keep_for=SECONDS (--keep-for) for them to wait that long for "
+            f"output_dir={text!r}: the {provider.name} machines end themselves soon after the "
+            "run's end (within 30 s on a cloud; a pod, its idle_timeout after its last "
+            "process); give keep_for=SECONDS (--keep-for) for them to wait that long for "
             "`skyward logs -f` or `skyward fetch` to bring the outputs back"
         )
     return str(Path(text).expanduser().resolve())
@@ -290,10 +291,11 @@ def _start_on_nodes(
                 cwd,
                 grace,
                 restarts,
-                keys.public.get(i),
+                keys.login_key(i),
                 keep_for,
                 bucket,
                 source,
+                keys.door_secret(i),
             ),
             node=i,
         )

@@ -20,11 +20,14 @@ a cloud). Every capability the pool uses is a method here; the optional ones hav
 - `release(cluster)`       lets the client go but leaves the nodes running, for a detached run
                            that holds them (default: `terminate`, for nodes that are not made:
                            processes here, existing hosts, a Slurm allocation);
-- `detached_kind()`        how a detached run reaches the nodes (``local``, ``ssh``, ``slurm``),
-                           or a `ConfigError` where it cannot hold one (the default); with it,
-                           `detached_login(cluster)` (``ssh``: how a later process logs into the
-                           hosts, what the run keeps to remove them) or `batch_command(...)`
-                           (``slurm``: the command that queues the run as a batch job);
+- `detached_kind()`        how a detached run reaches the nodes (``local``, ``ssh``, ``slurm``,
+                           ``tcp``), or a `ConfigError` where it cannot hold one (the default);
+                           with it, `detached_login(cluster)` (``ssh``: how a later process logs
+                           into the hosts, what the run keeps to remove them),
+                           `batch_command(...)` (``slurm``: the command that queues the run as a
+                           batch job) or `detached_reach(cluster)` and the class's
+                           `detached_commands(data)` (``tcp``: what the run's record keeps, and
+                           the later process's commands on the nodes from it);
 - `teardown_summary(cluster)`  what `terminate` did, for the last line ("removed 4 instances");
 - `replace(cluster, index)`  a fresh node in place of a lost one (default: not supported);
 - `prestart(cluster, index)`  start that replacement ahead, on a preemption notice (default:
@@ -96,7 +99,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -200,9 +203,10 @@ class LivePool:
 @dataclass(frozen=True)
 class KeptPool:
     """A pool whose machines a detached run holds (`Provider.release`), as a later process
-    finds it again to remove it once the run has ended: the provider class
-    (``module:qualname``, which has ``remove_pool(pool_id)``), the arguments that find the pool
-    (its region; its project and zone) and the pool's id."""
+    finds it again to remove it once the run has ended: the class (``module:qualname``: the
+    provider's, or one of its folder's) that, made with `arguments`, has
+    ``remove_pool(pool_id)``, the arguments that find the pool (its region; its project and
+    zone; its kubeconfig, context and namespace) and the pool's id."""
 
     provider: str
     arguments: Mapping[str, Any]
@@ -221,6 +225,45 @@ class DetachedLogin:
     timeout: float
     pool_key: bool = False
     kept: KeptPool | None = None
+
+
+@dataclass(frozen=True)
+class DetachedReach:
+    """How a later process reaches a detached run's nodes through their provider, for a run
+    whose `detached_kind` is ``"tcp"`` (`Provider.detached_reach`): `data`, kept in the run's
+    owner-only record, is what the provider class's `detached_commands` needs to run commands
+    on the nodes again (where they are, as whom: never a secret of the run); `kept`: the run
+    holds machines the pool made, removed once it has ended."""
+
+    data: Mapping[str, Any]
+    kept: KeptPool | None = None
+
+
+# What a node's command hands its output to, a piece at a time (awaited before the next).
+Sink = Callable[[bytes], Awaitable[None]]
+
+
+class NodeCommands(Protocol):
+    """Shell commands on a detached run's nodes from a later process (`skyward logs`,
+    `status`, `fetch`, `stop`), through the provider's own way in (a pod's exec stream): what
+    `Provider.detached_commands` returns. Every method runs on the one event loop of its
+    caller, which gives up on a node that sends nothing for a while (cancelling `run`)."""
+
+    async def run(self, node: int, command: str, sink: Sink) -> int:
+        """Run shell `command` on node `node` with an empty stdin, handing its stdout to `sink`
+        as it comes and reading no more until `sink` returns (memory stays bounded however
+        much it prints); its exit status. Raises (`OSError`, `SkywardError`) with the reason
+        in words where the node cannot be reached."""
+        ...
+
+    async def drop(self, node: int) -> None:
+        """Forget node `node`'s connection, after a command on it failed: the next command
+        connects afresh."""
+        ...
+
+    async def close(self) -> None:
+        """Close every connection."""
+        ...
 
 
 class Provider(ABC):
@@ -322,8 +365,11 @@ class Provider(ABC):
     def detached_kind(self) -> str:
         """How a detached run (``skyward run --detach``, docs/detach.md) reaches this
         provider's nodes: ``"local"`` (processes of this machine, which the leader follows
-        itself), ``"ssh"`` (hosts node 0's leader logs into), ``"slurm"`` (a batch job); a
-        `ConfigError` saying why where it cannot hold one (the default)."""
+        itself), ``"ssh"`` (hosts node 0's leader logs into), ``"slurm"`` (a batch job),
+        ``"tcp"`` (nodes without sshd: node 0's leader connects to a door the run opens on
+        each other node, over the nodes' own network, and a later process reaches them
+        through the provider: `detached_reach`, `detached_commands`); a `ConfigError` saying
+        why where it cannot hold one (the default)."""
         raise ConfigError(
             f"the {self.name} provider cannot run detached (docs/detach.md lists the providers "
             "that can); run it attached (without --detach)"
@@ -347,6 +393,25 @@ class Provider(ABC):
         raise NotImplementedError(
             f"the {self.name} provider's detached runs are batch jobs (detached_kind), but it "
             "does not say how to queue one: it must implement batch_command"
+        )
+
+    def detached_reach(self, cluster: Cluster) -> DetachedReach:
+        """What a detached run on `cluster` keeps in its record to reach the nodes later,
+        for a run its `detached_kind` says is ``"tcp"`` (see `DetachedReach`)."""
+        raise NotImplementedError(
+            f"the {self.name} provider's detached runs are reached through the provider "
+            "(detached_kind 'tcp'), but it does not say how: it must implement detached_reach"
+        )
+
+    @classmethod
+    def detached_commands(cls, data: Mapping[str, Any]) -> NodeCommands:
+        """Commands on a detached run's nodes from a later process, made from the `data` its
+        record kept (`detached_reach`), for a run whose `detached_kind` is ``"tcp"``. A class
+        method: the process that follows the run has no provider object, only the record."""
+        raise NotImplementedError(
+            f"the {cls.name} provider's detached runs are reached through the provider "
+            "(detached_kind 'tcp'), but it does not say how: it must implement "
+            "detached_commands"
         )
 
     async def release(self, cluster: Cluster) -> None:

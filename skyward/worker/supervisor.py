@@ -17,6 +17,13 @@ Two roles, both ``python -m skyward.worker.supervisor ROLE DIR``, standard libra
   no leader attaches within `ATTACH_SECONDS`, or whose ``attach`` is gone, stops its rank.
   ``attach`` finding no early follower (a restart) is the follower itself. So the one ``ssh``
   login between nodes is not between the command and "every rank started".
+- ``door DIR FD`` and ``dial HOST PORT KEY``: where the nodes have no sshd (pods), node i's
+  agent also opens a **door**, a TCP listener on the nodes' own network that admits only who
+  proves it holds the secret made for this run and node (node i's spec and node 0's keys hold
+  it; an HMAC of fresh nonces, both ways, so the secret never crosses the network and a
+  recorded exchange opens nothing). For each connection it admits it runs ``attach DIR`` with
+  the connection as its stdin and stdout. The leader's launcher for that node is ``dial``,
+  which connects, proves, and relays its stdio over the connection as ``ssh`` would.
 - ``lead DIR``: one per run, on node 0 (or in the Slurm batch job). It starts one follower per
   rank through the launcher ``DIR/leader.json`` names for it: the follower itself for its own
   node, ``ssh`` to a key that only runs that node's ``attach`` (an SSH host, a cloud VM), or a
@@ -25,8 +32,9 @@ Two roles, both ``python -m skyward.worker.supervisor ROLE DIR``, standard libra
   it to stop the run. The run's state is ``DIR/run.json``: ``starting``, ``running``,
   ``succeeded``, ``failed`` (with the rank and its status), ``stopped``.
 
-Nothing here listens on a port: the leader reaches the followers over sshd or Slurm, the
-client reads the files over the same SSH or Slurm paths as a live pool. Both roles also run in
+Nothing here listens on a port facing the client: the leader reaches the followers over sshd,
+Slurm or a door on the nodes' own network; the client reads the files over the same paths as
+a live pool (SSH, Slurm, the provider's own commands: a pod's exec stream). Both roles also run in
 the node's agent (`prepare_node`, `start_leader`, the calls the client makes while the pool is
 up). Files are written owner-only: a spec holds the run's environment (``env=`` secrets too),
 and it is removed when the follower ends.
@@ -46,13 +54,16 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 # Nothing more of skyward here: a supervisor process starts between `skyward run --detach` and
 # "every rank started" (an early follower, the leader), and skyward.info or .worker.script
 # would double its imports. The functions that run in an agent or in the leader's launchers
 # import what they need themselves.
 from skyward.cachedir import keep_private
+
+if TYPE_CHECKING:  # a door and its dial import it themselves (see above)
+    import socket
 
 SPEC = "spec.json"
 LOG = "rank.log"
@@ -67,6 +78,7 @@ SAID = "said"  # what an early follower says, for its `attach` (renamed to CLAIM
 CLAIMED = "said.attached"
 ATTACH_LOCK = "attach.lock"  # held by a live `attach`
 EARLY_LOG = "early.log"  # an early follower's own stderr
+DOOR_LOG = "door.log"  # a door's own output: whom it refused, and why
 OUTPUTS = "outputs"  # the rank's sky.output_dir(), in its node's directory
 SCRIPT = "script"  # a lone script's copy (`prepare_node`'s `source`)
 
@@ -484,6 +496,298 @@ def alive(pid: int) -> bool:
     return True
 
 
+# -- the door: the leader's way in over the nodes' own network ---------------------------------
+
+# What a door says first, and the version of the exchange that follows.
+DOOR_GREETING = b"skyward-door 1"
+# Seconds a connection has to prove itself: one that does not (a port scan, a stalled peer)
+# is dropped, and never keeps the leader out (each is handled on its own thread).
+HANDSHAKE_SECONDS = 10.0
+_HANDSHAKES = 8  # connections proving themselves at once; more are dropped
+_NONCE_BYTES = 32
+_LINE_LIMIT = 512
+# How long `dial` tries to connect: a node's name may take seconds to resolve (a cluster's DNS
+# learns of a pod's address a little after the pod has it).
+DIAL_SECONDS = 20.0
+# A connection whose other end went silent (its node powered off: no FIN comes) fails within
+# about this long, as ssh's ServerAliveInterval makes it: keepalive probes while it is idle, and
+# a bound on how long sent data may go unacknowledged (the leader's heartbeats are data).
+_SILENT_LINK_SECONDS = 15
+
+
+def open_door(directory: Path) -> int:
+    """In node i's agent: start this node's door (``door DIR FD``, in a session of its own: it
+    outlives the agent and the client) on a listening socket made here, so that its port is
+    known before this returns; the port."""
+    listener = _listener()
+    try:
+        argv = [*interpreter(), "-m", MODULE, "door"]
+        _spawn_role(argv, directory, DOOR_LOG, passed=listener.fileno())
+        return int(listener.getsockname()[1])
+    finally:
+        listener.close()  # the door holds its own copy
+
+
+def _listener() -> socket.socket:
+    """A TCP listener on a free port of every address of this node (IPv6 and IPv4 where the
+    node has IPv6, IPv4 alone where it has not)."""
+    import socket
+
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("0.0.0.0", 0))
+    else:
+        try:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(("::", 0))
+        except OSError:
+            sock.close()
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("0.0.0.0", 0))
+    sock.listen(16)
+    return sock
+
+
+def door(directory: Path, fd: int) -> int:
+    """``door DIR FD``: admit node 0's leader to this node's follower (see the module's
+    docstring) on the listening socket `fd`, for as long as the run lasts here: it ends once
+    the spec is gone (the run ended on this node, or never started), or when no ``attach``
+    it started has run for as long as a follower bears a silent leader (nothing will come)."""
+    import socket
+
+    for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE):
+        signal.signal(signum, signal.SIG_IGN)
+    listener = socket.socket(fileno=fd)
+    listener.settimeout(1.0)  # a look at the spec each second
+    spec = read_json(directory / SPEC)
+    secret = str(spec.get("door_secret") or "")
+    if not secret:
+        print(f"skyward door: no secret in {directory / SPEC}: nothing to admit", file=sys.stderr)
+        return 2
+    idle_limit = max(float(spec.get("attach_within", ATTACH_SECONDS)), LEADER_SILENT)
+    attaches: list[subprocess.Popen[bytes]] = []
+    lock = threading.Lock()
+    handshakes = threading.BoundedSemaphore(_HANDSHAKES)
+    idle_since = time.monotonic()
+    while (directory / SPEC).exists():
+        with lock:
+            attaches[:] = [child for child in attaches if child.poll() is None]
+            if attaches:
+                idle_since = time.monotonic()
+        if time.monotonic() - idle_since > idle_limit:
+            print("skyward door: no leader came: closing", file=sys.stderr, flush=True)
+            break
+        try:
+            conn, peer = listener.accept()
+        except OSError:  # (the second's timeout too)
+            continue
+        if not handshakes.acquire(blocking=False):
+            conn.close()
+            continue
+        admit = threading.Thread(
+            target=_admit,
+            args=(conn, peer, secret, directory, attaches, lock, handshakes),
+            daemon=True,
+        )
+        admit.start()
+    listener.close()
+    return 0
+
+
+def _admit(
+    conn: socket.socket,
+    peer: Any,
+    secret: str,
+    directory: Path,
+    attaches: list[subprocess.Popen[bytes]],
+    lock: threading.Lock,
+    handshakes: threading.BoundedSemaphore,
+) -> None:
+    """One connection at the door: once it has proved it holds the secret, ``attach DIR`` with
+    the connection as its stdin and stdout."""
+    try:
+        why = _door_handshake(conn, secret)
+        if why is not None:
+            print(f"skyward door: refused {peer}: {why}", file=sys.stderr, flush=True)
+            return
+        _tune(conn)
+        conn.settimeout(None)  # the attach reads and writes it blocking
+        with lock:
+            if not (directory / SPEC).exists():
+                return  # the run ended here meanwhile: nothing to attach to
+            attaches.append(
+                subprocess.Popen(
+                    [*interpreter(), "-m", MODULE, "attach", str(directory)],
+                    stdin=conn.fileno(),
+                    stdout=conn.fileno(),
+                    close_fds=True,
+                )
+            )
+    except OSError as exc:
+        print(f"skyward door: {peer}: {exc}", file=sys.stderr, flush=True)
+    finally:
+        conn.close()  # (the attach has its own copy)
+        handshakes.release()
+
+
+def _proof(secret: str, role: bytes, door_nonce: bytes, dial_nonce: bytes) -> bytes:
+    """What `role` (``leader``, ``node``) sends to prove it holds `secret` for this exchange."""
+    import hashlib
+    import hmac
+
+    message = b"skyward-door|" + role + b"|" + door_nonce + dial_nonce
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest().encode()
+
+
+def _read_line(sock: socket.socket, got: bytes) -> tuple[bytes, bytes]:
+    """The next line from `sock` (after `got`, read already) and what came after it."""
+    while b"\n" not in got:
+        if len(got) > _LINE_LIMIT:
+            raise ConnectionError("a line longer than the exchange has")
+        chunk = sock.recv(_LINE_LIMIT)
+        if not chunk:
+            raise ConnectionError("the connection closed during the exchange")
+        got += chunk
+    line, _, rest = got.partition(b"\n")
+    return line, rest
+
+
+def _door_handshake(conn: socket.socket, secret: str) -> str | None:
+    """The door's side: a fresh nonce out, the dialer's nonce and proof in, the door's own
+    proof out; None once admitted, else why not."""
+    import hmac
+    import secrets as tokens
+
+    conn.settimeout(HANDSHAKE_SECONDS)
+    mine = tokens.token_bytes(_NONCE_BYTES)
+    try:
+        conn.sendall(DOOR_GREETING + b" " + mine.hex().encode() + b"\n")
+        line, rest = _read_line(conn, b"")
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    words = line.split()
+    try:
+        theirs = bytes.fromhex(words[0].decode()) if len(words) == 2 else b""
+    except ValueError:
+        theirs = b""
+    if rest or len(theirs) != _NONCE_BYTES:
+        return "it does not speak the door's exchange"
+    if not hmac.compare_digest(words[1], _proof(secret, b"leader", mine, theirs)):
+        with contextlib.suppress(OSError):
+            conn.sendall(b"refused\n")
+        return "it did not prove it holds the run's secret for this node"
+    conn.sendall(_proof(secret, b"node", mine, theirs) + b"\n")
+    return None
+
+
+def _dial_handshake(sock: socket.socket, secret: str) -> bytes:
+    """The dialer's side: the door's nonce in, a fresh nonce and the proof out, the door's
+    proof in (`ConnectionError` when it is wrong: not this run's node); what came after it
+    (the follower's first words)."""
+    import hmac
+    import secrets as tokens
+
+    sock.settimeout(HANDSHAKE_SECONDS)
+    line, rest = _read_line(sock, b"")
+    greeting, _, nonce = line.rpartition(b" ")
+    try:
+        theirs = bytes.fromhex(nonce.decode())
+    except ValueError:
+        theirs = b""
+    if greeting != DOOR_GREETING or len(theirs) != _NONCE_BYTES or rest:
+        raise ConnectionError("what answers there is not a skyward run's door")
+    mine = tokens.token_bytes(_NONCE_BYTES)
+    sock.sendall(mine.hex().encode() + b" " + _proof(secret, b"leader", theirs, mine) + b"\n")
+    reply, rest = _read_line(sock, rest)
+    if reply == b"refused":
+        raise ConnectionError("the door refused the run's secret (another run's door?)")
+    if not hmac.compare_digest(reply, _proof(secret, b"node", theirs, mine)):
+        raise ConnectionError("the door did not prove it holds the run's secret: not this node")
+    return rest
+
+
+def _tune(sock: socket.socket) -> None:
+    """A silent other end fails `sock` within `_SILENT_LINK_SECONDS` (where Linux lets us)."""
+    import socket
+
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    options = (
+        ("TCP_KEEPIDLE", 5),
+        ("TCP_KEEPINTVL", 5),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", _SILENT_LINK_SECONDS * 1000),
+    )
+    for name, value in options:
+        option = getattr(socket, name, None)
+        if option is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def dial(host: str, port: int, key: Path) -> int:
+    """``dial HOST PORT KEY``, the leader's launcher for a node behind a door: connect, prove
+    the secret in file `KEY`, then relay this process's stdin to the follower and the
+    follower's words to its stdout, as ``ssh`` would; 255 (ssh's status for a connection that
+    failed) with the reason on stderr when it cannot."""
+    import socket
+
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a leader gone: EPIPE, not a death
+    where = f"{host}:{port}"
+    try:
+        secret = key.read_text().strip()
+    except OSError as exc:
+        print(f"cannot read the run's secret for {where}: {exc}", file=sys.stderr)
+        return 255
+    deadline = time.monotonic() + DIAL_SECONDS
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=HANDSHAKE_SECONDS)
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                print(
+                    f"cannot connect to the run's door at {where} ({exc}) within "
+                    f"{DIAL_SECONDS:.0f} s: the nodes must reach each other on their own "
+                    "network (a NetworkPolicy or firewall between them refuses it)",
+                    file=sys.stderr,
+                )
+                return 255
+            time.sleep(0.5)
+    try:
+        early = _dial_handshake(sock, secret)
+    except OSError as exc:
+        print(f"the run's door at {where}: {exc}", file=sys.stderr)
+        sock.close()
+        return 255
+    _tune(sock)
+    sock.settimeout(None)
+
+    def send() -> None:
+        with contextlib.suppress(OSError):
+            while chunk := os.read(0, 1 << 16):
+                sock.sendall(chunk)
+            sock.shutdown(socket.SHUT_WR)  # the leader's end: the follower stops its rank
+
+    threading.Thread(target=send, daemon=True).start()
+    try:
+        if early:
+            _write_all(1, early)
+        while chunk := sock.recv(1 << 16):
+            _write_all(1, chunk)
+    except OSError as exc:
+        print(f"the connection to {where} broke: {exc}", file=sys.stderr)
+        return 255
+    return 0
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 # -- authorized_keys: the leader's way in, one line per node and run --------------------------
 
 
@@ -888,12 +1192,15 @@ def prepare_node(
     keep_for: float = 0.0,
     upload: str | None = None,
     source: bytes | None = None,
+    door_secret: str | None = None,
 ) -> dict[str, Any]:
     """Write this node's spec for run `name` (in the agent, whose environment the rank gets) and,
     with `leader_key` (a node the leader reaches over SSH), start its rank now under an early
-    follower and let that key run this node's ``attach`` and nothing else. Returns the
-    node's directory and login user, for the leader's launchers. With `source`, `script` is
-    a file name: the script is `source`, written in the run's directory here."""
+    follower and let that key run this node's ``attach`` and nothing else; with `door_secret`
+    (a node the leader reaches over the nodes' network), the same behind a door that admits
+    only who holds that secret (`open_door`). Returns the node's directory and login user
+    (and its door's port), for the leader's launchers. With `source`, `script` is a file
+    name: the script is `source`, written in the run's directory here."""
     import getpass
 
     from skyward.info import OUTPUT_ENV_VAR as OUTPUT_ENV
@@ -928,17 +1235,31 @@ def prepare_node(
         "key_tag": tag if leader_key else None,
         "attach_within": ATTACH_SECONDS,
     }
+    if door_secret:
+        spec["door_secret"] = door_secret  # (the spec is owner-only, and goes with the run)
     write_private(directory / SPEC, json.dumps(spec))
+    door = None
     if leader_key:
         attach_argv = [*interpreter(), "-m", MODULE, "attach", str(directory)]
         authorize(leader_key, " ".join(_shell_word(w) for w in attach_argv), tag)
         start_early(directory, START_SECONDS)
+    elif door_secret:
+        # The door first: the rank runs from the early follower on, and the leader that
+        # comes for it must find the door open.
+        door = open_door(directory)
+        try:
+            start_early(directory, START_SECONDS)
+        except BaseException:
+            finish_node(directory, None)  # (the door ends with the spec)
+            raise
     return {
         "directory": str(directory),
         "here": [IN_PROCESS, str(directory)],
         "user": getpass.getuser(),
         "key_tag": tag if leader_key else None,
         "attach_within": ATTACH_SECONDS,
+        "door": door,
+        "dial": [*interpreter(), "-m", MODULE, "dial"],
     }
 
 
@@ -948,7 +1269,8 @@ def _clear_earlier(directory: Path) -> None:
     ahead here (`leader_ahead`) began from an empty directory, and its log is this run's."""
     import shutil
 
-    for stale in (NODE_STATE, RUN_STATE, SAID, CLAIMED, LOG, EARLY_LOG, SPEC, ATTACH_LOCK):
+    stale_files = (NODE_STATE, RUN_STATE, SAID, CLAIMED, LOG, EARLY_LOG, DOOR_LOG, SPEC)
+    for stale in (*stale_files, ATTACH_LOCK):
         (directory / stale).unlink(missing_ok=True)
     for folder in (OUTPUTS, SCRIPT, KEYS):
         shutil.rmtree(directory / folder, ignore_errors=True)
@@ -1056,19 +1378,26 @@ def spawn_leader(
 
 
 def _spawn_role(
-    argv: Sequence[str], directory: Path, log: str, piped: bool = False
+    argv: Sequence[str],
+    directory: Path,
+    log: str,
+    piped: bool = False,
+    passed: int | None = None,
 ) -> subprocess.Popen[bytes]:
     """``argv DIR`` in a session of its own (it outlives its caller: the agent, the client),
-    its output appended to ``DIR/log``; no stdin (`piped`: one the caller holds)."""
+    its output appended to ``DIR/log``; no stdin (`piped`: one the caller holds). `passed`: a
+    file descriptor it inherits, named after DIR."""
     out = os.open(directory / log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    extra = [] if passed is None else [str(passed)]
     try:
         return subprocess.Popen(
-            [*argv, str(directory)],
+            [*argv, str(directory), *extra],
             stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
             stdout=out,
             stderr=out,
             start_new_session=True,
             close_fds=True,
+            pass_fds=() if passed is None else (passed,),
         )
     finally:
         os.close(out)
@@ -1207,8 +1536,12 @@ def main(argv: Sequence[str]) -> int:
     }
     if len(argv) == 3 and argv[0] == "linger":
         return linger(Path(argv[1]), argv[2])
+    if len(argv) == 3 and argv[0] == "door":
+        return door(Path(argv[1]), int(argv[2]))
+    if len(argv) == 4 and argv[0] == "dial":
+        return dial(argv[1], int(argv[2]), Path(argv[3]))
     if len(argv) != 2 or argv[0] not in roles:
-        usage = "lead|follow|early|attach|batch|guard DIR"
+        usage = "lead|follow|early|attach|batch|guard DIR, door DIR FD, dial HOST PORT KEY"
         print(f"usage: python -m skyward.worker.supervisor {usage}", file=sys.stderr)
         return 2
     return roles[argv[0]](Path(argv[1]))

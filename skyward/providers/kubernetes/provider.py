@@ -390,7 +390,7 @@ class Kubernetes(RemoteData, ReplacingProvider):
         finally:
             await api.close()
 
-    # -- detached runs (docs/detach.md, "Kubernetes"; the parts: kubernetes/detached.py) -------
+    # -- detached runs (docs/detach.md, "Kubernetes"; the parts: kubernetes/podruns.py) ------
 
     def detached_kind(self) -> str:
         # No sshd in a pod and no API credentials: node 0's leader reaches each other pod at a
@@ -400,23 +400,24 @@ class Kubernetes(RemoteData, ReplacingProvider):
     def detached_reach(self, cluster: Cluster) -> DetachedReach:
         """Where the run's pods are (the kubeconfig, context and namespace of this pool, each
         node's pod), and the pool to delete once the run has ended."""
-        from skyward.providers.kubernetes import detached
+        from skyward.providers.kubernetes import podruns
 
         pool = self._own(cluster)
         pods = [pool.pods[index] for index in range(len(pool.nodes))]
-        return detached.reach_of(pool.api.target, pods, pool.spec.pool_id)
+        return podruns.reach_of(pool.api.target, pods, pool.spec.pool_id)
 
     @classmethod
     def detached_commands(cls, data: Mapping[str, Any]) -> NodeCommands:
-        from skyward.providers.kubernetes import detached
+        from skyward.providers.kubernetes import podruns
 
-        return detached.PodCommands(data)
+        return podruns.PodCommands(data)
 
     async def release(self, cluster: Cluster) -> None:
         """A detached run holds the pods: only this client's streams and API session go. The
         pods end themselves once the run has (their keeper), and the later command that sees
         its end deletes them and the Service (`detached_reach`'s kept pool)."""
         pool = self._own(cluster)
+        await pool.holds.close()  # the run's processes hold the pods from here on
         await bootstrap.close_hosts(pool)
         await drop_spares(pool)
         pool.removed = True  # the run's now: a terminate after this deletes nothing

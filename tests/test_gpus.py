@@ -255,8 +255,41 @@ def test_the_host_check_reports_gpus_where_skyward_cannot_be_imported(tmp_path: 
     query = hostcheck.Query(cache=str(tmp_path), env="h", gpus=True)
     report = host_check(query, "h100-driver580", tmp_path)
     assert report.gpus == parsed("h100-driver580")
-    assert report.satisfied is None, "skyward was not importable there"
+    # The probe travels in the program: no `packaging` there, so nothing counts as satisfied.
+    assert report.satisfied is False
     assert hostcheck.check(replace(query, gpus=False)).gpus is None
+
+
+def test_the_first_contact_says_whether_the_interpreter_has_the_requirements(
+    tmp_path: Path,
+) -> None:
+    """The check program probes the requirements itself: on a host where skyward cannot be
+    imported, an interpreter with `packaging` and the image's packages is found to satisfy it
+    at once (no second check after skyward's source is copied)."""
+    import importlib.util
+
+    site = tmp_path / "site"
+    site.mkdir()
+    for name in ("packaging", "cloudpickle"):
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None
+        package = Path(spec.origin).parent
+        (site / name).symlink_to(package)
+        for info in package.parent.glob(f"{name}-*.dist-info"):
+            (site / info.name).symlink_to(info)
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(site)}
+    for requirement, expected in (("cloudpickle", True), ("skyward-no-such-package", False)):
+        query = hostcheck.Query(cache=str(tmp_path), env="h", requirements=(requirement,))
+        done = subprocess.run(
+            [sys.executable, "-S", "-c", hostcheck.program()],  # no site: no skyward
+            input=query.to_json(),
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=tmp_path,
+            env=env,
+        )
+        assert hostcheck.HostReport.from_json(done.stdout).satisfied is expected, requirement
 
 
 def host_check(

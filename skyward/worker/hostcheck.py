@@ -10,10 +10,11 @@ provider uses these two: Local calls `check` in-process; on a remote host `progr
 the host's interpreter (``python3 -c PROGRAM QUERY_JSON``), one command that prints the report.
 
 Standard library only, and Python 3.8+: it runs with the host's own python3, before skyward's
-source or any environment is on the host. The requirement probe is `skyward.worker.probe`,
-imported when skyward can be imported (on a host's first contact it cannot: the report says so
-with ``satisfied=None``). The GPU inventory (`skyward.worker.gpus`, standard library too)
-travels inside `program()`, so even a first contact reports the host's GPUs.
+source or any environment is on the host. The requirement probe (`skyward.worker.probe`,
+standard library and the interpreter's own `packaging`) and the GPU inventory
+(`skyward.worker.gpus`, standard library) travel inside `program()`, so even a first contact
+reports whether the host's interpreter has what the image asks, and its GPUs: one command, with
+no second check once skyward's source is there.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import platform
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -105,20 +106,28 @@ class Decision:
     setup: bool = False  # run the image's setup commands once before using `python`
 
 
-def check(query: Query, find_gpus: Callable[[], Inventory] | None = None) -> HostReport:
+def check(
+    query: Query,
+    find_gpus: Callable[[], Inventory] | None = None,
+    probe: Callable[[Sequence[str]], bool] | None = None,
+) -> HostReport:
     """Look at this interpreter and the cache directory for `query`; `find_gpus` lists the
-    GPUs (default: `skyward.worker.gpus.find_visible`, imported)."""
+    GPUs (default: `skyward.worker.gpus.find_visible`, imported) and `probe` says whether the
+    requirements are met (default: `skyward.worker.probe.satisfied`, imported when it can be:
+    else ``satisfied=None``)."""
     home = os.path.expanduser(query.cache)
     env_dir = os.path.join(home, "envs", query.env)
     ready = os.path.exists(os.path.join(env_dir, READY_MARKER))
     satisfied: bool | None = False
-    if query.probe:
+    if query.probe and probe is not None:
+        satisfied = probe(query.requirements)
+    elif query.probe:
         try:
-            from skyward.worker.probe import satisfied as probe
+            from skyward.worker.probe import satisfied as imported
         except ImportError:
             satisfied = None
         else:
-            satisfied = probe(query.requirements)
+            satisfied = imported(query.requirements)
     system = platform.system()
     return HostReport(
         python=sys.executable,
@@ -209,10 +218,11 @@ def _dpkg_installed(package: str) -> bool:
 
 def program() -> str:
     """The check as one ``python3 -c`` program (the query's JSON on stdin) for a host where
-    skyward may not be importable yet: this module's source and the GPU inventory's, each run
-    as a module of its own, then `main` with the inventory's `find_visible` (a Slurm step's
-    GPUs are those its CUDA_VISIBLE_DEVICES names). Built on the client."""
-    from skyward.worker import gpus, hostcheck
+    skyward may not be importable yet: this module's source, the GPU inventory's and the
+    requirement probe's, each run as a module of its own, then `main` with the inventory's
+    `find_visible` (a Slurm step's GPUs are those its CUDA_VISIBLE_DEVICES names) and the
+    probe's `satisfied`. Built on the client."""
+    from skyward.worker import gpus, hostcheck, probe
 
     return (
         "import sys, types\n"
@@ -221,12 +231,16 @@ def program() -> str:
         "    exec(compile(source, name, 'exec'), module.__dict__)\n"
         "    return module\n"
         f"gpus = _module('_skyward_gpus', {inspect.getsource(gpus)!r})\n"
+        f"probe = _module('_skyward_probe', {inspect.getsource(probe)!r})\n"
         f"_module('_skyward_hostcheck', {inspect.getsource(hostcheck)!r})"
-        ".main(gpus.find_visible)\n"
+        ".main(gpus.find_visible, probe.satisfied)\n"
     )
 
 
-def main(find_gpus: Callable[[], Inventory] | None = None) -> None:
+def main(
+    find_gpus: Callable[[], Inventory] | None = None,
+    probe: Callable[[Sequence[str]], bool] | None = None,
+) -> None:
     """``python -c PROGRAM [CACHE]`` (or ``-m skyward.worker.hostcheck``), the query's JSON on
     stdin: print the report. CACHE, when given, is the cache directory (the query's is then
     unused). The query comes on stdin, not as an argument: a requirement may be a URL with a
@@ -243,7 +257,7 @@ def main(find_gpus: Callable[[], Inventory] | None = None) -> None:
     if query.src:
         home = os.path.expanduser(query.cache)
         sys.path.insert(0, os.path.join(home, "src", query.src))
-    print(json.dumps(asdict(check(query, find_gpus))))
+    print(json.dumps(asdict(check(query, find_gpus, probe))))
 
 
 if __name__ == "__main__":

@@ -27,8 +27,10 @@ Plain functions, used by `sky.SSH`, `sky.AWS` and `sky.GCP` once their hosts are
 - `RemoteNode`: a node on one `Host` (an SSH connection, or a Slurm node's job steps); it
   starts the agent in the prepared interpreter.
 
-A second pool with the same image on the same hosts costs one check command and the agent start
-per host (two check commands when what the hosts have changes the image: see `survey_nodes`).
+A fresh host costs one check command (it probes the image's requirements itself), then what
+must be built. A second pool with the same image on the same hosts costs one check command and
+the agent start per host (two check commands when what the hosts have changes the image: see
+`survey_nodes`).
 """
 
 from __future__ import annotations
@@ -238,7 +240,7 @@ async def prepare_host(
         )
     if report.apt_missing:
         await hoststeps.apt_install(node, bootstrap, report.apt_missing, report.uid, host_log)
-    if report.satisfied is None:  # skyward (the probe) was not there: it is now
+    if report.satisfied is None:  # not probed by the check (a report of another kind)
         report = hostcheck.HostReport.from_json(
             await hoststeps.json_step(
                 node,

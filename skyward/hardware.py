@@ -60,6 +60,9 @@ class ClusterSpec:
     # Where the nodes' outputs go when the pool ends: an absolute local directory (node i's in
     # its ``node-<i>`` folder) or an ``s3://bucket/prefix`` the nodes upload to; None: nowhere.
     outputs: str | None = None
+    # The ranks (agent processes) on each node: what `processes_per_node=` asked, or the
+    # plugins' default for the nodes' GPUs once they are known (one per GPU for PyTorch).
+    processes_per_node: int = 1
 
     def seen(self, hardware: Hardware) -> ClusterSpec:
         """This spec with what the nodes turned out to have: the CUDA their drivers support

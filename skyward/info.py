@@ -21,7 +21,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class InstanceInfo:
-    """The identity of one node in a running pool.
+    """The identity of one rank (one agent process) in a running pool, and of its node.
+
+    `node` and `total_nodes` count machines; `rank` (global, node 0's ranks first),
+    `local_rank` (its place on its node), `processes_per_node` and `world_size` (every rank of
+    every node) count processes, as torchrun's ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
+    and ``WORLD_SIZE`` do. With one rank per node (the default but for PyTorch on GPUs) the
+    rank is the node.
 
     `head_addr:head_port` is a port that was free on the head node (node 0) at startup, for
     the user's own coordinator; `ports` holds one more free port on the head node for each name
@@ -41,14 +47,26 @@ class InstanceInfo:
     provider: str = "local"
     ports: dict[str, int] = field(default_factory=dict)
     devices: tuple[int, ...] = ()  # the GPUs this node owns, numbered as on its machine
-    # The node's directory for artifacts and checkpoints (see `output_dir()`); a relative path
+    # The rank's directory for artifacts and checkpoints (see `output_dir()`); a relative path
     # is under the node's skyward cache directory.
     output_dir: str = ""
+    # The rank among every rank of the pool, its place on its node, the ranks each node holds
+    # and all of them; left out, one rank per node: the rank is the node.
+    rank: int = -1
+    local_rank: int = 0
+    processes_per_node: int = 1
+    world_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:  # one rank per node
+            object.__setattr__(self, "rank", self.node)
+        if self.world_size <= 0:
+            object.__setattr__(self, "world_size", self.total_nodes * self.processes_per_node)
 
     @property
     def is_head(self) -> bool:
-        """True on node 0, the node that hosts the coordinator."""
-        return self.node == 0
+        """True on rank 0 (node 0's first rank), the process that hosts the coordinators."""
+        return self.rank == 0
 
     def to_json(self) -> str:
         """Serialize for the environment of processes started on the node."""
@@ -77,10 +95,11 @@ def instance_info() -> InstanceInfo:
 
 
 def output_dir() -> str:
-    """This node's directory for artifacts and checkpoints (also ``$SKYWARD_OUTPUT_DIR``).
+    """This rank's directory for artifacts and checkpoints (also ``$SKYWARD_OUTPUT_DIR``).
 
     A pool with ``output_dir=`` brings every node's directory back (to ``<output_dir>/node-<i>``,
-    or uploads it to ``s3://...``) when it ends and on `ComputePool.collect_outputs`; without
+    each rank's in ``rank-<r>`` under it when a node holds several, or uploads it to
+    ``s3://...``) when it ends and on `ComputePool.collect_outputs`; without
     one, what is written here is removed with the pool. Raises `NotOnNodeError` outside a node.
     """
     path = os.environ.get(OUTPUT_ENV_VAR)

@@ -62,6 +62,11 @@ class ComputePool:
         nodes: how many nodes; default: what the provider says (every host for `sky.SSH`),
             else 1.
         accelerator: what each node must have (``"A100"``, ``"A100:8"``); None for CPU.
+        processes_per_node: the ranks on each node, each its own agent process, as torchrun's
+            ``--nproc-per-node``; a call `@ pool` runs on every rank and returns one result
+            per rank, in global rank order (node 0's first). Default: one per GPU of a node
+            with the torch plugin (or ``keras(backend="torch")``), one per node otherwise (JAX,
+            CPU nodes). No more than the GPUs each node is asked for.
         image: the nodes' environment (`sky.Image`); plugins may add to it.
         plugins: `sky.Plugin` objects, applied in order (e.g. jax, then keras).
         env: environment variables for the agents, on top of the image's.
@@ -84,7 +89,8 @@ class ComputePool:
             show the nodes' phases in a live region on a terminal; False prints no node output
             and only plain status lines (``SKYWARD_QUIET=1`` silences those too).
         output_dir: where every node's `sky.output_dir()` ends up: a local directory (node i's
-            in ``<output_dir>/node-<i>``) or ``"s3://bucket/prefix"`` (the nodes upload there
+            in ``<output_dir>/node-<i>``, each of its ranks' in ``rank-<r>`` there when it
+            holds several) or ``"s3://bucket/prefix"`` (the nodes upload there
             themselves). Collected when the pool ends, on every exit path, and on
             `collect_outputs`; without it, the nodes' outputs are removed with the pool.
         collect_timeout: seconds the collection of outputs at the end may take.
@@ -125,11 +131,15 @@ class ComputePool:
         on_report: Callable[[Report], object] | None = None,
         max_cost: float | None = None,
         prefer: Literal["order", "price"] = "order",
+        processes_per_node: int | None = None,
     ) -> None:
         asked = [provider] if provider is None or isinstance(provider, Provider) else provider
         if isinstance(asked, str) or not isinstance(asked, Sequence):
             raise ConfigError(f"provider must be e.g. sky.Local() or a list of them: {provider!r}")
         listed = [plan.checked(Local() if p is None else p, nodes, image, plugins) for p in asked]
+        # The ranks per node asked for (None: the plugins' default, `plan.ranks_per_node`,
+        # settled with the nodes' GPUs); the spec holds the number in use.
+        self._ranks = plan.processes_per_node(processes_per_node, accelerator)
         if not listed:
             raise ConfigError("provider=[] names no provider: give one, or a list to fail over")
         self._prefer = checks.one_of(prefer, "prefer", ("order", "price"))
@@ -140,6 +150,8 @@ class ComputePool:
         # Where the pool may start, each with its spec; `provider`/`spec` are the one in use.
         self._candidates = plan.candidates(listed, self.pool_id, nodes, accelerator, output_dir)
         self.spec = self._candidates[0][1]
+        for _, spec in self._candidates:  # an instance type's GPUs (sky.AWS(instance_type=))
+            plan.fits_gpus(self._ranks, spec.accelerator)
         self._asked = image or Image()  # before the plugins' transforms
         self.image: Image = self._asked
         self.startup_timeout = checks.seconds(startup_timeout, "startup_timeout")
@@ -208,7 +220,7 @@ class ComputePool:
         if self._loop is not None:
             raise PoolClosedError("this pool was already started; create a new ComputePool")
         # A plugin's failure costs nothing yet: nothing is launched.
-        self.image, self.spec = plan.plan(self.plugins, self._asked, self.spec)
+        self.image, self.spec = plan.plan(self.plugins, self._asked, self.spec, self._ranks)
         self._plugins_blob = plan.pickled(self.plugins)
         self._lifetime.enter_context(sigterm_unwinds())
         self._loop = self._transfers.loop = LoopThread(f"skyward-{self.pool_id}")
@@ -280,8 +292,9 @@ class ComputePool:
         )
         hardware = await self.provider.survey(self.cluster, self.image, self.console)
         if (seen := self.spec.seen(hardware)) is not self.spec:
-            # e.g. CUDA 13 drivers: the plugins choose their wheels again
-            self.image, self.spec = plan.plan(self.plugins, self._asked, seen)
+            # e.g. CUDA 13 drivers: the plugins choose their wheels again (and GPUs found where
+            # none was named: a rank for each under PyTorch)
+            self.image, self.spec = plan.plan(self.plugins, self._asked, seen, self._ranks)
         await self.provider.prepare(self.cluster, self.image, self.console)
         await self._start_agents()
         self._watchers.append(
@@ -296,25 +309,30 @@ class ComputePool:
         self.console.phase(None, Phase.READY)
 
     async def _start_agents(self) -> None:
-        """Start an agent on every node and take each through the handshake and the plugins."""
+        """Start an agent for every rank of every node (`processes_per_node` a node, in rank
+        order) and take each through the handshake and the plugins."""
         cluster = self.cluster
         assert cluster is not None, "launched first"
         env = {**self.image.env, **self.env, **self._resume}
         self.console.phase(None, Phase.STARTING)
-        streams = await asyncio.gather(*(node.start_agent(env) for node in cluster.nodes))
-        earlier = {s.node: list(s.lines) for s in self._sessions}  # pool.logs() spans restarts
+        per_node = self.spec.processes_per_node
+        ranks = [node for node in cluster.nodes for _ in range(per_node)]
+        streams = await asyncio.gather(*(node.start_agent(env) for node in ranks))
+        earlier = {s.rank: list(s.lines) for s in self._sessions}  # pool.logs() spans restarts
+        self._dispatch.ranks_per_node = self.console.ranks_per_node = per_node
         self._dispatch.sessions = [
             NodeSession(
                 node.index,
                 stream,
                 self.console.node_line,
                 functools.partial(self.provider.explain, cluster, node),
-                earlier.get(node.index, ()),
+                earlier.get(rank, ()),
                 self._reported,
                 self.console.node_partial,
                 self._noticed,
+                rank=rank if per_node > 1 else None,
             )
-            for node, stream in zip(cluster.nodes, streams, strict=True)
+            for rank, (node, stream) in enumerate(zip(ranks, streams, strict=True))
         ]
         self.infos = await handshake(
             self._sessions,
@@ -372,7 +390,7 @@ class ComputePool:
         if provider is self.provider:
             return
         self.provider = provider
-        self.image, self.spec = plan.plan(self.plugins, self._asked, spec)
+        self.image, self.spec = plan.plan(self.plugins, self._asked, spec, self._ranks)
         self.console.provider = provider.name
         self._transfers.use(provider)
         self.console.status(f"launching {self.spec.nodes} node(s) on {provider.name}")
@@ -444,7 +462,8 @@ class ComputePool:
         """
         if self._closed or self._loop is None:
             raise PoolClosedError("the pool is not running")
-        self._dispatch.session(node)  # one of the pool's nodes
+        if not 0 <= node < len(self.nodes):
+            raise ConfigError(f"node must be in 0..{len(self.nodes) - 1}, got {node}")
         if node not in (lost := activity.lost(self._sessions)):
             raise ConfigError(
                 f"node {node} is not lost (it is alive, or was stopped because another node "
@@ -523,29 +542,35 @@ class ComputePool:
             raise PoolClosedError(f"the pool cannot take more calls: {self._dispatch.broken}")
         return self._dispatch
 
-    def submit(self, call: PendingCall[T], node: int | None = None) -> Future[T]:
-        """Start `call` on one node (the next in turn, or `node`) and return its future."""
-        return self._check_open().submit(call, node)
+    def submit(
+        self, call: PendingCall[T], node: int | None = None, *, rank: int | None = None
+    ) -> Future[T]:
+        """Start `call` on one rank (the next in turn, rank `rank`, or node `node`'s first)
+        and return its future."""
+        return self._check_open().submit(call, node, rank)
 
-    def run(self, call: PendingCall[T], node: int | None = None) -> T:
-        """Run `call` on one node and return its result (what ``call >> pool`` does)."""
-        result: T = self._calling(self._check_open().run, call, node)
+    def run(self, call: PendingCall[T], node: int | None = None, *, rank: int | None = None) -> T:
+        """Run `call` on one rank (the next in turn, rank `rank`, or node `node`'s first) and
+        return its result (what ``call >> pool`` does)."""
+        result: T = self._calling(self._check_open().run, call, node, rank)
         return result
 
     def broadcast(self, call: PendingCall[T]) -> list[T]:
-        """Run `call` on every node; results in node order (what ``call @ pool`` does).
+        """Run `call` on every rank; results in rank order, node 0's ranks first (what ``call
+        @ pool`` does; with one rank per node, one result per node in node order).
 
-        If one node fails, the others get `broadcast_grace` seconds to finish; any still running
-        is then stopped (an SPMD program cannot go on without a rank) and the pool is closed.
-        A node that dies stops the others at once. With `restarts`, a lost node is replaced
-        and the call run again, resumed from the newest reported checkpoint.
+        If one rank fails, the others get `broadcast_grace` seconds to finish; any still
+        running is then stopped (an SPMD program cannot go on without a rank) and the pool is
+        closed. A rank that dies stops the others at once, on every node. With `restarts`, a
+        lost node is replaced, with all its ranks, and the call run again, resumed from the
+        newest reported checkpoint.
         """
         return recovery.with_restarts(
             lambda: self._calling(self._check_open().broadcast, call), self._policy, self._restart
         )
 
     def gather(self, calls: Sequence[PendingCall[Any]]) -> tuple[Any, ...]:
-        """Run several calls at once, spread over the nodes; results in call order.
+        """Run several calls at once, spread over the ranks; results in call order.
 
         The calls are independent: one failing does not stop the others. Once all have ended,
         the first failure is raised (a node's death before a user exception).
@@ -584,15 +609,16 @@ class ComputePool:
         return self._transfers.latest_checkpoint(timeout)
 
     def stacks(self, timeout: float = 5.0) -> dict[int, str]:
-        """Every live node's Python stacks, thread by thread, by node: what a hang
-        investigation starts with. The agents answer from a signal handler, so a node stuck
-        in a collective or a C extension answers too; one that does not within `timeout`
-        seconds gets a line saying so."""
+        """Every live rank's Python stacks, thread by thread, by rank (the node, with one rank
+        per node): what a hang investigation starts with. The agents answer from a signal
+        handler, so a rank stuck in a collective or a C extension answers too; one that does
+        not within `timeout` seconds gets a line saying so."""
         self._check_open()
         return activity.stacks(self._sessions, timeout)
 
     def logs(self, node: int | None = None) -> list[str]:
-        """What the nodes printed: one node's lines, or every node's prefixed with its index."""
+        """What the nodes printed: one node's lines, or every node's prefixed with its index
+        (each rank's with ``(node i rank r)`` where nodes hold several ranks)."""
         return activity.logs(self._sessions, node)
 
     def __repr__(self) -> str:

@@ -43,13 +43,20 @@ class Report:
     """One `sky.report` as the client receives it.
 
     `time` is the node's wall clock (``time.time()``) when `report` was called; `checkpoint` is
-    the path the node gave, as a string on that node (nothing is copied).
+    the path the node gave, as a string on that node (nothing is copied). `rank` is the rank
+    that reported (None: the node's only rank, which is the node).
     """
 
     node: int
     time: float
     metrics: dict[str, Metric]
     checkpoint: str | None = None
+    rank: int | None = None
+
+    @property
+    def first_rank(self) -> bool:
+        """Whether rank 0 (node 0's first rank) made it: the one the console shows."""
+        return (self.node if self.rank is None else self.rank) == 0
 
 
 def report(

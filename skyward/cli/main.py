@@ -36,9 +36,10 @@ _DESCRIPTION = (
     "client died before its teardown."
 )
 _RUN_EPILOG = (
-    "Every node runs 'python SCRIPT ARGS' with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
+    "Every rank (one a node, or --nproc-per-node of them) runs 'python SCRIPT ARGS' with "
+    "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
     "JAX_PROCESS_ID set, so jax.distributed.initialize() needs no arguments, and torchrun's "
-    "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, so "
+    "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT, so "
     "torch.distributed.init_process_group('gloo') needs none either. Settings come from "
     "[profile.NAME] in ./skyward.toml or [tool.skyward.profile.NAME] in ./pyproject.toml "
     "(default: 'default'); flags override them."
@@ -195,6 +196,7 @@ def _run(args: argparse.Namespace) -> int:
     flags = {
         "provider": args.provider,
         "nodes": args.nodes,
+        "processes_per_node": args.nproc_per_node,
         "accelerator": args.accelerator,
         "plugins": profiles.check_plugins(args.plugin, "--plugin"),
         "env": profiles.parse_env(args.env),
@@ -208,11 +210,22 @@ def _run(args: argparse.Namespace) -> int:
     }
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ConfigError(
+            f"--nproc-per-node (processes_per_node) must be at least 1, got {args.nproc_per_node}"
+        )
     if args.max_cost is not None:  # float() takes "inf" and "nan"
         checks.dollars(args.max_cost, "--max-cost", zero=False)
     profile = profiles.with_flags(profiles.load_profile(args.profile), flags)
     if args.detach:
         from skyward.cli import detached
+
+        if (profile.processes_per_node or 1) > 1:
+            raise ConfigError(
+                f"--nproc-per-node (processes_per_node) {profile.processes_per_node} with "
+                "--detach: detached runs take one rank per node for now; run it attached "
+                "(without --detach), or with one rank per node"
+            )
 
         return detached.start(
             profile,
@@ -292,6 +305,12 @@ def _parser() -> argparse.ArgumentParser:
         "--provider", help=f"one of {', '.join(entries)} (default: {registry.DEFAULT})"
     )
     run.add_argument("--nodes", type=int, help="how many nodes (default: the provider's)")
+    run.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="P",
+        help="ranks on each node, as torchrun's (default: 1, or one per GPU with --plugin torch)",
+    )
     run.add_argument("--accelerator", help="what each node must have, e.g. A100 or A100:8")
     run.add_argument(
         "--plugin",

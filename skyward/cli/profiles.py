@@ -9,6 +9,7 @@ Its keys are the pool's (`POOL_KEYS`) and the provider's constructor arguments::
     hosts = ["10.0.0.1", "10.0.0.2"]  # sky.SSH(hosts=..., user=..., key=...)
     user = "ubuntu"
     nodes = 2
+    processes_per_node = 2            # ranks a node (skyward run --nproc-per-node)
     plugins = ["jax"]
     env = { WANDB_MODE = "offline" }
     pip = ["optax", "datasets>=2"]    # the nodes' packages (see skyward.cli.packages)
@@ -35,7 +36,16 @@ from skyward.errors import ConfigError
 from skyward.providers import registry
 from skyward.providers.base import Provider
 
-POOL_KEYS = ("provider", "nodes", "accelerator", "plugins", "env", "workdir", "max_cost")
+POOL_KEYS = (
+    "provider",
+    "nodes",
+    "processes_per_node",
+    "accelerator",
+    "plugins",
+    "env",
+    "workdir",
+    "max_cost",
+)
 PACKAGE_KEYS = ("pip", "requirements", "indexes", "find_links")
 PLUGINS = ("jax", "torch")
 
@@ -48,6 +58,8 @@ class Profile:
     provider: str = registry.DEFAULT
     options: dict[str, Any] = field(default_factory=dict)  # the provider's constructor arguments
     nodes: int | None = None
+    # The ranks on each node (``--nproc-per-node``); None: one, or one per GPU with torch.
+    processes_per_node: int | None = None
     accelerator: str | None = None
     plugins: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
@@ -170,6 +182,9 @@ def parse_profile(name: str, table: Any, source: str) -> Profile:
     nodes = table.get("nodes")
     if nodes is not None:
         checks.whole(nodes, f"{where}: nodes", minimum=1)
+    ranks = table.get("processes_per_node")
+    if ranks is not None:
+        checks.whole(ranks, f"{where}: processes_per_node", minimum=1)
     accelerator = table.get("accelerator")
     if accelerator is not None:
         checks.text(accelerator, f"{where}: accelerator (e.g. 'A100:8')")
@@ -190,6 +205,7 @@ def parse_profile(name: str, table: Any, source: str) -> Profile:
         provider=provider,
         options=options,
         nodes=nodes,
+        processes_per_node=ranks,
         accelerator=accelerator,
         plugins=check_plugins(plugins, where),
         env={str(k): str(v) for k, v in env.items()},
@@ -258,6 +274,7 @@ def with_flags(profile: Profile, flags: Mapping[str, Any]) -> Profile:
         provider=provider,
         options=options,
         nodes=flags.get("nodes") or profile.nodes,
+        processes_per_node=flags.get("processes_per_node") or profile.processes_per_node,
         accelerator=flags.get("accelerator") or profile.accelerator,
         plugins=tuple(dict.fromkeys([*profile.plugins, *flags.get("plugins", ())])),
         env={**profile.env, **flags.get("env", {})},

@@ -1,13 +1,15 @@
 """``skyward run`` and ``skyward status``: an unmodified script on every node of a pool, and the
 pools of this user that are alive.
 
-`run` starts a pool from a `Profile`, runs the script on every node as a child of the node's
-agent (`skyward.worker.script`), with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
-``JAX_PROCESS_ID`` set, and torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (each coordinator's port picked by
-node 0; `skyward.plugins.launcher`), and streams the nodes' output. The script is the one that
-initializes JAX or torch.distributed: the agent never does. The first rank to fail ends
-the run and the pool; its status is the run's.
+`run` starts a pool from a `Profile`, runs the script in every rank (one a node, or the
+profile's ``processes_per_node``: ``--nproc-per-node``, by default one per GPU with ``--plugin
+torch``) as a child of the rank's agent (`skyward.worker.script`), with
+``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set, and torchrun's
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``
+and ``MASTER_PORT`` (each coordinator's port picked by node 0; `skyward.plugins.launcher`),
+and streams the ranks' output. The script is the one that initializes JAX or
+torch.distributed: the agent never does. The first rank to fail ends the run and the pool; its
+status is the run's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from skyward.errors import BootstrapError
 from skyward.plugins.base import Plugin
 from skyward.plugins.jax_plugin import jax
 from skyward.plugins.launcher import LauncherEnv
-from skyward.plugins.torch_plugin import torch
+from skyward.plugins.torch_plugin import TorchPlugin
 from skyward.pool import ComputePool
 from skyward.providers.base import Provider
 from skyward.worker.script import run_script
@@ -50,10 +52,10 @@ class RunEnd:
 
 
 def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
-    """Run `script` with `args` on every node of a pool made from `profile`."""
+    """Run `script` with `args` in every rank of a pool made from `profile`."""
     target, cwd = script_target(script, profile.workdir)
     packages = script_packages(profile, Path(script))
-    plugins = script_plugins(profile)
+    plugins = script_plugins(profile, ranks_per_gpu=True)
     node_call = compute(run_script)
     failure: RunEnd | None = None
     with contextlib.ExitStack() as stack:
@@ -66,6 +68,7 @@ def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
             env=profile.env,
             name="run",
             max_cost=profile.max_cost,
+            processes_per_node=profile.processes_per_node,
         )
         try:
             stack.enter_context(pool)
@@ -74,23 +77,25 @@ def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
             if better is None:
                 raise
             raise better from exc
+        world = pool.spec.nodes * pool.spec.processes_per_node
         ranks: dict[Future[int], int] = {
-            pool.submit(node_call(target, list(args), cwd), node=i): i
-            for i in range(pool.spec.nodes)
+            pool.submit(node_call(target, list(args), cwd), rank=rank): rank
+            for rank in range(world)
         }
         failure = _first_failure(ranks)
     return failure or RunEnd(0)
 
 
-def script_plugins(profile: Profile) -> list[Plugin]:
+def script_plugins(profile: Profile, ranks_per_gpu: bool = False) -> list[Plugin]:
     """The plugins a script's pool runs with: every launcher's variables (``JAX_*``,
     torchrun's), and the frameworks ``--plugin`` names installed but left for the script to
-    initialize."""
+    initialize; with `ranks_per_gpu`, ``--plugin torch`` makes a pool that is not told
+    ``processes_per_node`` hold a rank for each GPU of a node."""
     plugins: list[Plugin] = [LauncherEnv()]
     if "jax" in profile.plugins:
         plugins.append(jax(initialize=False))
     if "torch" in profile.plugins:
-        plugins.append(torch(initialize=False))
+        plugins.append(TorchPlugin(initialize=False, per_gpu=True if ranks_per_gpu else None))
     return plugins
 
 

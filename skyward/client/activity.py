@@ -23,24 +23,25 @@ from skyward.transport.messages import Stacks
 
 def node_activity(dispatch: Dispatch, node: int) -> tuple[Phase, str] | None:
     """What the console sees of node `node` beyond its phase, read when it draws (so a call
-    pays nothing for it): a call in flight, a plugin hook, a dead agent."""
-    sessions = dispatch.sessions
-    if node >= len(sessions):
-        return None
-    session = sessions[node]
-    if _died(session):
-        return Phase.LOST, str(session.dead).splitlines()[0]
-    if session.pending:
-        calls = len(session.pending)
-        return Phase.RUNNING, f"{calls} calls" if calls > 1 else ""
-    if session.stage is Stage.IN_PLUGIN:
-        return Phase.STARTING, session.where
+    pays nothing for it): a call in flight, a plugin hook, a dead agent (of any of its
+    ranks)."""
+    sessions = dispatch.node_sessions(node)
+    for session in sessions:
+        if _died(session):
+            return Phase.LOST, str(session.dead).splitlines()[0]
+    calls = sum(len(session.pending) for session in sessions)
+    if calls:
+        return Phase.RUNNING, f"{calls} calls" if calls > len(sessions) else ""
+    for session in sessions:
+        if session.stage is Stage.IN_PLUGIN:
+            return Phase.STARTING, session.where
     return None
 
 
 def lost(sessions: list[NodeSession]) -> list[int]:
-    """The nodes whose agent died, not those the pool stopped because another one failed."""
-    return [session.node for session in sessions if _died(session)]
+    """The nodes with an agent that died (of any of their ranks), not those the pool stopped
+    because another one failed."""
+    return sorted({session.node for session in sessions if _died(session)})
 
 
 def _died(session: NodeSession) -> bool:
@@ -48,25 +49,28 @@ def _died(session: NodeSession) -> bool:
 
 
 def logs(sessions: list[NodeSession], node: int | None) -> list[str]:
-    """What the nodes printed: one node's lines, or every node's prefixed with its index."""
-    if node is not None:
-        return list(sessions[node].lines)  # list() copies atomically under the GIL
-    return [f"(node {s.node}) {line}" for s in sessions for line in list(s.lines)]
+    """What the nodes printed: one node's lines, or every node's prefixed with its index;
+    where a node holds several ranks, each rank's lines prefixed with its name."""
+    chosen = [s for s in sessions if node is None or s.node == node]
+    if node is not None and not any(s.shared for s in chosen):
+        return [line for s in chosen for line in list(s.lines)]  # list() copies atomically
+    return [f"({s.name}) {line}" for s in chosen for line in list(s.lines)]
 
 
 def stacks(sessions: list[NodeSession], timeout: float) -> dict[int, str]:
-    """Every live node's threads' stacks, as its agent's faulthandler writes them on SIGUSR2
-    (from the signal handler: it answers while the main thread is stuck in a collective); a
-    node that does not answer within `timeout` seconds says so instead."""
+    """Every live rank's threads' stacks, by rank (the node, with one rank per node), as its
+    agent's faulthandler writes them on SIGUSR2 (from the signal handler: it answers while the
+    main thread is stuck in a collective); a rank that does not answer within `timeout`
+    seconds says so instead."""
     return {
-        node: f"(no answer within {timeout:g} s)" if answer is None else answer.text
-        for node, answer in answers(sessions, timeout).items()
+        rank: f"(no answer within {timeout:g} s)" if answer is None else answer.text
+        for rank, answer in answers(sessions, timeout).items()
     }
 
 
 def answers(sessions: list[NodeSession], timeout: float) -> dict[int, Stacks | None]:
-    """Every live node's answer for its stacks (`stacks`); None for a node that did not
-    answer within `timeout` seconds."""
+    """Every live rank's answer for its stacks (`stacks`), by rank; None for a rank that did
+    not answer within `timeout` seconds."""
     live = [session for session in sessions if session.dead is None]
     asked = time.monotonic()
     for session in live:
@@ -75,7 +79,7 @@ def answers(sessions: list[NodeSession], timeout: float) -> dict[int, Stacks | N
     # The answers arrive where frames are decoded (the loop, a pipe's reader): look now and then.
     while any(s.stacks[0] < asked for s in live) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return {s.node: s.stacks[1] if s.stacks[0] >= asked else None for s in live}
+    return {s.rank: s.stacks[1] if s.stacks[0] >= asked else None for s in live}
 
 
 def drain_output(loop: LoopThread) -> None:

@@ -1,9 +1,11 @@
-"""`Dispatch`: how calls reach a pool's nodes and how their outcomes come back.
+"""`Dispatch`: how calls reach a pool's ranks and how their outcomes come back.
 
-One call to one node (the next live one in turn, or a chosen one), one call to every node (a
-broadcast: SPMD, so one failure stops the rest), or many independent calls spread over the nodes
-(a gather). The root failure is what the caller sees: a node's death before a user exception,
-before the errors of the nodes that were stopped because of it.
+A session is one rank (one agent): a node's only one by default, or one of the
+`ranks_per_node` it holds, in global rank order (node 0's first). One call to one rank (the
+next live one in turn, a chosen rank, or a chosen node's first), one call to every rank (a
+broadcast: SPMD, so one failure stops the rest), or many independent calls spread over the
+ranks (a gather). The root failure is what the caller sees: a rank's death before a user
+exception, before the errors of the ranks that were stopped because of it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, cast
 
 from skyward.client.replies import Reply, Tally
-from skyward.client.session import NodeSession
+from skyward.client.session import NodeSession, named
 from skyward.data import Stager
 from skyward.errors import ConfigError, PoolClosedError, WorkerError
 from skyward.transport import frames
@@ -46,9 +48,10 @@ class PendingCall(Protocol):
 
 
 class Dispatch:
-    """The calls of one pool over its node sessions (`sessions` is replaced on a restart)."""
+    """The calls of one pool over its rank sessions (`sessions` is replaced on a restart)."""
 
     def __init__(self, broadcast_grace: float) -> None:
+        self.ranks_per_node = 1  # the sessions of node i are ranks_per_node * i and on
         # The sessions with their streams and locks, and the pipes' write locks when every
         # node is Local; each list made once per restart (a Local stream keeps the pipe group
         # of a broadcast's streams by the list's identity).
@@ -70,10 +73,18 @@ class Dispatch:
         pipe_locks = [p.write_lock for p in pipes] if len(pipes) == len(streams) else None
         self._wire = (sessions, streams, [session.lock for session in sessions], pipe_locks)
 
-    def session(self, node: int) -> NodeSession:
-        if not 0 <= node < len(self.sessions):
-            raise ConfigError(f"node must be in 0..{len(self.sessions) - 1}, got {node}")
-        return self.sessions[node]
+    def session(self, rank: int) -> NodeSession:
+        """The session of rank `rank` (of node `rank` with one rank per node)."""
+        count = len(self.sessions)
+        name = "node" if self.ranks_per_node == 1 else "rank"
+        if not 0 <= rank < count:
+            raise ConfigError(f"{name} must be in 0..{count - 1}, got {rank}")
+        return self.sessions[rank]
+
+    def node_sessions(self, node: int) -> list[NodeSession]:
+        """The sessions of node `node`'s ranks, in rank order."""
+        per = self.ranks_per_node
+        return self.sessions[node * per : (node + 1) * per]
 
     def _live(self) -> list[NodeSession]:
         live = [session for session in self.sessions if session.dead is None]
@@ -90,24 +101,34 @@ class Dispatch:
         lacking = not all(session.has_function(fn_id) for session in to)
         return CallFrames(next(_call_ids), fn_id, segments, fn_bytes if lacking else None)
 
-    def _pick(self, node: int | None) -> NodeSession:
+    def _pick(self, node: int | None, rank: int | None) -> NodeSession:
+        if node is not None and rank is not None:
+            raise ConfigError(f"give node= or rank=, not both (node={node}, rank={rank})")
+        if rank is not None:
+            return self.session(rank)
         if node is not None:
-            return self.session(node)
+            per = self.ranks_per_node
+            if per == 1:
+                return self.session(node)
+            nodes = len(self.sessions) // per
+            if not 0 <= node < nodes:
+                raise ConfigError(f"node must be in 0..{nodes - 1}, got {node}")
+            return self.sessions[node * per]  # the node's first rank
         live = self._live()
         return live[next(self._cursor) % len(live)]
 
-    def submit(self, call: PendingCall, node: int | None) -> Future[Any]:
-        """Send `call` to one node (the next in turn, or `node`); its future."""
+    def submit(self, call: PendingCall, node: int | None, rank: int | None = None) -> Future[Any]:
+        """Send `call` to one rank (the next in turn, `rank`, or `node`'s first); its future."""
         payload = call.serialized_args(self.stager)
         future: Future[Any] = Future()
-        session = self._pick(node)
+        session = self._pick(node, rank)
         session.submit([(self._frames(call, payload, (session,)), future)])
         return future
 
-    def run(self, call: PendingCall, node: int | None = None) -> Any:
-        """Run `call` on one node and return its result (what ``call >> pool`` does)."""
+    def run(self, call: PendingCall, node: int | None = None, rank: int | None = None) -> Any:
+        """Run `call` on one rank and return its result (what ``call >> pool`` does)."""
         payload = call.serialized_args(self.stager)
-        session = self._pick(node)
+        session = self._pick(node, rank)
         tally = Tally(1)
         reply = Reply(tally)
         session.submit([(self._frames(call, payload, (session,)), reply)])
@@ -118,12 +139,12 @@ class Dispatch:
         return reply.value
 
     def broadcast(self, call: PendingCall) -> list[Any]:
-        """Run `call` on every node; results in node order (see `ComputePool.broadcast`)."""
+        """Run `call` on every rank; results in rank order (see `ComputePool.broadcast`)."""
         payload = call.serialized_args(self.stager)
         sessions, streams, locks, pipe_locks = self._wire  # replaced, not changed
         if any(session.dead is not None for session in sessions):
-            dead = [session.node for session in sessions if session.dead is not None]
-            raise PoolClosedError(f"a broadcast needs every node, and node(s) {dead} died")
+            dead = [session for session in sessions if session.dead is not None]
+            raise PoolClosedError(f"a broadcast needs every rank, and {named(dead)} died")
         frames_ = self._frames(call, payload, sessions)  # encoded once, written to every node
         tally = Tally(len(sessions))
         replies = [Reply(tally) for _ in sessions]
@@ -161,10 +182,10 @@ class Dispatch:
         batches: dict[int, Calls] = {}
         for session, call, payload, reply in zip(owners, calls, payloads, replies, strict=True):
             frames_ = self._frames(call, payload, (session,))
-            batches.setdefault(session.node, []).append((frames_, reply))
-        for session in live:  # one write per node, however many calls it takes
-            if session.node in batches:
-                session.submit(batches[session.node])
+            batches.setdefault(session.rank, []).append((frames_, reply))
+        for session in live:  # one write per rank, however many calls it takes
+            if session.rank in batches:
+                session.submit(batches[session.rank])
         # every node takes part: the pool's stream list, whose pipe group is kept
         every = len(calls) >= len(live) == len(self.sessions)
         streams = self._wire[1] if every else None
@@ -193,7 +214,7 @@ class Dispatch:
                 grace = 0.0 if isinstance(first.error, WorkerError) else self._broadcast_grace
                 if not tally.wait(tally.all_done, grace):
                     self._break(
-                        f"node {owners[replies.index(first)].node} failed "
+                        f"{owners[replies.index(first)].name} failed "
                         f"({type(first.error).__name__}) while the others were still running, "
                         "and they were stopped; start a new pool",
                         [s for s, r in zip(owners, replies, strict=True) if not r.done()],
@@ -211,8 +232,9 @@ class Dispatch:
         root = failed[0]
         if spmd and isinstance(root, WorkerError) and not root.stopped and len(owners) > 1:
             # The survivors of a broadcast that lost a rank hold a broken collective state.
+            lost = next(o for o, r in zip(owners, replies, strict=True) if r.error is root)
             self._break(
-                f"node {root.node} died during a broadcast; call pool.replace({root.node}) "
+                f"{lost.name} died during a broadcast; call pool.replace({root.node}) "
                 "or start a new pool",
                 owners,
             )

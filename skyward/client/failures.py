@@ -23,6 +23,8 @@ class NodeState(Protocol):
     @property
     def node(self) -> int: ...
     @property
+    def name(self) -> str: ...
+    @property
     def ready(self) -> bool: ...
     @property
     def plugin(self) -> str | None: ...
@@ -50,13 +52,19 @@ def describe_status(status: int | None) -> str:
 
 
 def worker_error(
-    what: str, node: int, status: int | None, where: str, lines: Sequence[str]
+    what: str,
+    node: int,
+    status: int | None,
+    where: str,
+    lines: Sequence[str],
+    name: str,
 ) -> WorkerError:
-    """A `WorkerError` for node `node`: `what` happened while it was `where`, its last output."""
+    """A `WorkerError` for node `node`, whose rank `name` (``node 1``, or ``node 1 rank 3``
+    when it holds several) was `where` when `what` happened; its last output."""
     tail = tuple(list(lines)[-TAIL_LINES:])
     shown = "\n".join(f"    {line}" for line in tail) or "    (it printed nothing)"
     return WorkerError(
-        f"{what} ({describe_status(status)}) while {where}.\nLast output of node {node}:\n{shown}",
+        f"{what} ({describe_status(status)}) while {where}.\nLast output of {name}:\n{shown}",
         node=node,
         exit_status=status,
         output_tail=tail,
@@ -75,9 +83,10 @@ class RemoteTraceback(Exception):
 
 
 def rebuild_exception(
-    report: messages.ErrorReport, segments: list[frames.Buffer], node: int
+    report: messages.ErrorReport, segments: list[frames.Buffer], node: int, name: str
 ) -> BaseException:
-    """The node's exception as itself, with the remote traceback as its cause."""
+    """The exception of node `node`'s rank `name` (``node 1``, or ``node 1 rank 3``) as
+    itself, with the remote traceback as its cause."""
     exc: BaseException
     text = sources.with_sources(report.traceback.rstrip())
     try:
@@ -89,9 +98,9 @@ def rebuild_exception(
             raise TypeError("not an ordinary exception")
     except Exception:
         exc = RemoteError(report.type_name, report.message, text, node=node)
-    exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback on node {node}:\n{text}\n"""')
+    exc.__cause__ = RemoteTraceback(f'\n"""\nTraceback on {name}:\n{text}\n"""')
     with contextlib.suppress(Exception):
-        exc.add_note(f"(raised on node {node})")
+        exc.add_note(f"(raised on {name})")
     return exc
 
 
@@ -103,11 +112,11 @@ def laggards(failed: NodeState, sessions: Sequence[NodeState], plugin: str | Non
             continue
         if plugin is not None and other.plugin != plugin:
             lines.append(
-                f"node {other.node} never reached plugin {plugin!r}: it was "
+                f"{other.name} never reached plugin {plugin!r}: it was "
                 f"{other.where}; its last output:"
             )
         else:
-            lines.append(f"node {other.node} was {other.where}; its last output:")
+            lines.append(f"{other.name} was {other.where}; its last output:")
         lines += _tail(other)
     return lines
 
@@ -117,7 +126,7 @@ def stuck_report(headline: str, sessions: Sequence[NodeState]) -> str:
     lines = [headline + ":"]
     for session in sessions:
         if not session.ready:
-            lines.append(f"node {session.node} is {session.where}; its last output:")
+            lines.append(f"{session.name} is {session.where}; its last output:")
             lines += _tail(session)
     lines.append("Raise startup_timeout if the nodes only need more time.")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
-"""The start of a pool's agents, all nodes at once: open every session, check that the nodes run
-this client's skyward, give each node its identity (`InstanceInfo`) and plugins, and wait until
-every node is ready. The per-node half of the conversation is `NodeSession`'s.
+"""The start of a pool's agents, all ranks at once: open every session, check that the nodes run
+this client's skyward, give each rank its identity (`InstanceInfo`) and plugins, and wait until
+every rank is ready. The per-rank half of the conversation is `NodeSession`'s.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ async def handshake(
     *,
     startup_timeout: float,
 ) -> list[InstanceInfo]:
-    """Take every node through the handshake; the nodes' identities, in node order. A remote
-    agent stops after `silence_timeout` s without a ping (`session.ping_agents`). Not done
-    within `startup_timeout` s: a `BootstrapError` that says where each node was."""
+    """Take every rank (`sessions`, in rank order) through the handshake; their identities,
+    in the same order. A remote agent stops after `silence_timeout` s without a ping
+    (`session.ping_agents`). Not done within `startup_timeout` s: a `BootstrapError` that says
+    where each rank was."""
     try:
         return await asyncio.wait_for(
             _handshake(sessions, nodes, spec, plugins, plugins_blob, output_dirs, silence_timeout),
@@ -64,15 +65,15 @@ async def _handshake(
             f"the nodes run skyward {sorted(versions)} but this client runs {__version__}"
         )
     wanted = client_python()
-    for node, begun in zip(nodes, started, strict=True):
+    for session, begun in zip(sessions, started, strict=True):
         if not same_python(begun.python_version, wanted):
             raise BootstrapError(
-                f"node {node.index} ({begun.hostname}) runs Python {begun.python_version} but "
+                f"node {session.node} ({begun.hostname}) runs Python {begun.python_version} but "
                 f"this client runs {platform.python_version()}: functions pickled by "
                 "cloudpickle do not cross "
                 "minor versions, so no call was sent. Give the node this client's Python, or "
                 f"run the client on Python {begun.python_version.rsplit('.', 1)[0]}",
-                node=node.index,
+                node=session.node,
             )
     infos = identities(nodes, spec, started[0].ports, output_dirs)
     await asyncio.gather(
@@ -90,11 +91,14 @@ def identities(
     ports: dict[str, int],
     output_dirs: Sequence[str] = (),
 ) -> list[InstanceInfo]:
-    """Each node's `InstanceInfo`: node 0's ports for all; its own GPUs where its provider
-    knows them, else what the pool asked for; its output directory."""
+    """Each rank's `InstanceInfo`, in rank order (node 0's ranks first, `spec`'s
+    `processes_per_node` a node): node 0's ports for all; its node's own GPUs where the
+    provider knows them, else what the pool asked for; its output directory (its node's, or
+    ``rank-<r>`` in it when a node holds several ranks)."""
     peers = tuple(node.private_addr for node in nodes)
     outputs = list(output_dirs) or [""] * len(nodes)
     asked = spec.accelerator
+    per_node = spec.processes_per_node
     return [
         InstanceInfo(
             node=node.index,
@@ -108,7 +112,18 @@ def identities(
             provider=spec.provider,
             ports=dict(ports),
             devices=tuple(gpu.index for gpu in node.gpus),
-            output_dir=output,
+            output_dir=rank_dir(output, rank) if per_node > 1 and output else output,
+            rank=rank,
+            local_rank=local,
+            processes_per_node=per_node,
+            world_size=len(nodes) * per_node,
         )
         for node, output in zip(nodes, outputs, strict=True)
+        for local in range(per_node)
+        for rank in (node.index * per_node + local,)
     ]
+
+
+def rank_dir(node_dir: str, rank: int) -> str:
+    """Rank `rank`'s output directory in its node's `node_dir`, when a node holds several."""
+    return f"{node_dir.rstrip('/')}/rank-{rank}"

@@ -91,10 +91,50 @@ def cluster_spec(
     return spec
 
 
-def plan(plugins: Sequence[Plugin], asked: Image, spec: ClusterSpec) -> tuple[Image, ClusterSpec]:
+def processes_per_node(value: object, accelerator: object) -> int | None:
+    """``processes_per_node=`` as asked: None (the plugins' default) or a whole number >= 1,
+    no more than the GPUs each node is asked for (`accelerator`, as the pool was given it),
+    checked before any provider is asked about anything."""
+    if value is None:
+        return None
+    count = checks.whole(value, "processes_per_node", minimum=1)
+    if isinstance(accelerator, str) and accelerator.strip():
+        fits_gpus(count, Accelerator.parse(accelerator))
+    return count
+
+
+def fits_gpus(ranks: int | None, accelerator: Accelerator | None) -> None:
+    """Refuse `ranks` a node (None: the default, one per GPU at most) beyond the node's GPUs:
+    a rank uses one GPU of its own (NCCL refuses two ranks on one GPU)."""
+    if ranks is None or accelerator is None or accelerator.is_tpu or ranks <= accelerator.count:
+        return
+    raise ConfigError(
+        f"processes_per_node={ranks} asks for more ranks than the {accelerator.count} GPU(s) "
+        f"each node has with accelerator={str(accelerator)!r}: a rank uses one GPU of its "
+        f"own (NCCL refuses two ranks on one GPU); ask for accelerator="
+        f"'{accelerator.name}:{ranks}', or for fewer ranks"
+    )
+
+
+def ranks_per_node(asked: int | None, plugins: Sequence[Plugin], spec: ClusterSpec) -> int:
+    """The ranks each node of `spec` holds: `asked`, else one per GPU of a node where a
+    plugin's framework runs a process per GPU (PyTorch), else one."""
+    if asked is not None:
+        return asked
+    gpus = spec.accelerator
+    if gpus is not None and not gpus.is_tpu and any(p.rank_per_gpu for p in plugins):
+        return gpus.count
+    return 1
+
+
+def plan(
+    plugins: Sequence[Plugin], asked: Image, spec: ClusterSpec, ranks: int | None = None
+) -> tuple[Image, ClusterSpec]:
     """The nodes' image for `spec` (the plugins' transforms over the pool's own image `asked`)
-    and `spec` with its hash. Run before launch, then again if what the nodes turn out to have
-    changes the spec."""
+    and `spec` with its hash and its ranks per node (`ranks`, the ``processes_per_node=``
+    asked: `ranks_per_node`). Run before launch, then again if what the nodes turn out to
+    have changes the spec."""
+    spec = replace(spec, processes_per_node=ranks_per_node(ranks, plugins, spec))
     image = hooks.transform(plugins, asked, spec)
     if image.python and not same_python(platform.python_version(), image.python):
         raise ConfigError(

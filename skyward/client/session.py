@@ -1,9 +1,11 @@
-"""`NodeSession`: the client's side of one node's agent, from its first byte to its death.
+"""`NodeSession`: the client's side of one rank's agent, from its first byte to its death.
 
-A session owns one node's stream and everything that happens on it: the handshake (`open`,
-`hello`, `ready`) with the node's `Stage` as it goes, the calls it holds and their futures, the
-node's output (a `NodeOutput`), its reports (`sky.report`, handed to the pool), its heartbeat
-deadline, and its death, which fails every call it held with a `WorkerError`.
+A node holds one rank by default (then the session is the node's), or several
+(``processes_per_node``), each its own agent and session. A session owns one agent's stream and
+everything that happens on it: the handshake (`open`, `hello`, `ready`) with the rank's `Stage`
+as it goes, the calls it holds and their futures, the rank's output (a `NodeOutput`), its
+reports (`sky.report`, handed to the pool), its heartbeat deadline, and its death, which fails
+every call it held with a `WorkerError`.
 
 Threads: bytes arrive on the pool's event loop, or on whichever thread reads a local pipe (see
 `AgentStream.wait_replies`); results resolve thread-safe futures there and reports go to
@@ -53,7 +55,8 @@ class Stage(enum.Enum):
 
 
 class NodeSession:
-    """One node's agent as the pool sees it."""
+    """One rank's agent as the pool sees it: on node `node`, global rank `rank` (None: the
+    node's only rank, which is the node; lines and errors then name the node alone)."""
 
     def __init__(
         self,
@@ -65,10 +68,16 @@ class NodeSession:
         on_report: Callable[[Report], None] | None = None,
         on_partial: Callable[[int, str], None] | None = None,
         on_notice: Callable[[int], None] | None = None,
+        rank: int | None = None,
     ) -> None:
         self.node = node
+        self.rank = node if rank is None else rank
+        self.shared = rank is not None  # its node holds other ranks too
+        # How lines and errors name it: ``node 1``, or ``node 1 rank 3`` beside other ranks.
+        self.name = f"node {node} rank {rank}" if self.shared else f"node {node}"
         self.stream = stream
-        self.output = NodeOutput(node, on_output, on_partial, earlier_lines)
+        # Its lines go to the console by rank (the node, with one rank per node).
+        self.output = NodeOutput(self.rank, on_output, on_partial, earlier_lines)
         self.lines = self.output.lines
         self.pending: dict[int, Outcome] = {}
         self.dead: WorkerError | None = None
@@ -159,15 +168,15 @@ class NodeSession:
         self, failed: messages.HookFailed, peers: Sequence[NodeSession]
     ) -> PluginError:
         lines = [
-            f"plugin {failed.plugin!r} failed in {failed.hook} on node {self.node}: "
+            f"plugin {failed.plugin!r} failed in {failed.hook} on {self.name}: "
             f"{failed.error.type_name}: {failed.error.message}",
             *failures.laggards(self, peers, failed.plugin),
-            f"remote traceback of node {self.node}:\n{failed.error.traceback.rstrip()}",
+            f"remote traceback of {self.name}:\n{failed.error.traceback.rstrip()}",
         ]
         return PluginError("\n".join(lines), plugin=failed.plugin, hook=failed.hook, node=self.node)
 
     def _ended_during_startup(self, peers: Sequence[NodeSession]) -> WorkerError:
-        error = self.dead or WorkerError(f"node {self.node} ended during startup", node=self.node)
+        error = self.dead or WorkerError(f"{self.name} ended during startup", node=self.node)
         plugin = self.plugin if self.stage is Stage.IN_PLUGIN else None
         others = failures.laggards(self, peers, plugin)
         if not others:
@@ -246,7 +255,7 @@ class NodeSession:
 
     def write_failed(self, exc: OSError, calls: Calls) -> None:
         """The write of `calls` failed with `exc`: fail those of them still pending."""
-        error = self._error(f"could not send to node {self.node}: {exc}")
+        error = self._error(f"could not send to {self.name}: {exc}")
         with self.lock:
             failed = [f for c, f in calls if self.pending.pop(c.call_id, None) is f]
         for future in failed:
@@ -255,7 +264,7 @@ class NodeSession:
     # -- receiving ---------------------------------------------------------------------------
 
     def _on_broken_stream(self, exc: Exception) -> None:
-        self.output.line(f"[skyward] broken stream from the agent of node {self.node}: {exc!r}")
+        self.output.line(f"[skyward] broken stream from the agent of {self.name}: {exc!r}")
         self.stream.kill()
 
     def _on_control_end(self) -> None:
@@ -269,7 +278,7 @@ class NodeSession:
             self.reports_seen += len(message.entries)  # progress (`stalls`)
             if self._on_report is not None:
                 for time_, metrics, checkpoint in message.entries:
-                    self._on_report(Report(self.node, time_, metrics, checkpoint))
+                    self._on_report(Report(self.node, time_, metrics, checkpoint, self.rank))
         elif type(message) is messages.Stacks:
             self.stacks = (time.monotonic(), message)
         elif type(message) is messages.Preempting:
@@ -277,7 +286,7 @@ class NodeSession:
             left = message.seconds_left
             when = f", {left:.0f} s left" if left is not None else ""
             self.output.line(
-                f"[skyward] node {self.node} got a preemption notice ({message.source}{when})"
+                f"[skyward] {self.name} got a preemption notice ({message.source}{when})"
             )
             if self._on_notice is not None:
                 self._on_notice(self.node)
@@ -297,7 +306,9 @@ class NodeSession:
     def _reject(self, raised: messages.Raised, segments: list[frames.Buffer]) -> None:
         future = self.pending.pop(raised.call_id, None)
         if future is not None:
-            future.set_exception(failures.rebuild_exception(raised.error, segments, self.node))
+            future.set_exception(
+                failures.rebuild_exception(raised.error, segments, self.node, self.name)
+            )
 
     def _control_ended(self) -> None:
         self._control_closed.set()
@@ -321,7 +332,7 @@ class NodeSession:
         loss = await self._ask_provider()
         if loss is None and self.preempting is not None:  # the node said it was going
             loss = NodeLoss(f"node {self.node} was preempted ({self.preempting.source})", True)
-        error = self._error(f"the agent of node {self.node} died")
+        error = self._error(f"the agent of {self.name} died")
         if loss is not None:
             error = WorkerError(
                 f"{loss.reason}\n{error}",
@@ -344,7 +355,9 @@ class NodeSession:
     # -- failure -------------------------------------------------------------------------------
 
     def _error(self, what: str) -> WorkerError:
-        return failures.worker_error(what, self.node, self.exit_status, self.where, self.lines)
+        return failures.worker_error(
+            what, self.node, self.exit_status, self.where, self.lines, self.name
+        )
 
     def mark_dead(self, error: WorkerError) -> None:
         """Fail every call this node holds with `error`, and say so in its output."""
@@ -356,7 +369,7 @@ class NodeSession:
         for future in pending.values():
             if not future.done():
                 future.set_exception(error)
-        self._on_output(self.node, f"[skyward] {str(error).splitlines()[0]}")
+        self._on_output(self.rank, f"[skyward] {str(error).splitlines()[0]}")
 
     def check_heartbeat(self, now: float, timeout: float) -> None:
         """Declare the node dead if it has sent nothing for `timeout` seconds: no bytes at all
@@ -366,7 +379,7 @@ class NodeSession:
         if self.dead is None and silent > timeout:
             self.mark_dead(
                 self._error(
-                    f"node {self.node} sent no word for {silent:.0f} s (heartbeat_timeout="
+                    f"{self.name} sent no word for {silent:.0f} s (heartbeat_timeout="
                     f"{timeout:g} s): the node or its network is down"
                 )
             )
@@ -377,7 +390,7 @@ class NodeSession:
         if self.dead is None:
             self.mark_dead(
                 WorkerError(
-                    f"node {self.node} was stopped: {reason}",
+                    f"{self.name} was stopped: {reason}",
                     node=self.node,
                     output_tail=tuple(list(self.lines)[-failures.TAIL_LINES :]),
                     stopped=True,
@@ -415,9 +428,7 @@ class NodeSession:
         try:
             await asyncio.wait_for(self._control_closed.wait(), timeout)
         except TimeoutError:
-            self.output.line(
-                f"[skyward] node {self.node} did not stop within {timeout:g} s; killing it"
-            )
+            self.output.line(f"[skyward] {self.name} did not stop within {timeout:g} s; killing it")
             self.stream.kill()
         else:
             self._kill_leftovers()
@@ -432,6 +443,15 @@ class NodeSession:
         for future in pending.values():
             if not future.done():
                 future.set_exception(PoolClosedError("the pool closed before this call ended"))
+
+
+def named(sessions: Iterable[NodeSession]) -> str:
+    """Sessions in words: ``node(s) [0, 2]``, or each rank's name where nodes hold several
+    (``node 0 rank 1, node 1 rank 3``)."""
+    chosen = sorted(sessions, key=lambda session: session.rank)
+    if not any(session.shared for session in chosen):
+        return f"node(s) {[session.node for session in chosen]}"
+    return ", ".join(session.name for session in chosen)
 
 
 async def watch_heartbeats(sessions: Callable[[], Sequence[NodeSession]], timeout: float) -> None:

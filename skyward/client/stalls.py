@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from skyward.client import activity
-from skyward.client.session import NodeSession
+from skyward.client.session import NodeSession, named
 from skyward.errors import WorkerError
 
 # Between the two samples of the stacks: a node whose stack is the same a second later is stuck.
@@ -58,7 +58,7 @@ async def watch_stalls(
         for session, why in stall.failing():
             session.mark_dead(
                 WorkerError(
-                    f"node {session.node} made no progress for {timeout:g} s (stall_timeout: "
+                    f"{session.name} made no progress for {timeout:g} s (stall_timeout: "
                     f"no call finished and no node reported); {why}",
                     node=session.node,
                     output_tail=tuple(list(session.lines)[-20:]),
@@ -100,7 +100,7 @@ def name_stall(
     calls = {
         s: (a.calls, b.calls)
         for s in busy
-        if (a := first.get(s.node)) is not None and (b := second.get(s.node)) is not None
+        if (a := first.get(s.rank)) is not None and (b := second.get(s.rank)) is not None
     }
     stall = Stall(
         stuck={s: now for s, (then, now) in calls.items() if then == now},
@@ -110,7 +110,7 @@ def name_stall(
     if not busy:  # the calls ended while they were sampled: that is progress
         return stall
     seen = [
-        f"{_nodes(group)} {what}"
+        f"{named(group)} {what}"
         for group, what in (
             (stall.stuck, f"did not move in {SAMPLE_GAP:g} s"),
             (stall.silent, "did not answer"),
@@ -122,11 +122,12 @@ def name_stall(
         f"no call finished and no node reported for {timeout:g} s (stall_timeout); of the "
         f"nodes in a call, {'; '.join(seen)}. Their stacks:"
     )
-    for node, answer in sorted(second.items()):
+    names = {session.rank: session.name for session in sessions}
+    for rank, answer in sorted(second.items()):
         shown = answer.text if answer is not None else f"(no answer within {ANSWER_SECONDS:g} s)"
-        tell(f"--- node {node}:\n{shown.rstrip()}")
+        tell(f"--- {names[rank]}:\n{shown.rstrip()}")
     if failing := stall.failing():
-        tell(f"failing {_nodes(session for session, _ in failing)}")
+        tell(f"failing {named(session for session, _ in failing)}")
     else:
         tell(
             "no node is stuck: every node in a call is working, so none is failed and the "
@@ -134,7 +135,3 @@ def name_stall(
             "or raise stall_timeout)"
         )
     return stall
-
-
-def _nodes(sessions: Iterable[NodeSession]) -> str:
-    return f"node(s) {sorted(session.node for session in sessions)}"

@@ -36,7 +36,15 @@ from rich.console import ConsoleOptions, RenderResult
 
 from skyward.console.notebook import Notebook, kernel
 from skyward.console.progress import Phase, Progress, logger
-from skyward.console.rendering import Prefixes, Row, is_terminal, metrics, node_table, summary
+from skyward.console.rendering import (
+    Prefixes,
+    Row,
+    is_terminal,
+    metrics,
+    node_table,
+    summary,
+    who,
+)
 from skyward.console.terminal import Screen
 from skyward.cost import Price
 from skyward.reports import Report
@@ -74,6 +82,8 @@ class Console(Progress):
         self.provider = provider
         self.stream_output = stream_output
         self.activity: Activity | None = None
+        # The ranks each node holds: lines come by rank and are prefixed with node and rank.
+        self.ranks_per_node = 1
         # What the pool has spent so far, in words, for the region's first line ("" = nothing).
         self.spending: Callable[[], str] | None = None
         # Where a node's grant goes (the pool's bill): see `Progress.granted`.
@@ -168,36 +178,41 @@ class Console(Progress):
 
     # -- node output and reports -------------------------------------------------------------
 
-    def node_line(self, node: int, line: str) -> None:
-        """One line a node printed, with its node's prefix (in colour on a terminal)."""
+    def node_line(self, rank: int, line: str) -> None:
+        """One line rank `rank` printed (the node, with one rank per node), with its prefix (in
+        colour on a terminal): ``(node 1)``, or ``(node 1 rank 3)`` where nodes hold several."""
         if not self.stream_output:
             return
+        per_node = self.ranks_per_node
         if self.notebook is not None:
-            self.notebook.line(node, line)
+            self.notebook.line(rank, line, who(rank, per_node))
             return
         screen = self._screen
         if screen is not None and sys.stdout is screen.stdout:
             if "\r" in line:  # a progress bar redrawn in place: what a terminal would show
                 line = line.rsplit("\r", 1)[-1]
-            screen.write(f"{screen.prefixes[node]}{line}\n")
+            ranked = screen.prefixes
+            prefix = ranked[rank] if per_node == 1 else ranked.rank(rank, per_node)
+            screen.write(f"{prefix}{line}\n")
             return
         out = sys.stdout  # as it is now: a redirect_stdout() inside the pool's block wins
         prefixes = self._prefixes
         if prefixes is None or prefixes.stream is not out:
             prefixes = self._prefixes = Prefixes(out)
-        out.write(f"{prefixes[node]}{line}\n")  # one write a line: never mid-line
+        prefix = prefixes[rank] if per_node == 1 else prefixes.rank(rank, per_node)
+        out.write(f"{prefix}{line}\n")  # one write a line: never mid-line
 
-    def node_partial(self, node: int, text: str) -> None:
-        """What a node printed of a line since its last ``\\r`` (a progress bar redrawn in
+    def node_partial(self, rank: int, text: str) -> None:
+        """What a rank printed of a line since its last ``\\r`` (a progress bar redrawn in
         place): a notebook redraws the line now; elsewhere the whole line is shown when its
         newline comes."""
         if self.stream_output and self.notebook is not None:
-            self.notebook.partial(node, text)
+            self.notebook.partial(rank, text, who(rank, self.ranks_per_node))
 
     def report(self, report: Report) -> None:
-        """Note a node's `sky.report`: node 0's latest is shown on its line (never printed: a
-        line per report would drown the nodes' own lines)."""
-        if report.node == 0:
+        """Note a rank's `sky.report`: rank 0's latest is shown on node 0's line (never
+        printed: a line per report would drown the nodes' own lines)."""
+        if report.first_rank:
             self.latest = report
 
     # -- the region --------------------------------------------------------------------------
@@ -240,7 +255,9 @@ class Console(Progress):
         if node is None and phase is Phase.REQUESTED:
             return f"launching {count} node(s) on {self.provider}"
         if node is None and phase is Phase.READY:
-            return f"ready: {count} node(s) in {duration(now - self._wave)} s"
+            per = self.ranks_per_node
+            ranks = f" x {per} ranks" if per > 1 else ""
+            return f"ready: {count} node(s){ranks} in {duration(now - self._wave)} s"
         if node is None and phase is Phase.STOPPING:
             return "stopping"
         who = (f"all {count} nodes" if count > 1 else "node 0") if node is None else f"node {node}"

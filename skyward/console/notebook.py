@@ -126,9 +126,10 @@ class Notebook:
                 if self._view is not None and self._depth == 0:
                     self._send(self._view)
 
-    def line(self, node: int, text: str) -> None:
-        """A whole line node `node` printed (with its ``\\r`` redraws, if any)."""
-        shown = f"(node {node}) {text.rsplit(chr(13), 1)[-1]}"
+    def line(self, node: int, text: str, who: str | None = None) -> None:
+        """A whole line node `node` printed (with its ``\\r`` redraws, if any); `who` names
+        the rank in its prefix (``node 1 rank 3``) where `node` is a rank of several."""
+        shown = f"({who or f'node {node}'}) {text.rsplit(chr(13), 1)[-1]}"
         with self._lock:
             view = self._current()
             if view is None:
@@ -141,9 +142,10 @@ class Notebook:
                 view.add(shown)
             self._changed(view)
 
-    def partial(self, node: int, text: str) -> None:
-        """What node `node` has printed of a line since its last ``\\r``: the line so far."""
-        shown = f"(node {node}) {text}"
+    def partial(self, node: int, text: str, who: str | None = None) -> None:
+        """What node `node` has printed of a line since its last ``\\r``: the line so far
+        (`who`: as for `line`)."""
+        shown = f"({who or f'node {node}'}) {text}"
         with self._lock:
             view = self._current()
             if view is None:

@@ -1,6 +1,7 @@
 """How the console's text looks: colour where a stream is a terminal (none elsewhere), the
-``(node i)`` prefix of each node's lines, and a pool's part of the live region (its summary line
-and a row per node: phase, time in it, detail).
+``(node i)`` prefix of each node's lines (``(node i rank r)`` where nodes hold several ranks),
+and a pool's part of the live region (its summary line and a row per node: phase, time in it,
+detail).
 
 Shared by the plain lines (`console.console`) and the live region (`console.terminal`), so a node
 reads the same both ways.
@@ -66,19 +67,35 @@ def painter(stream: TextIO) -> Paint:
     return paint
 
 
+def who(rank: int, per_node: int) -> str:
+    """Rank `rank` in words, as its lines are prefixed: ``node 1`` where each node holds one
+    rank (the rank is the node), ``node 1 rank 3`` where each holds `per_node`."""
+    return f"node {rank}" if per_node == 1 else f"node {rank // per_node} rank {rank}"
+
+
 class Prefixes:
-    """The ``(node i) `` prefix of each node's lines as one stream shows it, styled once each."""
+    """The ``(node i) `` prefix of each node's lines as one stream shows it (``(node i rank
+    r) `` for a rank where nodes hold several), styled once each, in its node's colour."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
         self.paint = painter(stream)
         self._made: list[str] = []
+        self._ranks: dict[tuple[int, int], str] = {}
 
     def __getitem__(self, node: int) -> str:
         while len(self._made) <= node:
             index = len(self._made)
             self._made.append(self.paint(f"(node {index})", node_style(index)) + " ")
         return self._made[node]
+
+    def rank(self, rank: int, per_node: int) -> str:
+        """The prefix of rank `rank`'s lines where each node holds `per_node` (> 1) ranks."""
+        made = self._ranks.get((rank, per_node))
+        if made is None:
+            style = node_style(rank // per_node)
+            made = self._ranks[rank, per_node] = self.paint(f"({who(rank, per_node)})", style) + " "
+        return made
 
 
 def summary(name: str, provider: str, rows: list[Row], elapsed: float, spent: str = "") -> Text:

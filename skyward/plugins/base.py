@@ -89,5 +89,11 @@ class Plugin:
         """A context entered on the client around the pool's life."""
         return self._around_client(pool) if self._around_client else None
 
+    @property
+    def rank_per_gpu(self) -> bool:
+        """Whether the plugin's framework runs one process per GPU (PyTorch does): a pool that
+        does not say ``processes_per_node`` then starts one rank for each GPU of a node."""
+        return False
+
     def __repr__(self) -> str:
         return f"<skyward plugin {self.name!r}>"

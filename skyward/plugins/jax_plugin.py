@@ -6,6 +6,9 @@ scoped to jax and jaxlib (unless the image names an index for everything, a priv
 and drops the user's own jax/jaxlib pins that would shadow it.
 `around_app` exports ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
 then calls ``jax.distributed.initialize`` and, at shutdown, ``jax.distributed.shutdown``. A
+process is a rank: one per node by default (it sees every device of its node), or
+``processes_per_node`` of them, each with its share of the node's GPUs (on the CPU, each its
+own CPU device), so ``jax.process_count()`` is every rank of every node. A
 script written for another JAX launcher runs unchanged: its own ``initialize()`` with no
 arguments, or with the pool's, returns quietly; with ``initialize=False`` it does the work, and
 a bare call reads the JAX_* variables.
@@ -127,7 +130,7 @@ class JaxPlugin(Plugin):
     @contextlib.contextmanager
     def _distributed(self, info: InstanceInfo) -> Iterator[None]:
         coordinator = export_launcher_env(info)
-        if not self.initialize or info.total_nodes == 1:
+        if not self.initialize or info.world_size == 1:
             # The user's code may initialize JAX itself, with no arguments.
             jaxenv.teach_jax_when_imported()
             yield
@@ -139,12 +142,13 @@ class JaxPlugin(Plugin):
             jaxenv.wait_for_listener(coordinator, self.initialization_timeout)
         jax.distributed.initialize(
             coordinator_address=coordinator,
-            num_processes=info.total_nodes,
-            process_id=info.node,
+            num_processes=info.world_size,
+            process_id=info.rank,
+            local_device_ids=rank_devices(info),
             initialization_timeout=self.initialization_timeout,
         )
         try:
-            with _pool_owns_initialization(coordinator, info.total_nodes, info.node):
+            with _pool_owns_initialization(coordinator, info.world_size, info.rank):
                 yield
         finally:
             jax.distributed.shutdown()
@@ -152,16 +156,33 @@ class JaxPlugin(Plugin):
 
 def export_launcher_env(info: InstanceInfo) -> str:
     """Export ``JAX_COORDINATOR_ADDRESS`` (and ``JAX_COORDINATOR_BIND_ADDRESS``, the same),
-    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` for this node (the coordinator on node 0's
-    ``jax`` port); returns the coordinator's address."""
+    ``JAX_NUM_PROCESSES`` (every rank) and ``JAX_PROCESS_ID`` (this rank) for this rank (the
+    coordinator on node 0's ``jax`` port), and the GPUs it uses where a node holds several
+    ranks (`rank_devices`, for a bare ``initialize()``); returns the coordinator's address."""
     coordinator = f"{info.head_addr}:{info.ports['jax']}"
     os.environ["JAX_COORDINATOR_ADDRESS"] = coordinator
     # Node 0's coordinator listens only where the others dial it (the pool's private address;
     # 127.0.0.1 on Local): a script's own initialize() reads the variable too.
     jaxenv.bind_coordinator(coordinator)
-    os.environ["JAX_NUM_PROCESSES"] = str(info.total_nodes)
-    os.environ["JAX_PROCESS_ID"] = str(info.node)
+    os.environ["JAX_NUM_PROCESSES"] = str(info.world_size)
+    os.environ["JAX_PROCESS_ID"] = str(info.rank)
+    devices = rank_devices(info)
+    if devices is not None:
+        os.environ[jaxenv.LOCAL_DEVICES_ENV] = ",".join(map(str, devices))
     return coordinator
+
+
+def rank_devices(info: InstanceInfo) -> list[int] | None:
+    """The node's GPUs (as its processes number them, from 0) that this rank's JAX uses where
+    the node holds several ranks: an equal share each, in rank order (GPU ``LOCAL_RANK`` with
+    one rank a GPU). None, every device of the node, with one rank per node or no GPU."""
+    count, ranks = info.accelerator_count, info.processes_per_node
+    if ranks == 1 or count == 0:
+        return None
+    share = count // ranks
+    if share == 0:  # more ranks than GPUs: refused where GPUs were asked for
+        return [info.local_rank % count]
+    return list(range(info.local_rank * share, (info.local_rank + 1) * share))
 
 
 def jax(
@@ -211,13 +232,13 @@ def _pool_owns_initialization(coordinator: str, count: int, rank: int) -> Iterat
                 "your code initialize JAX itself, use sky.plugins.jax(initialize=False)"
             )
         _note_once(
-            "jax.distributed.initialize() called on node %d: the pool's JAX plugin already "
+            "jax.distributed.initialize() called on rank %d: the pool's JAX plugin already "
             "initialized it with these settings; nothing to do",
             rank,
         )
 
     def shutdown() -> None:
-        _note_once("jax.distributed.shutdown() on node %d: left to the pool", rank)
+        _note_once("jax.distributed.shutdown() on rank %d: left to the pool", rank)
 
     distributed.initialize, distributed.shutdown = initialize, shutdown
     try:

@@ -7,7 +7,9 @@ One node with several devices (``accelerator="H100:8"``) gets the same over its 
 Stacked after the JAX plugin it reuses the ``jax.distributed`` setup already done; alone, it asks
 Keras to initialize the distributed runtime itself, its coordinator on node 0 listening only on
 the pool's address, as the JAX plugin's does. With the torch backend (stacked after the
-PyTorch plugin) data parallelism is torch.distributed's: the plugin sets the backend and says so.
+PyTorch plugin) data parallelism is torch.distributed's: the plugin sets the backend and says so,
+and a pool holds one rank per GPU of a node, as PyTorch wants (unless it says
+``processes_per_node``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class KerasPlugin(Plugin):
         self.backend = backend
         self.distribute = checks.flag(distribute, "keras(distribute=)")
 
+    @property
+    def rank_per_gpu(self) -> bool:
+        """On the torch backend a model is a torch module, trained a rank per GPU (DDP)."""
+        return self.backend == "torch"
+
     def transform(self, image: Image, cluster: ClusterSpec) -> Image:
         if any(r.name.lower() == "keras" for r in image.requirements()):
             return image
@@ -76,7 +83,7 @@ class KerasPlugin(Plugin):
                 f"plugin could set {self.backend!r}; do not import keras at node start-up"
             )
         os.environ["KERAS_BACKEND"] = self.backend
-        alone = info.total_nodes == 1
+        alone = info.world_size == 1
         if not self.distribute or (alone and self.backend != "jax"):
             yield
             return
@@ -101,8 +108,8 @@ class KerasPlugin(Plugin):
             jaxenv.bind_coordinator(coordinator)
             keras.distribution.initialize(
                 job_addresses=coordinator,
-                num_processes=info.total_nodes,
-                process_id=info.node,
+                num_processes=info.world_size,
+                process_id=info.rank,
             )
         elif not alone:
             # Keras's own initialize() agrees one random seed across processes, so unseeded

@@ -4,12 +4,15 @@
 nodes, scoped to the torch packages: the CUDA build for the nodes' driver on GPU nodes, the CPU
 build elsewhere (unless the image's default index replaces PyPI, a private mirror: torch then
 comes from it, as PyPI serves it; an extra index leaves the choice as it is).
-`around_app` exports torchrun's variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``; one process per node), then calls
-``torch.distributed.init_process_group`` on a store that node 0 serves on the pool's address
-only (NCCL where the node has a GPU, gloo otherwise) and
-destroys the group when the node ends. With ``initialize=False`` only the variables are
-exported, for a script that calls ``init_process_group()`` itself (``skyward run``).
+`around_app` exports torchrun's variables in every rank (``MASTER_ADDR``, ``MASTER_PORT``,
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, and Lightning's
+``NODE_RANK``), then calls ``torch.distributed.init_process_group`` over every rank of every
+node, on a store that rank 0 serves on the pool's address only (NCCL where the node has a GPU,
+each rank on GPU ``LOCAL_RANK``; gloo otherwise) and destroys the group when the rank ends. A
+pool with this plugin holds one rank per GPU of a node unless it says `processes_per_node`.
+With ``initialize=False`` only the variables are exported, for a script that calls
+``init_process_group()`` itself (``skyward run``), and a pool holds one rank per node unless it
+says otherwise, as torchrun does.
 """
 
 from __future__ import annotations
@@ -42,14 +45,17 @@ _CUDA_BUILDS = (((13, 0), "cu130"), ((12, 8), "cu128"), ((12, 6), "cu126"), ((12
 
 
 class TorchPlugin(Plugin):
-    """Installs PyTorch for the accelerator and joins every node to one process group.
+    """Installs PyTorch for the accelerator and joins every rank to one process group.
 
     Args:
         backend: ``"nccl"`` or ``"gloo"``; None: NCCL where the node has a GPU, gloo otherwise.
         version: a torch version to pin (``"2.13.0"``); default: the image's own requirement
             on torch if it has one, else the newest.
         initialize: call ``init_process_group``; False only exports the variables.
-        timeout: seconds every node has to join the group (and each collective to finish).
+        timeout: seconds every rank has to join the group (and each collective to finish).
+        per_gpu: whether a pool that does not say ``processes_per_node`` holds a rank for each
+            GPU of a node; None: where the plugin makes the group (with ``initialize=False``
+            the code that does says how many, as under torchrun).
     """
 
     name = "torch"
@@ -62,6 +68,7 @@ class TorchPlugin(Plugin):
         version: str | None = None,
         initialize: bool = True,
         timeout: float = 120,
+        per_gpu: bool | None = None,
     ) -> None:
         super().__init__()
         if backend is not None and backend not in BACKENDS:
@@ -73,6 +80,12 @@ class TorchPlugin(Plugin):
         self.version = checks.optional_text(version, "torch(version=)")
         self.initialize = checks.flag(initialize, "torch(initialize=)")
         self.timeout = checks.seconds(timeout, "torch(timeout=)")
+        self.per_gpu = None if per_gpu is None else checks.flag(per_gpu, "TorchPlugin(per_gpu=)")
+
+    @property
+    def rank_per_gpu(self) -> bool:
+        """`per_gpu`, by default where the plugin makes the group."""
+        return self.initialize if self.per_gpu is None else self.per_gpu
 
     def build(self, cluster: ClusterSpec) -> str:
         """The PyTorch build for `cluster`: ``"cpu"`` without GPUs (a TPU too: torch_xla is
@@ -120,7 +133,7 @@ class TorchPlugin(Plugin):
         gpu = torch.cuda.is_available()
         backend = self.backend or ("nccl" if gpu else "gloo")
         if gpu:
-            torch.cuda.set_device(0)  # the node's first GPU it owns: one process per node
+            torch.cuda.set_device(_rank_gpu(info, torch.cuda.device_count()))
         timeout = timedelta(seconds=self.timeout)
         # What ``init_method="env://"`` would make, except that node 0's store listens only on
         # the pool's address (torch's own binds every interface, where anyone could read and
@@ -130,7 +143,7 @@ class TorchPlugin(Plugin):
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 info.head_addr,
                 info.ports["torch"],
-                info.total_nodes,
+                info.world_size,
                 info.is_head,
                 timeout,
                 master_listen_fd=listening,
@@ -140,7 +153,7 @@ class TorchPlugin(Plugin):
                 os.close(listening)
             raise
         dist.init_process_group(
-            backend, store=store, rank=info.node, world_size=info.total_nodes, timeout=timeout
+            backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
         )
         try:
             yield
@@ -148,8 +161,19 @@ class TorchPlugin(Plugin):
             dist.destroy_process_group()
 
 
+def _rank_gpu(info: InstanceInfo, visible: int) -> int:
+    """The GPU a rank uses, as torchrun's ranks do: ``cuda:LOCAL_RANK`` of the node's GPUs."""
+    if info.local_rank >= visible:
+        raise ConfigError(
+            f"rank {info.rank} is local rank {info.local_rank} of node {info.node}, which has "
+            f"{visible} GPU(s): NCCL needs a GPU of its own for every rank; give the pool "
+            f"processes_per_node={visible} or fewer (or backend='gloo' to run on the CPU)"
+        )
+    return info.local_rank
+
+
 def _listen(info: InstanceInfo) -> int:
-    """A socket listening on the pool's address and ``torch`` port, for node 0's store: its
+    """A socket listening on the pool's address and ``torch`` port, for rank 0's store: its
     file descriptor, which the store then owns (it does not copy it)."""
     family = socket.AF_INET6 if ":" in info.head_addr else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -160,17 +184,20 @@ def _listen(info: InstanceInfo) -> int:
 
 
 def export_torch_env(info: InstanceInfo) -> None:
-    """Export what torchrun gives each process (one per node here): ``MASTER_ADDR`` and
-    ``MASTER_PORT`` (node 0's ``torch`` port), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``."""
+    """Export what torchrun gives each process: ``MASTER_ADDR`` and ``MASTER_PORT`` (node 0's
+    ``torch`` port), ``RANK`` (global), ``WORLD_SIZE`` (every rank), ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE`` (the ranks of a node), ``GROUP_RANK`` (the node), and ``NODE_RANK``,
+    Lightning's name for the node (torchrun does not set it)."""
     os.environ.update(
         {
             "MASTER_ADDR": info.head_addr,
             "MASTER_PORT": str(info.ports["torch"]),
-            "RANK": str(info.node),
-            "WORLD_SIZE": str(info.total_nodes),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
+            "RANK": str(info.rank),
+            "WORLD_SIZE": str(info.world_size),
+            "LOCAL_RANK": str(info.local_rank),
+            "LOCAL_WORLD_SIZE": str(info.processes_per_node),
+            "GROUP_RANK": str(info.node),
+            "NODE_RANK": str(info.node),
         }
     )
 

@@ -12,6 +12,9 @@ before it tries again, which is most of a start-up where processes import JAX at
 different speeds. The knock checks that the coordinator answers (gRPC's HTTP/2 greeting), not
 just that something listens. The arguments and the outcome are JAX's own.
 
+Where a node holds several ranks, each rank's share of the node's GPUs travels in
+``SKYWARD_JAX_LOCAL_DEVICES`` and a bare ``initialize()`` passes it as ``local_device_ids``.
+
 `bind_coordinator` makes node 0's coordinator listen only where the other nodes dial it, for
 the JAX plugin and for Keras when it initializes ``jax.distributed`` itself.
 
@@ -33,6 +36,10 @@ from types import ModuleType
 from typing import Any
 
 _taught = False
+
+# The GPUs of its node a rank's JAX uses where the node holds several ranks ("0,1"): a bare
+# ``initialize()`` passes them as ``local_device_ids``, as the JAX plugin does.
+LOCAL_DEVICES_ENV = "SKYWARD_JAX_LOCAL_DEVICES"
 
 
 def teach_jax() -> None:
@@ -89,6 +96,9 @@ def _knock_first() -> None:
         rank = process_id if process_id is not None else os.environ.get("JAX_PROCESS_ID")
         if address and rank not in (None, 0, "0"):
             wait_for_listener(address, float(kwargs.get("initialization_timeout", 300)))
+        shared = os.environ.get(LOCAL_DEVICES_ENV)
+        if shared and not args and kwargs.get("local_device_ids") is None:
+            kwargs["local_device_ids"] = [int(index) for index in shared.split(",")]
         return real(coordinator_address, num_processes, process_id, *args, **kwargs)
 
     distributed.initialize = initialize

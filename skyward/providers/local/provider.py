@@ -128,10 +128,12 @@ class Local(Provider):
         return Hardware.of([node.gpus for node in cluster.nodes], [cuda] * len(cluster.nodes))
 
     async def launch(self, spec: ClusterSpec, progress: Progress) -> Cluster:
-        # With a core for each node and one for the client, both ends of a small call poll
-        # briefly for the other's answer instead of sleeping: it saves the two wake-ups that
-        # are most of a small call's round trip. With fewer cores, polling would steal them.
-        linger = LINGER_SECONDS if spec.nodes + 1 <= _usable_cores() else 0.0
+        # With a core for each agent (every rank of every node) and one for the client, both
+        # ends of a small call poll briefly for the other's answer instead of sleeping: it
+        # saves the two wake-ups that are most of a small call's round trip. With fewer cores,
+        # polling would steal them.
+        agents = spec.nodes * spec.processes_per_node
+        linger = LINGER_SECONDS if agents + 1 <= _usable_cores() else 0.0
         inventory = await asyncio.to_thread(machine_gpus)
         owned = devices.assign(inventory, spec.accelerator, spec.nodes)
         if spec.accelerator is None and devices.usable(inventory, os.environ):
@@ -226,7 +228,8 @@ class Local(Provider):
         )
 
     def teardown_summary(self, cluster: Cluster) -> str:
-        return f"stopped {count(len(cluster.nodes), 'process', 'processes')}"
+        agents = len(cluster.nodes) * cluster.spec.processes_per_node  # a process a rank
+        return f"stopped {count(agents, 'process', 'processes')}"
 
     def detached_kind(self) -> str:
         return "local"

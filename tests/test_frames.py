@@ -430,3 +430,70 @@ def test_threads_sending_at_once_never_interleave_their_frames() -> None:
     for call_id, payload in received:
         thread, i = divmod(call_id, 1000)
         assert payload == bytes([thread]) * sizes[(thread + i) % len(sizes)]
+
+
+def test_patience_polls_only_while_a_core_is_free_and_polling_pays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The waiting policy (`frames.Patience`): on a machine with no core free it never polls
+    (the caller blocks at once); with one free it polls until ready; after `MISSES` waits the
+    window did not cover it rests for `REST` waits, then polls again."""
+    free = [False]
+    monkeypatch.setattr(frames, "core_free", lambda: free[0])
+    asked: list[int] = []
+
+    def never() -> bool:
+        asked.append(1)
+        return False
+
+    busy = frames.Patience(0.001)
+    busy.SAMPLE = 0.0  # look at the machine at every wait, for the test
+    busy.wait(never)
+    assert asked == [], "it polled with no core free"
+
+    free[0] = True
+    countdown = iter([False, False, True])
+    busy.wait(lambda: next(countdown))  # ready on the third look: polled until then
+    assert next(countdown, "spent") == "spent"
+
+    for _ in range(frames.Patience.MISSES):
+        busy.wait(never)  # each a whole window, nothing came
+    polled = len(asked)
+    assert polled > frames.Patience.MISSES
+    for _ in range(frames.Patience.REST):
+        busy.wait(never)
+    assert len(asked) == polled, "it polled while resting"
+    busy.wait(never)
+    assert len(asked) > polled, "it never tried again"
+
+    idle = frames.Patience(0.0)  # no window: never polls
+    idle.wait(never)
+    assert len(asked) > polled
+
+
+def test_no_core_is_free_with_a_busy_process_on_each() -> None:
+    """`core_free` reads the machine's runnable tasks: with one busy process per core beside
+    this one, none is free (an idle machine's answer depends on what else runs there)."""
+    import multiprocessing
+    import os
+    import time
+
+    cores = len(os.sched_getaffinity(0))
+    spinners = [
+        multiprocessing.get_context("fork").Process(target=_spin, daemon=True) for _ in range(cores)
+    ]
+    for process in spinners:
+        process.start()
+    try:
+        time.sleep(0.2)
+        looks = [frames.core_free() for _ in range(20)]
+    finally:
+        for process in spinners:
+            process.kill()
+            process.join(5)
+    assert looks.count(False) >= 15, looks
+
+
+def _spin() -> None:
+    while True:
+        pass

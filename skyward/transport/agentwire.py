@@ -39,12 +39,12 @@ from skyward.transport.frames import (
     SCALARS,
     Buffer,
     FrameError,
+    Patience,
     Segments,
     encode,
     encode_result,
     lengths_of,
     read_meta,
-    spin_until,
     write_all,
 )
 from skyward.transport.messages import Call, Heartbeat, Message, from_wire
@@ -131,6 +131,7 @@ class AgentWire:
         # One poll object per thread that polls (a poll object refuses concurrent use): the
         # reader's `linger` and the other thread's `read_ahead`.
         self._input, self._input_ahead = select.poll(), select.poll()
+        self._patience = Patience(0.0)  # `linger`'s wait for the next call
         self._input.register(fd_in, select.POLLIN)
         self._input_ahead.register(fd_in, select.POLLIN)
         self._out_fd = fd_out
@@ -364,12 +365,14 @@ class AgentWire:
 
         A process asleep in read() costs a wake-up when data arrives, and on a virtual machine
         that is often the largest part of a small call's round trip. Polling briefly after a
-        reply catches back-to-back calls awake, at the price of `seconds` of CPU when none come.
+        reply catches back-to-back calls awake, at the price of `seconds` of CPU when none come;
+        it polls only while that pays (`Patience`: a core free, calls coming within the window).
         """
         if seconds <= 0 or self._early:
             return
         poll = self._input.poll
-        spin_until(lambda: bool(poll(0)), seconds)
+        self._patience.window = seconds
+        self._patience.wait(lambda: bool(poll(0)))
 
 
 class _Chunks(io.RawIOBase):

@@ -190,12 +190,78 @@ def loads(segments: Sequence[Buffer]) -> Any:
     return pickle.loads(segments[0], buffers=segments[1:])
 
 
-def spin_until(ready: Callable[[], bool], seconds: float) -> None:
-    """Busy-wait until `ready()` or for `seconds`, whichever comes first: a process that polls
-    sees data as it arrives, one asleep in read() has to be woken (see `AgentWire.linger`)."""
-    deadline = time.perf_counter() + seconds
-    while not ready() and time.perf_counter() < deadline:
-        pass
+class Patience:
+    """How a side waits for its next frame: poll for up to `window` seconds before it sleeps in
+    read(), but only while polling pays.
+
+    A process that polls sees data as it arrives; one asleep in read() has to be woken, and on
+    a virtual machine the wake-up is often most of a small call's round trip. But a poll takes
+    a core: on a busy machine (data-loader workers, XLA's threads, a notebook beside the pool)
+    it is the very core the other side needs to answer, and each wait costs a scheduler's slice
+    instead of a wake-up. So it polls only when both hold:
+
+    - a core is free now (`core_free`: fewer runnable tasks than this process's cores, not
+      counting itself; looked at every `SAMPLE` seconds, not at every wait);
+    - polling paid lately: after `MISSES` waits in a row that the window did not cover (the
+      reply or the next call came later, or never), it sleeps at once for the next `REST`
+      waits, then tries again.
+
+    Otherwise it returns at once and the caller blocks: a loaded machine pays a plain pipe's
+    wake-up and no more."""
+
+    SAMPLE = 0.05
+    MISSES = 4
+    REST = 64
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self._misses = 0
+        self._resting = 0
+        self._sampled = -1.0
+        self._free = True
+
+    def wait(self, ready: Callable[[], bool]) -> None:
+        """Poll `ready()` for up to the window when that pays; return when it is ready, the
+        window is over, or polling does not pay (the caller then blocks in its read)."""
+        if self.window <= 0:
+            return
+        if self._resting:
+            self._resting -= 1
+            return
+        now = time.perf_counter()
+        if now - self._sampled >= self.SAMPLE:
+            self._sampled = now
+            self._free = core_free()
+        if not self._free:
+            return
+        deadline = now + self.window
+        while not ready():
+            if time.perf_counter() >= deadline:
+                self._misses += 1
+                if self._misses >= self.MISSES:
+                    self._misses, self._resting = 0, self.REST
+                return
+        self._misses = 0
+
+
+def core_free() -> bool:
+    """Whether a core of this process's would be idle while it polls: fewer runnable tasks on
+    the machine, this one left out, than cores it may run on (``/proc/loadavg``'s running
+    count; True where there is none to read)."""
+    try:
+        with open("/proc/loadavg", "rb") as handle:
+            running = int(handle.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return True
+    return running - 1 < _cores()
+
+
+@functools.cache
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def write_all(fd: int, data: Buffer) -> None:

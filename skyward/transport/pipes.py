@@ -22,7 +22,7 @@ from typing import IO
 
 from skyward.transport.base import AgentStream, Receiver
 from skyward.transport.fastpath import PipeGroup
-from skyward.transport.frames import Buffer, spin_until, write_all
+from skyward.transport.frames import Buffer, Patience, write_all
 
 # A read allocates a bytes object of the size asked for, then shrinks it to what came: at 1 MiB
 # that is an mmap, a page fault and an munmap, and past 512 bytes a malloc and a realloc, on
@@ -181,6 +181,7 @@ class _ControlReader:
         self._read_size = _SMALL_READ
         self._poller = select.poll()
         self._poller.register(fd, select.POLLIN)
+        self._patience = Patience(0.0)  # the callers' wait (`read_until`'s linger)
         # Guards the fields below; a plain lock (not a Condition): nobody needs to be notified.
         self._state = threading.Lock()
         self._callers = 0  # callers reading or about to
@@ -259,13 +260,14 @@ class _ControlReader:
 
     def read_until(self, done: Callable[[], bool], linger: float = 0.0) -> None:
         """Read and deliver until `done()`; poll up to `linger` seconds before each blocking
-        read, so a quick reply finds this thread awake (see AgentWire.linger)."""
+        read while polling pays (`Patience`), so a quick reply finds this thread awake."""
         self.enter()
         try:
             with self.lock:
+                patience, poll = self._patience, self._poller.poll
+                patience.window = linger
                 while not done() and not self.ended:
-                    if linger > 0:
-                        spin_until(lambda: bool(self._poller.poll(0)), linger)
+                    patience.wait(lambda: bool(poll(0)))
                     self.read_once()  # the pipe blocks: this thread sleeps in read()
         finally:
             self.leave()

@@ -1,9 +1,9 @@
 """Local-provider benchmarks: each skyward figure beside a floor measured in the same run.
 
 Run ``python benchmarks/bench_local.py`` (``--quick`` for fewer iterations, ``--only NAME`` for
-one figure; NAME is one of rtt, gather, broadcast, bulk, jax, run, step, output, output-tty,
-report, stacks). It is a report, not a test: a MISS is printed, never turned into a failing exit
-status. See benchmarks/README.md.
+one figure; NAME is one of rtt, gather, broadcast, ranks, bulk, jax, run, step, output,
+output-tty, report, stacks). It is a report, not a test: a MISS is printed, never turned into a
+failing exit status. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ NAMES = (
     "rtt",
     "gather",
     "broadcast",
+    "ranks",
     "bulk",
     "jax",
     "run",
@@ -482,9 +483,10 @@ def _write_all(fd: int, data: bytes) -> None:
 # -- the skyward figures ----------------------------------------------------------------------
 
 
-def pool(nodes: int, plugins: tuple[Plugin, ...] = ()) -> ComputePool:
-    """A Local pool (the default provider), as the issue specifies: no output streaming."""
-    return ComputePool(nodes=nodes, plugins=plugins, stream_output=False)
+def pool(nodes: int, plugins: tuple[Plugin, ...] = (), ranks: int = 1) -> ComputePool:
+    """A Local pool (the default provider), as the issue specifies: no output streaming;
+    `ranks` agents on each node."""
+    return ComputePool(nodes=nodes, plugins=plugins, stream_output=False, processes_per_node=ranks)
 
 
 def sky_round_trip(p: ComputePool) -> Op:
@@ -661,6 +663,30 @@ def bench_broadcast(s: Settings) -> Row:
         ratio <= 1.5,
         f"skyward {spread(pooled, us)}; raw 8 pipes {spread(raw, us)}; n={len(pooled)} each; "
         f"for scale, the 1-node >>: {spread(single, us)}",
+    )
+
+
+def bench_ranks(s: Settings) -> Row:
+    """A broadcast to 8 ranks held as 2 nodes x 4 ranks beside one to 8 nodes x 1 rank: the
+    same 8 agents, so the ranks' figure should be the nodes' (the floor here)."""
+    with raw_children(8) as children, pool(8) as nodes, pool(2, ranks=4) as ranks:
+        by_node, by_rank, raw = interleaved(
+            [sky_broadcast(nodes), sky_broadcast(ranks), raw_broadcast(children)],
+            s.broadcasts,
+            s.warmup,
+            blocks=10,
+        )
+    floor, figure = statistics.median(by_node), statistics.median(by_rank)
+    ratio = figure / floor
+    return Row(
+        "ranks: noop() @ pool, 2 nodes x 4 ranks",
+        us(figure),
+        f"{us(floor)} 8 nodes x 1 rank",
+        ratio,
+        "<= 1.1x",
+        ratio <= 1.1,
+        f"2 x 4 ranks {spread(by_rank, us)}; 8 x 1 {spread(by_node, us)}; n={len(by_rank)} "
+        f"each; for scale, raw 8 pipes {spread(raw, us)}",
     )
 
 
@@ -961,6 +987,7 @@ BENCHES: dict[str, Callable[[Settings], Row]] = {
     "rtt": bench_rtt,
     "gather": bench_gather,
     "broadcast": bench_broadcast,
+    "ranks": bench_ranks,
     "bulk": bench_bulk,
     "jax": bench_jax,
     "run": bench_run,

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from skyward.errors import ConfigError
-from skyward.providers.base import NodeCommands, Provider
+from skyward.errors import ConfigError, SkywardError
+from skyward.providers.base import NodeCommands, NodeGone, Provider
 from skyward.worker import supervisor
 from skyward.worker.supervisor import LOG, NODE_STATE, RUN_STATE, read_json
 
@@ -74,6 +74,10 @@ class Reach(Protocol):
     def clean(self, key_tags: Sequence[str | None]) -> None: ...
     def why(self, node: int) -> str:
         """Why node `node` could not be reached at the last look ("" when it was)."""
+        ...
+
+    def gone(self, node: int) -> bool:
+        """Whether node `node` will never be reached again (its pod gone: `NodeGone`)."""
         ...
 
     def close(self) -> None: ...
@@ -121,6 +125,9 @@ class Local:
     def why(self, node: int) -> str:
         return ""
 
+    def gone(self, node: int) -> bool:
+        return False
+
     def close(self) -> None:
         return None
 
@@ -158,6 +165,7 @@ class Shell:
         self.directories = list(directories)
         self._loop = asyncio.new_event_loop()
         self._why: dict[int, str] = {}
+        self._gone: set[int] = set()
 
     async def _run(self, index: int, command: str, sink: Callable[[bytes], Awaitable[None]]) -> int:
         """Run `command` on node `index`, handing its output to `sink` as it comes; its exit
@@ -179,6 +187,8 @@ class Shell:
                 found = await job(index)
             except Exception as exc:
                 self._why[index] = _why(exc)
+                if isinstance(exc, NodeGone):
+                    self._gone.add(index)
                 with contextlib.suppress(Exception):
                     await self._drop(index)
                 return exc
@@ -192,6 +202,9 @@ class Shell:
 
     def why(self, node: int) -> str:
         return self._why.get(node, "")
+
+    def gone(self, node: int) -> bool:
+        return node in self._gone
 
     async def _read(self, index: int, command: str) -> bytes:
         """`command`'s whole output (the caller's command bounds it)."""
@@ -383,6 +396,8 @@ class Commands(Shell):
 def _why(error: Exception) -> str:
     if isinstance(error, TimeoutError):
         return f"it sent nothing for {PROGRESS_TIMEOUT:.0f} s"
+    if isinstance(error, SkywardError):
+        return str(error)  # whole words already (a provider's: "pod ... has ended")
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,7 +178,9 @@ class Run:
     def _keep_logs(self) -> list[str]:
         """Every rank's log and outputs, copied under ``<cache>/runs/NAME.logs/``: where `logs`
         and `fetch` read them once the nodes are gone. Raises when a node cannot be read to
-        its end."""
+        its end; a node gone for good (its pod deleted) is left out, and the record says
+        so (``gone``): waiting would not bring it back, and the others' machines would wait
+        for it for ever."""
         root = record.runs_dir() / f"{self.name}.logs"
         kept = [root / f"node-{node}" for node in range(self.record.nodes)]
         handles = []
@@ -186,21 +188,28 @@ class Run:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(directory / supervisor.LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             handles.append(os.fdopen(fd, "wb"))
+        nodes = self._nodes()
+        gone: dict[int, str] = {}
         try:
             offsets = [0] * self.record.nodes
             more = True
             while more:  # a bounded piece of each log per look, until every one is read
-                views = self._nodes().peek(offsets)
+                views = nodes.peek(offsets)
                 for node, view in enumerate(views):
-                    if view is None:
+                    if view is None and nodes.gone(node):
+                        gone[node] = nodes.why(node)
+                    elif view is None:
                         raise FetchError(f"node {node} cannot be reached")
-                    handles[node].write(view.data)
-                    offsets[node] += len(view.data)
+                    else:
+                        handles[node].write(view.data)
+                        offsets[node] += len(view.data)
                 more = any(view is not None and view.more for view in views)
         finally:
             for handle in handles:
                 handle.close()
-        self._bring(self._nodes(), [directory / supervisor.OUTPUTS for directory in kept])
+        self._bring(nodes, [directory / supervisor.OUTPUTS for directory in kept], set(gone))
+        if gone:
+            self.record.reach["gone"] = "; ".join(f"node {n}: {why}" for n, why in gone.items())
         return [str(directory) for directory in kept]
 
     # -- outputs
@@ -239,8 +248,12 @@ class Run:
         self._bring(nodes, placed)
         return placed
 
-    def _bring(self, nodes: reach.Reach, targets: list[Path]) -> None:
-        failed = [f"node {node} ({why})" for node, why in enumerate(nodes.outputs(targets)) if why]
+    def _bring(self, nodes: reach.Reach, targets: list[Path], gone: Collection[int] = ()) -> None:
+        """Every node's outputs but those of nodes `gone` for good, into `targets`."""
+        found = nodes.outputs(targets)
+        failed = [
+            f"node {node} ({why})" for node, why in enumerate(found) if why and node not in gone
+        ]
         if failed:
             raise FetchError(f"the outputs of {', '.join(failed)} could not be fetched")
 
@@ -266,6 +279,11 @@ class Run:
             reason = "its nodes cannot be reached now (the run may still be going)"
             if why:
                 reason = f"node 0 cannot be reached now ({why}; the run may still be going)"
+            if self._reach is not None and self._reach.gone(0):
+                # Node 0 held how the run ends: no later look will see it.
+                reason = f"node 0 will not be reached again: {why}"
+                if "cloud" in rec.reach:
+                    reason += f"; `skyward down {rec.reach['cloud']['pool_id']}` removes the rest"
         note = ""
         if "unsaved" in rec.reach:
             pool = rec.reach["cloud"]["pool_id"]
@@ -276,6 +294,8 @@ class Run:
             )
         elif "unplaced" in rec.reach:
             note = str(rec.reach["unplaced"])
+        elif "gone" in rec.reach:
+            note = f"not kept here, gone with their nodes: {rec.reach['gone']}"
         return RunStatus(
             rec.name,
             rec.provider,

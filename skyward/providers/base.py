@@ -109,7 +109,7 @@ from skyward import checks
 from skyward.console.progress import Progress
 from skyward.cost import Price
 from skyward.data import Data, Placement
-from skyward.errors import ConfigError
+from skyward.errors import ConfigError, SkywardError
 from skyward.hardware import Accelerator, ClusterSpec, Hardware
 from skyward.image import Image
 from skyward.transport.base import AgentStream
@@ -243,6 +243,12 @@ class DetachedReach:
 Sink = Callable[[bytes], Awaitable[None]]
 
 
+class NodeGone(SkywardError, ConnectionError):
+    """A detached run's node that will never answer again (`NodeCommands.run` raises it): its
+    pod or machine is gone or has ended, and what the run left there went with it. Unlike a
+    node out of reach now, nothing is gained by waiting for it."""
+
+
 class NodeCommands(Protocol):
     """Shell commands on a detached run's nodes from a later process (`skyward logs`,
     `status`, `fetch`, `stop`), through the provider's own way in (a pod's exec stream): what
@@ -253,7 +259,7 @@ class NodeCommands(Protocol):
         """Run shell `command` on node `node` with an empty stdin, handing its stdout to `sink`
         as it comes and reading no more until `sink` returns (memory stays bounded however
         much it prints); its exit status. Raises (`OSError`, `SkywardError`) with the reason
-        in words where the node cannot be reached."""
+        in words where the node cannot be reached, `NodeGone` where it never will be."""
         ...
 
     async def drop(self, node: int) -> None:

@@ -26,7 +26,7 @@ from skyward.cli.main import main
 from skyward.detached import record
 from skyward.worker import supervisor
 from tests.kubernetes.conftest import dump, ours
-from tests.support import bareroots
+from tests.support import bareroots, cmdlines
 from tests.support.fakek8s import FakeCluster
 
 # Each rank writes early.txt, prints STEPS lines half a second apart and writes done.txt; with
@@ -198,10 +198,21 @@ def test_a_failing_rank_on_one_pod_stops_the_other_and_fails_the_run(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     name = "pods-fail"
-    _detach(project, kubeconfig, name, "--env", "FAIL=3", "job.py", "4")
-    begun = time.monotonic()
-    assert main(["logs", "-f", name]) == 3
-    assert time.monotonic() - begun < 20  # four half-second steps, then seconds at most
+    # The run's env reaches its ranks through owner-only spec files, never a command line (the
+    # pods' processes are this machine's): not the door's, the dial's or a rank's.
+    secret = cmdlines.canary()
+    markers = [f"{supervisor.MODULE} door ", f"{supervisor.MODULE} dial "]
+    profile = project / "skyward.toml"  # (not --env: the client's own command line)
+    profile.write_text(
+        profile.read_text() + f'env = {{ FAIL = "3", SKYWARD_CANARY = "{secret}" }}\n'
+    )
+    with cmdlines.Watch(secret, markers) as watch:
+        _detach(project, kubeconfig, name, "job.py", "4")
+        begun = time.monotonic()
+        assert main(["logs", "-f", name]) == 3
+        assert time.monotonic() - begun < 20  # four half-second steps, then seconds at most
+    assert watch.leaks == [], watch.leaks[:3]
+    assert watch.seen == set(markers), watch.seen
     captured = capsys.readouterr()
     assert "rank 1 exited with status 3" in captured.err
     assert "(node 1) rank 1 step 3" in captured.out
@@ -266,9 +277,72 @@ def test_pods_whose_client_never_comes_back_end_themselves_after_the_run(
     line = _status_line(name, capsys)
     assert "lost" in line, line
     assert main(["status"]) == 0
-    assert "has ended (Succeeded)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "node 0 will not be reached again: pod" in said and "has ended (Succeeded)" in said
+    assert f"`skyward down {pool}` removes the rest" in said, said
     assert main(["down", pool, "--provider", "kubernetes"]) == 0
     assert wait_until(lambda: _gone(cluster, name), 20), dump(ours(cluster))
+
+
+RESTARTING = """\
+import os, sys, time
+rank, attempt = int(os.environ["JAX_PROCESS_ID"]), int(os.environ["SKYWARD_RESTART"])
+print(f"rank {rank} attempt {attempt}", flush=True)
+if rank == 1 and attempt == 0:
+    sys.exit(3)
+time.sleep(1)
+"""
+
+
+@pytest.mark.slow
+def test_a_restart_dials_pod_1_again_and_its_door_lets_the_leader_in(
+    cluster: FakeCluster,
+    kubeconfig: Path,
+    project: Path,
+    leftovers: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Pod 1's first attempt ran under the follower its agent started; the restart's comes
+    through a second connection to the same door, whose attach is the follower itself."""
+    name = "pods-again"
+    (project / "restarting.py").write_text(RESTARTING)
+    _detach(project, kubeconfig, name, "--restarts", "1", "restarting.py")
+    assert main(["logs", "-f", name]) == 0
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        lines = _rank_lines(out, rank)
+        assert lines == [f"(node {rank}) rank {rank} attempt {a}" for a in (0, 1)], out
+    assert wait_until(lambda: _gone(cluster, name), 20), dump(ours(cluster))
+
+
+@pytest.mark.slow
+def test_a_pod_deleted_mid_run_is_a_lost_node_and_the_rest_goes(
+    cluster: FakeCluster,
+    kubeconfig: Path,
+    project: Path,
+    leftovers: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Someone deletes pod 1 mid-run: node 0's leader loses its connection to pod 1's door,
+    stops rank 0 and fails the run; what pod 1 held went with it, the rest is kept here and
+    pod 0 and the Service go (waiting for pod 1 would keep them for ever)."""
+    name = "pods-lost"
+    _detach(project, kubeconfig, name, "job.py", "600")
+    assert wait_until(lambda: "(node 1) rank 1 step 1" in _logs(name, capsys), 20)
+    pod = record.load(name).reach["data"]["pods"][1]
+    status, _ = cluster.request("DELETE", f"/api/v1/namespaces/default/pods/{pod}")
+    assert status == 200
+    begun = time.monotonic()
+    assert main(["logs", "-f", name]) == 1
+    assert time.monotonic() - begun < 30
+    captured = capsys.readouterr()
+    assert "node 1 was lost" in captured.err, captured.err
+    assert _rank_lines(captured.out, 0)[-1] == "(node 0) rank 0 stopped", captured.out
+    line = _status_line(name, capsys)
+    assert "failed: node 1 was lost" in line, line
+    assert wait_until(lambda: _gone(cluster, name), 20), dump(ours(cluster))
+    assert main(["logs", name]) == 0  # node 0's, from the copy kept here
+    assert "(node 0) rank 0 step 1" in capsys.readouterr().out
 
 
 # -- the door, without a cluster ---------------------------------------------------------------

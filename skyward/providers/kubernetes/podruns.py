@@ -23,8 +23,8 @@ from typing import Any
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from skyward.errors import ProvisionError
-from skyward.providers.base import DetachedReach, KeptPool, Sink
+from skyward.errors import ProvisionError, SkywardError
+from skyward.providers.base import DetachedReach, KeptPool, NodeGone, Sink
 from skyward.providers.kubernetes import connection, execstream, podspec
 from skyward.providers.kubernetes.api import KubeApi, pool_selector
 from skyward.providers.kubernetes.connection import Target
@@ -80,7 +80,7 @@ class PodCommands:
         try:
             ws = await execstream.connect(api, pod, argv)
         except ProvisionError as exc:
-            raise ProvisionError(await _why_not(api, pod, exc)) from None
+            raise await _why_not(api, pod, exc) from None
         status = bytearray()
         try:
             # Read here rather than through `execstream.Exec`, which hands every frame on at
@@ -116,27 +116,28 @@ class PodCommands:
             await api.close()
 
 
-async def _why_not(api: KubeApi, pod: str, refused: ProvisionError) -> str:
-    """Why an exec in `pod` was refused, in words: a pod that has ended or is gone says so."""
+async def _why_not(api: KubeApi, pod: str, refused: ProvisionError) -> SkywardError:
+    """Why an exec in `pod` was refused: `NodeGone` for a pod that is gone or has ended (no
+    exec will reach it again), else the refusal itself."""
     try:
         found = await api.core.read_namespaced_pod(pod, api.namespace)
     except ApiException as exc:
         if exc.status == 404:
-            return (
-                f"pod {pod} is gone from namespace {api.namespace} (deleted by `skyward down` "
-                "or by someone else): what the run left in it went with it"
+            return NodeGone(
+                f"pod {pod} is gone from namespace {api.namespace} (deleted, or its node "
+                "lost): what the run left in it went with it"
             )
-        return str(refused)
+        return refused
     except (aiohttp.ClientError, OSError, TimeoutError):
-        return str(refused)
+        return refused
     phase = found.status.phase if found.status else None
     if phase in ("Succeeded", "Failed"):
-        return (
+        return NodeGone(
             f"pod {pod} has ended ({phase}): its keeper ends it once nothing of the run has run "
             "in it for its idle_timeout (--keep-for keeps it that much longer after the run's "
             "end), and what the run left in it went with it"
         )
-    return str(refused)
+    return refused
 
 
 class RunPods:

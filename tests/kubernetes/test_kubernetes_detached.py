@@ -22,12 +22,13 @@ from pathlib import Path
 
 import pytest
 
+import skyward as sky
 from skyward.cli.main import main
 from skyward.detached import record
 from skyward.worker import supervisor
-from tests.kubernetes.conftest import dump, ours
+from tests.kubernetes.conftest import SECOND_SUBNET, cluster_for, dump, ours
 from tests.support import bareroots, cmdlines
-from tests.support.fakek8s import FakeCluster
+from tests.support.fakek8s import V4, FakeCluster
 
 # Each rank writes early.txt, prints STEPS lines half a second apart and writes done.txt; with
 # $FAIL set, rank 1 then exits with it while rank 0 would go on ten times as long. A rank
@@ -343,6 +344,40 @@ def test_a_pod_deleted_mid_run_is_a_lost_node_and_the_rest_goes(
     assert wait_until(lambda: _gone(cluster, name), 20), dump(ours(cluster))
     assert main(["logs", name]) == 0  # node 0's, from the copy kept here
     assert "(node 0) rank 0 step 1" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_sky_submit_on_an_api_server_that_speaks_only_v4(
+    instance_root: Path,
+    pod_index: bareroots.PackageIndex,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An older API server (exec protocol v4, which cannot close a command's stdin): every
+    command the client runs in the pods later still ends, the outputs' tar stream too."""
+    older = cluster_for(tmp_path / "v4", instance_root, SECOND_SUBNET, protocols=(V4,))
+    try:
+        monkeypatch.setenv("KUBECONFIG", str(older.kubeconfig))
+        (tmp_path / "job.py").write_text(JOB)
+        with bareroots.PackageIndex(Path(pod_index.directory), host=older.bridge) as index:
+            provider = sky.Kubernetes(build_env={"UV_INDEX": index.simple_url})
+            run = sky.submit(
+                str(tmp_path / "job.py"),
+                "3",
+                provider=provider,
+                nodes=2,
+                name="pods-v4",
+                output_dir=tmp_path / "out",
+                keep_for=30,
+            )
+            assert run.wait(timeout=120) == 0
+        lines: list[str] = []
+        run.logs(out=lines.append)
+        assert "(node 1) rank 1 done" in lines and "(node 0) rank 0 step 2" in lines, lines
+        assert (tmp_path / "out" / "node-1" / "done.txt").read_text() == "rank 1"
+        assert wait_until(lambda: not older.pods(selector=SERVICES), 20), dump(older.pods())
+    finally:
+        older.stop()
 
 
 # -- the door, without a cluster ---------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Local-provider benchmarks: each skyward figure beside a floor measured in the same run.
 
-Run ``python benchmarks/bench_local.py`` (``--quick`` for fewer iterations, ``--only NAME`` for
-one figure; NAME is one of rtt, gather, broadcast, ranks, bulk, jax, run, step, output,
-output-tty, report, stacks). It is a report, not a test: a MISS is printed, never turned into a
+Run ``python benchmarks/bench_local.py`` (``--quick`` for fewer iterations, ``--busy N`` with N
+busy-looping processes beside every figure and floor, ``--only NAME`` for one figure; NAME is
+one of rtt, gather, broadcast, ranks, bulk, jax, run, step, output, output-tty, report,
+stacks). It is a report, not a test: a MISS is printed, never turned into a
 failing exit status. See benchmarks/README.md.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import importlib.metadata as metadata
 import inspect
@@ -288,6 +290,7 @@ class Settings:
     output_lines: int  # lines of 100 bytes a node prints for `output`
     reports: int  # sky.report calls timed on the node for `report`
     stack_asks: int  # pool.stacks() calls for `stacks`
+    busy: int = 0  # busy-looping processes beside every figure and floor (`--busy N`)
 
 
 FULL = Settings(
@@ -609,13 +612,15 @@ def bench_rtt(s: Settings) -> Row:
         )
     floor, figure = statistics.median(raw), statistics.median(pooled)
     ratio = figure / floor
+    # A loaded machine: every wait may cost a scheduler's slice, on both sides alike.
+    target = 2.0 if s.busy else 1.5
     return Row(
         "rtt: noop() >> pool, 1 node (median)",
         us(figure),
         f"{us(floor)} raw pipe",
         ratio,
-        "<= 100 us and <= 4x",
-        figure <= 100_000 and ratio <= 4,
+        f"<= {target:g}x",
+        ratio <= target,
         f"skyward {spread(pooled, us)}; raw {spread(raw, us)}; n={len(pooled)} each; for "
         f"scale, a raw pipe whose ends both poll 200 us as skyward's do on Local: "
         f"{spread(polled, us)}",
@@ -1036,6 +1041,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
     parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy-looping processes beside every figure and its floor (a loaded machine)",
+    )
+    parser.add_argument(
         "--only",
         action="append",
         choices=NAMES,
@@ -1046,11 +1058,39 @@ def main() -> None:
     # The table is the report: the pools' own status lines would break it up (node output,
     # which `output` measures, is still printed; output-tty's child turns it back on).
     os.environ.setdefault("SKYWARD_QUIET", "1")
-    settings = QUICK if args.quick else FULL
+    settings = dataclasses.replace(QUICK if args.quick else FULL, busy=args.busy)
     chosen = [name for name in NAMES if not args.only or name in args.only]
 
     print(machine())
     print(f"mode: {'quick' if args.quick else 'full'}; {settings}\n")
+    with busy_loops(args.busy):
+        print_table(chosen, settings)
+
+
+BUSY_LOOP = """\
+import os
+parent = os.getppid()
+while os.getppid() == parent:  # ends with the benchmark, however it ends
+    pass
+"""
+
+
+@contextlib.contextmanager
+def busy_loops(count: int) -> Iterator[None]:
+    """`count` processes that loop on the CPU meanwhile: a training node's data-loader workers
+    and XLA threads, as the waiting sides see them. Each ends when this process is gone."""
+    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+    try:
+        if loops:
+            print(f"busy: {count} busy-looping process(es) beside every figure and floor\n")
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait(10)
+
+
+def print_table(chosen: list[str], settings: Settings) -> None:
     header = (
         f"{'figure':<38} {'value':>16}  {'floor (same run)':<26} {'ratio':>7}  {'target':<20} "
         "result"

@@ -1,7 +1,7 @@
 """The supervisor of a detached run (``skyward run --detach``, `sky.submit`): it holds the run on
 the nodes once the client is gone.
 
-Two roles, both ``python -m skyward.worker.supervisor ROLE DIR``, standard library only:
+Its roles, each ``python -m skyward.worker.supervisor ROLE DIR ...``, standard library only:
 
 - ``follow DIR``: one per node. It runs the node's rank (the ``argv`` of ``DIR/spec.json``, in
   its own process group), appends everything the rank prints to ``DIR/rank.log`` in order, and
@@ -26,18 +26,19 @@ Two roles, both ``python -m skyward.worker.supervisor ROLE DIR``, standard libra
   which connects, proves, and relays its stdio over the connection as ``ssh`` would.
 - ``lead DIR``: one per run, on node 0 (or in the Slurm batch job). It starts one follower per
   rank through the launcher ``DIR/leader.json`` names for it: the follower itself for its own
-  node, ``ssh`` to a key that only runs that node's ``attach`` (an SSH host, a cloud VM), or a
-  ``srun`` step (Slurm). It enforces the gang rule: one rank that fails (or whose node is lost)
-  stops the others; with restarts left and no node lost, every rank starts again. SIGTERM asks
-  it to stop the run. The run's state is ``DIR/run.json``: ``starting``, ``running``,
-  ``succeeded``, ``failed`` (with the rank and its status), ``stopped``.
+  node, ``ssh`` to a key that only runs that node's ``attach`` (an SSH host, a cloud VM),
+  ``dial`` to that node's door (a pod), or a ``srun`` step (Slurm). It enforces the gang rule:
+  one rank that fails (or whose node is lost) stops the others; with restarts left and no node
+  lost, every rank starts again. SIGTERM asks it to stop the run. The run's state is
+  ``DIR/run.json``: ``starting``, ``running``, ``succeeded``, ``failed`` (with the rank and its
+  status), ``stopped``.
 
 Nothing here listens on a port facing the client: the leader reaches the followers over sshd,
 Slurm or a door on the nodes' own network; the client reads the files over the same paths as
-a live pool (SSH, Slurm, the provider's own commands: a pod's exec stream). Both roles also run in
-the node's agent (`prepare_node`, `start_leader`, the calls the client makes while the pool is
-up). Files are written owner-only: a spec holds the run's environment (``env=`` secrets too),
-and it is removed when the follower ends.
+a live pool (SSH, Slurm, the provider's own commands: a pod's exec stream). Followers and the
+leader also run in the node's agent (`prepare_node`, `start_leader`, the calls the client makes
+while the pool is up). Files are written owner-only: a spec holds the run's environment
+(``env=`` secrets too), and it is removed when the follower ends.
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ from skyward.providers.kubernetes import connection, execstream, podspec
 from skyward.providers.kubernetes.api import KubeApi, pool_selector
 from skyward.providers.kubernetes.connection import Target
 
+# How long the deletion of a run's pool may take before the command that asked gives up.
+REMOVE_SECONDS = 60.0
+
 
 def reach_of(target: Target, pods: Sequence[str], pool_id: str) -> DetachedReach:
     """What a detached run's record keeps to reach pods `pods` (node order) of pool `pool_id`
@@ -148,8 +151,10 @@ class RunPods:
         self.target = target_of({"files": files, "context": context, "namespace": namespace})
 
     def remove_pool(self, pool_id: str) -> list[str]:
-        """Delete pool `pool_id`'s pods and Service (by skyward's labels); what was deleted."""
-        return asyncio.run(self._remove(pool_id))
+        """Delete pool `pool_id`'s pods and Service (by skyward's labels); what was deleted.
+        `TimeoutError` after `REMOVE_SECONDS` of an API server that does not answer: the
+        caller says so, and `skyward down` removes them later."""
+        return asyncio.run(asyncio.wait_for(self._remove(pool_id), REMOVE_SECONDS))
 
     async def _remove(self, pool_id: str) -> list[str]:
         api = await KubeApi.open(self.target)

@@ -437,7 +437,8 @@ def _remove_cloud_pool(cloud: dict[str, Any]) -> list[str]:
         provider = reach.named_class(str(cloud["provider"]), "the pool's")(**cloud["arguments"])
         removed: list[str] = provider.remove_pool(cloud["pool_id"])
     except Exception as exc:
-        return [f"not removed ({exc}); `skyward down {cloud['pool_id']}` removes it"]
+        why = str(exc) or type(exc).__name__  # (a timeout says nothing more)
+        return [f"not removed ({why}); `skyward down {cloud['pool_id']}` removes it"]
     return removed
 
 

@@ -47,6 +47,8 @@ def spec(accelerator: str | None = None, nodes: int = 2, ranks: int = 1) -> Clus
         ([sky.plugins.torch()], None, 1),  # CPU nodes: one rank each
         ([sky.plugins.torch()], "TPU-V5E:4", 1),
         ([sky.plugins.torch(initialize=False)], "H100:8", 1),  # torchrun's own default
+        ([sky.plugins.torch(initialize=False, per_gpu=True)], "H100:8", 8),  # skyward run's
+        ([sky.plugins.torch(per_gpu=False)], "H100:8", 1),
         ([sky.plugins.jax()], "H100:8", 1),  # JAX: one process sees every device of a node
         ([sky.plugins.keras(backend="jax")], "H100:8", 1),
         ([], "H100:8", 1),
@@ -117,6 +119,11 @@ def test_a_bad_processes_per_node_is_a_config_error_naming_it_before_anything_st
     assert set(worker_children()) == before  # nothing started
     if accelerator is not None:  # what to do instead, whether or not this machine has GPUs
         assert "2 GPU(s) each node has" in str(caught.value) and "'GPU:3'" in str(caught.value)
+
+
+def test_a_bad_per_gpu_is_a_config_error_naming_it() -> None:
+    with pytest.raises(sky.ConfigError, match=r"torch\(per_gpu=\) must be True or False"):
+        sky.plugins.torch(per_gpu="yes")  # type: ignore[arg-type]
 
 
 def test_skyward_run_refuses_a_bad_nproc_per_node_and_ranks_in_a_detached_run(

@@ -37,7 +37,7 @@ from skyward.errors import BootstrapError
 from skyward.plugins.base import Plugin
 from skyward.plugins.jax_plugin import jax
 from skyward.plugins.launcher import LauncherEnv
-from skyward.plugins.torch_plugin import TorchPlugin
+from skyward.plugins.torch_plugin import torch
 from skyward.pool import ComputePool
 from skyward.providers.base import Provider
 from skyward.worker.script import run_script
@@ -95,7 +95,7 @@ def script_plugins(profile: Profile, ranks_per_gpu: bool = False) -> list[Plugin
     if "jax" in profile.plugins:
         plugins.append(jax(initialize=False))
     if "torch" in profile.plugins:
-        plugins.append(TorchPlugin(initialize=False, per_gpu=True if ranks_per_gpu else None))
+        plugins.append(torch(initialize=False, per_gpu=True if ranks_per_gpu else None))
     return plugins
 
 

@@ -80,7 +80,7 @@ class TorchPlugin(Plugin):
         self.version = checks.optional_text(version, "torch(version=)")
         self.initialize = checks.flag(initialize, "torch(initialize=)")
         self.timeout = checks.seconds(timeout, "torch(timeout=)")
-        self.per_gpu = None if per_gpu is None else checks.flag(per_gpu, "TorchPlugin(per_gpu=)")
+        self.per_gpu = None if per_gpu is None else checks.flag(per_gpu, "torch(per_gpu=)")
 
     @property
     def rank_per_gpu(self) -> bool:
@@ -208,6 +208,9 @@ def torch(
     version: str | None = None,
     initialize: bool = True,
     timeout: float = 120,
+    per_gpu: bool | None = None,
 ) -> TorchPlugin:
     """The PyTorch plugin (see `TorchPlugin`): ``sky.plugins.torch()``."""
-    return TorchPlugin(backend, version=version, initialize=initialize, timeout=timeout)
+    return TorchPlugin(
+        backend, version=version, initialize=initialize, timeout=timeout, per_gpu=per_gpu
+    )

@@ -202,6 +202,9 @@ def _submit(
         plugins=launcher_plugins(plugins),
         env=dict(env or {}),
         name="run",
+        # One agent a node, whatever the plugins' default (torch's is one rank per GPU): the
+        # node's supervisor starts the run's ranks itself, one a node.
+        processes_per_node=1,
     )
     bucket = outputs if outputs and outputs.startswith("s3://") else None  # nodes upload
     # Local: the nodes are this machine's processes, and the leader's interpreter starts while

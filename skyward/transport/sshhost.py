@@ -4,7 +4,7 @@ Used by the SSH provider and by any provider whose nodes are reached over SSH (A
 `SSHHost` is one asyncssh connection to one host, kept for the pool's life. Every remote command
 starts under a wrapper that prints its pid first: OpenSSH runs each exec request in a new session
 (setsid), so that pid is also the process group of everything the command starts, and
-``kill -KILL -- -PID`` on the host removes all of it.
+``kill -KILL -PID`` on the host removes all of it.
 """
 
 from __future__ import annotations
@@ -350,7 +350,8 @@ class SSHHost:
 
     async def _kill(self, pids: Sequence[int], then: str = "") -> None:
         targets = " ".join(f"-{pid}" for pid in pids)
-        steps = [f"kill -KILL -- {targets} 2>/dev/null"] if pids else []
+        # No `--` before the groups: dash (a login shell of /bin/sh) takes it for a pid.
+        steps = [f"kill -KILL {targets} 2>/dev/null"] if pids else []
         command = "; ".join([*steps, *([then] if then else []), "true"])
         with contextlib.suppress(Exception):
             # Not through `start`: a kill must work even after close() began.

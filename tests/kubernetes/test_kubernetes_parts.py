@@ -197,3 +197,30 @@ def test_the_pod_keeper_ends_after_its_last_process(tmp_path: Path) -> None:
     assert "nothing ran in the pod for 1 s" in out
     # Held while `sleep 3` ran (and its shell): it cannot have ended before.
     assert took >= 3.0, (took, out)
+
+
+_DASH = shutil.which("dash")
+
+
+@pytest.mark.skipif(_DASH is None, reason="needs dash (the sh of Debian-based images)")
+def test_the_kill_command_ends_a_whole_group_under_dash() -> None:
+    # A command started in a session of its own with a child of its own, as an exec's is.
+    group = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60"], start_new_session=True)
+    time.sleep(0.3)
+    children = Path(f"/proc/{group.pid}/task/{group.pid}/children").read_text().split()
+    assert children, "the command has no child yet"
+    assert _DASH is not None
+    subprocess.run([_DASH, "-c", execstream.kill_command([group.pid])], check=True)
+    group.wait(10)
+    deadline = time.monotonic() + 5
+    while any(_alive(int(c)) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(int(c)) for c in children), "a child outlived its group's kill"
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its new parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

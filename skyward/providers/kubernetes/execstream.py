@@ -420,5 +420,6 @@ def kill_command(pids: Sequence[int], signum: int = 9) -> str:
     """The shell command that sends `signum` to `pids` and their process groups."""
     groups = " ".join(f"-{p}" for p in pids)
     alone = " ".join(str(p) for p in pids)
-    # A command that is no group's leader is signalled alone (the first kill then fails).
-    return f"kill -{signum} -- {groups} 2>/dev/null; kill -{signum} {alone} 2>/dev/null; true"
+    # A command that is no group's leader is signalled alone (the first kill then fails). No
+    # `--` before the groups: dash, the `sh` of Debian-based images, takes it for a pid.
+    return f"kill -{signum} {groups} 2>/dev/null; kill -{signum} {alone} 2>/dev/null; true"

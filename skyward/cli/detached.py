@@ -139,7 +139,7 @@ def print_runs() -> int:
     if not runs:
         return 0
     print(
-        f"{'RUN':<24} {'PROVIDER':<8} {'NODES':>5}  {'STATE':<40} {'STARTED':<16} "
+        f"{'RUN':<24} {'PROVIDER':<10} {'NODES':>5}  {'STATE':<40} {'STARTED':<16} "
         f"{'DURATION':>8} {'COST':>9}"
     )
     # Every run is asked at once: an unreachable one costs its timeout, not the others'.
@@ -154,7 +154,7 @@ def print_runs() -> int:
             cost = dollars(status.cost) if status.cost is not None else "-"
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(begun))
         print(
-            f"{rec.name:<24} {rec.provider:<8} {rec.nodes:>5}  {said[:40]:<40} "
+            f"{rec.name:<24} {rec.provider:<10} {rec.nodes:>5}  {said[:40]:<40} "
             f"{started:<16} {duration:>8} {cost:>9}"
         )
         if len(said) > 40:  # the whole of it, under its row

@@ -22,6 +22,19 @@ import asyncssh
 from skyward.errors import ConfigError, ProvisionError
 
 PID_MARKER = b"SKYWARD-PID "
+
+
+def find_pid(preamble: bytes) -> tuple[int, bytes] | None:
+    """The pid a command's ``PID_MARKER`` line tells, and what came after that line; None
+    while the line is not whole yet. Anything before the marker (a login shell's rc files'
+    output) is skipped."""
+    start = preamble.find(PID_MARKER)
+    end = preamble.find(b"\n", start) if start >= 0 else -1
+    if end < 0:
+        return None
+    return int(preamble[start + len(PID_MARKER) : end].strip()), preamble[end + 1 :]
+
+
 OUTPUT_TAIL_LINES = 40
 _STREAM_LIMIT = 1 << 20
 # user@host:port, user@[v6]:port, host, [v6]

@@ -22,7 +22,7 @@ from skyward.errors import ProvisionError
 from skyward.transport.base import AgentStream, Receiver
 from skyward.transport.eventloop import lender
 from skyward.transport.frames import Buffer
-from skyward.transport.sshhost import PID_MARKER, SSHHost
+from skyward.transport.sshhost import SSHHost, find_pid
 
 # The pid line comes first, after whatever a login shell's rc files print; a stream that sends
 # this much without it is not our wrapper.
@@ -99,14 +99,12 @@ class ChannelStream(asyncssh.SSHClientSession[bytes]):
     def _find_pid(self, data: bytes) -> None:
         # A login shell's rc files may print first; skip anything before the marker line.
         self._preamble += data
-        start = self._preamble.find(PID_MARKER)
-        end = self._preamble.find(b"\n", start) if start >= 0 else -1
-        if end < 0:
+        found = find_pid(self._preamble)
+        if found is None:
             if len(self._preamble) > _MAX_PREAMBLE:
                 self.pid_known.set_exception(ProvisionError("no pid line from the agent's shell"))
             return
-        self.pid = int(self._preamble[start + len(PID_MARKER) : end].strip())
-        rest, self._preamble = self._preamble[end + 1 :], b""
+        (self.pid, rest), self._preamble = found, b""
         self.pid_known.set_result(self.pid)
         if rest:
             self._deliver(True, rest)

@@ -32,7 +32,7 @@ from skyward.errors import ProvisionError
 from skyward.transport.base import AgentStream, Receiver
 from skyward.transport.eventloop import lender
 from skyward.transport.frames import Buffer
-from skyward.transport.sshhost import PID_MARKER
+from skyward.transport.sshhost import PID_MARKER, find_pid
 
 if TYPE_CHECKING:
     from skyward.providers.kubernetes.api import KubeApi
@@ -81,6 +81,18 @@ async def connect(api: KubeApi, pod: str, argv: Sequence[str]) -> aiohttp.Client
         ) from None
     except (aiohttp.ClientError, OSError) as exc:
         raise ProvisionError(f"exec in pod {pod}: cannot reach {host} ({exc})") from None
+
+
+def channel_frame(message: aiohttp.WSMessage) -> tuple[int, bytes] | None:
+    """A websocket message of the exec stream as (channel, payload); None for one that is no
+    frame (a ping, a close, an empty message)."""
+    if message.type == aiohttp.WSMsgType.BINARY:
+        data: bytes = message.data
+    elif message.type == aiohttp.WSMsgType.TEXT:
+        data = message.data.encode()
+    else:
+        return None
+    return (data[0], data[1:]) if data else None
 
 
 def exit_code(status: bytes) -> tuple[int | None, str]:
@@ -146,15 +158,9 @@ class Exec:
     async def _read(self) -> None:
         try:
             async for msg in self.ws:
-                if msg.type == aiohttp.WSMsgType.BINARY:
-                    data: bytes = msg.data
-                elif msg.type == aiohttp.WSMsgType.TEXT:
-                    data = msg.data.encode()
-                else:
+                if (framed := channel_frame(msg)) is None:
                     continue
-                if not data:
-                    continue
-                channel, payload = data[0], data[1:]
+                channel, payload = framed
                 if channel == STATUS:
                     self._status += payload
                 elif channel == STDOUT and not self.pid_known.done():
@@ -186,14 +192,12 @@ class Exec:
 
     def _find_pid(self, data: bytes) -> None:
         self._preamble += data
-        start = self._preamble.find(PID_MARKER)
-        end = self._preamble.find(b"\n", start) if start >= 0 else -1
-        if end < 0:
+        found = find_pid(self._preamble)
+        if found is None:
             if len(self._preamble) > _MAX_PREAMBLE:
                 self.pid_known.set_exception(ProvisionError(f"no pid line from pod {self.pod}"))
             return
-        self.pid = int(self._preamble[start + len(PID_MARKER) : end].strip())
-        rest, self._preamble = self._preamble[end + 1 :], b""
+        (self.pid, rest), self._preamble = found, b""
         self.pid_known.set_result(self.pid)
         if rest:
             self._deliver(STDOUT, rest)

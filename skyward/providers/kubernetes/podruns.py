@@ -90,15 +90,9 @@ class PodCommands:
             # once: awaiting the sink before the next frame leaves the rest in the socket, so
             # a large log or tar stream comes at the pace it is written here.
             async for message in ws:
-                if message.type == aiohttp.WSMsgType.BINARY:
-                    data: bytes = message.data
-                elif message.type == aiohttp.WSMsgType.TEXT:
-                    data = message.data.encode()
-                else:
+                if (framed := execstream.channel_frame(message)) is None:
                     continue
-                if not data:
-                    continue
-                channel, payload = data[0], data[1:]
+                channel, payload = framed
                 if channel == execstream.STDOUT and payload:
                     await sink(payload)
                 elif channel == execstream.STATUS:

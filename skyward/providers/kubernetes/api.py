@@ -202,10 +202,6 @@ class KubeApi:
             f"creating service {name}", self.core.create_namespaced_service(self.namespace, body)
         )
 
-    async def read_pod(self, name: str) -> Any:
-        call = self.core.read_namespaced_pod(name, self.namespace)
-        return await self.call(f"reading pod {name}", call)
-
     async def list_pods(self, selector: str, namespace: str | None = None) -> list[Any]:
         where = namespace or self.namespace
         found = await self.call(

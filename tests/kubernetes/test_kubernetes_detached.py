@@ -246,6 +246,10 @@ def test_stop_ends_a_detached_run_on_every_pod(
     assert wait_until(lambda: _gone(cluster, name), 20), dump(ours(cluster))
 
 
+def _has_all(text: str, lines: tuple[str, ...]) -> bool:
+    return all(line in text for line in lines)
+
+
 def _logs(name: str, capsys: pytest.CaptureFixture[str]) -> str:
     assert main(["logs", name]) == 0
     return capsys.readouterr().out
@@ -329,7 +333,9 @@ def test_a_pod_deleted_mid_run_is_a_lost_node_and_the_rest_goes(
     pod 0 and the Service go (waiting for pod 1 would keep them for ever)."""
     name = "pods-lost"
     _detach(project, kubeconfig, name, "job.py", "600")
-    assert wait_until(lambda: "(node 1) rank 1 step 1" in _logs(name, capsys), 20)
+    # Both ranks are past their first step (rank 0's step 1 is what is kept here after).
+    both = ("(node 0) rank 0 step 1", "(node 1) rank 1 step 1")
+    assert wait_until(lambda: _has_all(_logs(name, capsys), both), 20)
     pod = record.load(name).reach["data"]["pods"][1]
     status, _ = cluster.request("DELETE", f"/api/v1/namespaces/default/pods/{pod}")
     assert status == 200

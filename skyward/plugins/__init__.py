@@ -1,9 +1,9 @@
 """Plugins: hooks that shape a pool's image and wrap its nodes' and client's lifetimes.
 
 ``sky.plugins.jax()``, ``sky.plugins.torch()`` and ``sky.plugins.keras()`` are the built-in
-ones; `Plugin` is the base. Each name is imported on first use: an agent imports
-`skyward.plugins.hooks` (the hook runner), which runs this file, and must not load the JAX,
-PyTorch and Keras plugins, the image and packaging with it.
+ones; `Plugin` is the base. Each name is imported on first use: an agent that unpickles a
+plugin runs this file, and must not load the JAX, PyTorch and Keras plugins, the image and
+packaging with it.
 """
 
 from __future__ import annotations

@@ -35,11 +35,10 @@ from skyward import info as info_module
 from skyward import preemption, reports
 from skyward.cachedir import keep_private
 from skyward.errors import PluginError, SerializationError
-from skyward.plugins import hooks
 from skyward.transport import frames, messages, pickling
 from skyward.transport.agentwire import LINGER_ENV, AgentWire
 from skyward.version import __version__
-from skyward.worker import notices
+from skyward.worker import hookrunner, notices
 
 HEARTBEAT_SECONDS = 2.0
 # After the client disappears, how long a graceful exit (plugin hooks unwinding) may take.
@@ -129,7 +128,7 @@ class Agent:
             self.send(messages.HookStarted(name, "around_app"))
 
         try:
-            hooks.enter_hooks(
+            hookrunner.enter_hooks(
                 stack,
                 plugins,
                 "around_app",

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -383,3 +384,61 @@ def test_an_agent_unpickles_plugins_without_the_client_side() -> None:
     loaded = set(modules.split())
     assert "skyward.plugins.jax_plugin" in loaded, "the jax plugin was not unpickled"
     assert sorted(loaded & {"packaging", "skyward.image", "skyward.hardware"}) == []
+
+
+# The longest a function may be: one screen.
+FUNCTION_LINES = 60
+# Functions not yet split by job; this list only shrinks.
+NOT_YET_SPLIT = {
+    "skyward/cli/main.py::_parser",
+    "skyward/detached/submit.py::_submit",
+    "skyward/detached/submit.py::_start_on_nodes",
+    "skyward/pool.py::ComputePool.__init__",
+    "skyward/transport/agentwire.py::AgentWire.serve",
+    "skyward/worker/supervisor.py::prepare_node",
+}
+
+
+def long_functions(root: Path = ROOT / "skyward") -> dict[str, int]:
+    """Every function over `FUNCTION_LINES` lines under `root` (its `def` line to its last,
+    decorators not counted), as ``path::Class.name`` -> lines. `python
+    tests/test_code_quality.py` prints them."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for owner, node in _functions(tree, ""):
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if lines > FUNCTION_LINES:
+                found[f"{path.relative_to(root.parent)}::{owner}{node.name}"] = lines
+    return found
+
+
+def _functions(
+    tree: ast.AST, owner: str
+) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield owner, node
+            yield from _functions(node, f"{owner}{node.name}.")
+        elif isinstance(node, ast.ClassDef):
+            yield from _functions(node, f"{owner}{node.name}.")
+
+
+def test_functions_fit_on_a_screen() -> None:
+    long = long_functions()
+    assert sorted(set(long) - NOT_YET_SPLIT) == [], f"functions over {FUNCTION_LINES} lines"
+    assert sorted(NOT_YET_SPLIT - set(long)) == [], "split now: take them off NOT_YET_SPLIT"
+
+
+def test_the_length_check_finds_a_long_function(tmp_path: Path) -> None:
+    def function(name: str, lines: int) -> str:
+        return f"    def {name}(self):\n" + "".join(f"        x = {i}\n" for i in range(lines - 1))
+
+    short, long = function("short", FUNCTION_LINES), function("long", FUNCTION_LINES + 1)
+    (tmp_path / "code.py").write_text(f"class A:\n{short}{long}")
+    assert long_functions(tmp_path) == {f"{tmp_path.name}/code.py::A.long": FUNCTION_LINES + 1}
+
+
+if __name__ == "__main__":
+    for where, lines in long_functions().items():
+        print(lines, where)

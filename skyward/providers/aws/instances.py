@@ -96,58 +96,12 @@ def set_up(
 
     tags = resources.pool_tags(spec.pool_id)
     name = f"skyward-{spec.pool_id}"
-    write_key_pair(key_path)
-    made.add(teardown.KEY_PAIR, name)
-    ec2.import_key_pair(
-        KeyName=name,
-        PublicKeyMaterial=key_path.with_suffix(".pub").read_bytes(),
-        TagSpecifications=[resources.tag_spec("key-pair", tags)],
-    )
-    group = ec2.create_security_group(
-        GroupName=name,
-        Description=f"skyward pool {spec.pool_id}: SSH from the client, all within the pool",
-        VpcId=subnet["VpcId"],
-        TagSpecifications=[resources.tag_spec("security-group", tags)],
-    )["GroupId"]
-    made.add(teardown.SECURITY_GROUP, group)
-    ec2.authorize_security_group_ingress(
-        GroupId=group,
-        IpPermissions=[
-            {
-                "IpProtocol": "tcp",
-                "FromPort": 22,
-                "ToPort": 22,
-                "IpRanges": [{"CidrIp": cidr, "Description": "skyward client"}],
-            },
-            {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group}]},
-        ],
-    )
+    _import_key_pair(ec2, name, tags, key_path, made)
+    group = _security_group(ec2, name, tags, spec.pool_id, subnet["VpcId"], cidr, made)
     where: dict[str, str] = {"AvailabilityZone": subnet["AvailabilityZone"]}
     if settings.placement_group:
-        made.add(teardown.PLACEMENT_GROUP, name)
-        ec2.create_placement_group(
-            GroupName=name,
-            Strategy="cluster",
-            TagSpecifications=[resources.tag_spec("placement-group", tags)],
-        )
-        where["GroupName"] = name
+        where["GroupName"] = _placement_group(ec2, name, tags, made)
     check_cancel()
-
-    options: dict[str, Any] = {}
-    profile = settings.iam_instance_profile
-    if profile:
-        # The nodes' own credentials (sky.Data("s3://..."), s3:// output_dir): a role the user
-        # owns; the pool only names it, so the teardown has nothing to remove.
-        key = "Arn" if profile.startswith("arn:") else "Name"
-        options["IamInstanceProfile"] = {key: profile}
-    if settings.spot:
-        options["InstanceMarketOptions"] = {
-            "MarketType": "spot",
-            "SpotOptions": {
-                "SpotInstanceType": "one-time",
-                "InstanceInterruptionBehavior": "terminate",
-            },
-        }
     return dict(
         ImageId=ami,
         InstanceType=choice.instance_type,
@@ -169,8 +123,85 @@ def set_up(
             resources.tag_spec("instance", tags),
             resources.tag_spec("volume", tags),
         ],
-        **options,
+        **_instance_options(settings),
     )
+
+
+def _import_key_pair(
+    ec2: Any, name: str, tags: list[dict[str, str]], key_path: Path, made: teardown.Made
+) -> None:
+    """The pool's SSH key, made here and imported as the key pair `name`."""
+    write_key_pair(key_path)
+    made.add(teardown.KEY_PAIR, name)
+    ec2.import_key_pair(
+        KeyName=name,
+        PublicKeyMaterial=key_path.with_suffix(".pub").read_bytes(),
+        TagSpecifications=[resources.tag_spec("key-pair", tags)],
+    )
+
+
+def _security_group(
+    ec2: Any,
+    name: str,
+    tags: list[dict[str, str]],
+    pool_id: str,
+    vpc: str,
+    cidr: str,
+    made: teardown.Made,
+) -> str:
+    """The pool's security group in `vpc`: SSH from `cidr` (the client), all traffic within the
+    group; its id."""
+    group: str = ec2.create_security_group(
+        GroupName=name,
+        Description=f"skyward pool {pool_id}: SSH from the client, all within the pool",
+        VpcId=vpc,
+        TagSpecifications=[resources.tag_spec("security-group", tags)],
+    )["GroupId"]
+    made.add(teardown.SECURITY_GROUP, group)
+    ec2.authorize_security_group_ingress(
+        GroupId=group,
+        IpPermissions=[
+            {
+                "IpProtocol": "tcp",
+                "FromPort": 22,
+                "ToPort": 22,
+                "IpRanges": [{"CidrIp": cidr, "Description": "skyward client"}],
+            },
+            {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group}]},
+        ],
+    )
+    return group
+
+
+def _placement_group(ec2: Any, name: str, tags: list[dict[str, str]], made: teardown.Made) -> str:
+    """A cluster placement group for the pool's instances; its name."""
+    made.add(teardown.PLACEMENT_GROUP, name)
+    ec2.create_placement_group(
+        GroupName=name,
+        Strategy="cluster",
+        TagSpecifications=[resources.tag_spec("placement-group", tags)],
+    )
+    return name
+
+
+def _instance_options(settings: MachineSettings) -> dict[str, Any]:
+    """The `run_instances` parameters that only some pools have: an instance profile, spot."""
+    options: dict[str, Any] = {}
+    profile = settings.iam_instance_profile
+    if profile:
+        # The nodes' own credentials (sky.Data("s3://..."), s3:// output_dir): a role the user
+        # owns; the pool only names it, so the teardown has nothing to remove.
+        key = "Arn" if profile.startswith("arn:") else "Name"
+        options["IamInstanceProfile"] = {key: profile}
+    if settings.spot:
+        options["InstanceMarketOptions"] = {
+            "MarketType": "spot",
+            "SpotOptions": {
+                "SpotInstanceType": "one-time",
+                "InstanceInterruptionBehavior": "terminate",
+            },
+        }
+    return options
 
 
 def type_details(ec2: Any, choice: instance_types.Choice) -> dict[str, Any]:

@@ -24,10 +24,11 @@ it before exiting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -157,28 +158,9 @@ class AWS(CloudProvider):
             poll_interval=poll_interval,
             teardown_timeout=teardown_timeout,
         )
-        if ssh_cidr is not None:
-            check_cidr(ssh_cidr)
-        checks.one_of(spot, "spot", (True, False, "prefer"))
-        asked = [region] if region is None or isinstance(region, str) else region
-        regions = [None] if region is None else list(checks.texts(asked, "sky.AWS(region=)"))
-        if not regions:
-            raise ConfigError("region=[] names no region: give one or more, or leave it out")
-        checks.optional_texts(
-            "sky.AWS",
-            instance_type=instance_type,
-            ami=ami,
-            iam_instance_profile=iam_instance_profile,
-            profile=profile,
-        )
-        checks.text(user, "sky.AWS(user=)")
-        checks.flag(use_private_ips, "sky.AWS(use_private_ips=)")
-        checks.flag(placement_group, "sky.AWS(placement_group=)")
-        if len(regions) > 1 and ami:
-            raise ConfigError(
-                "ami= names one region's image: with several regions, leave it out (skyward "
-                "finds the image in each)"
-            )
+        _check_settings(spot, ssh_cidr, user, use_private_ips, placement_group)
+        _check_names(instance_type, ami, iam_instance_profile, profile)
+        regions = _checked_regions(region, ami)
         self.subnets = _subnets_by_region(regions, subnet_id)
         self.regions: tuple[str | None, ...] = tuple(regions)
         self.region = regions[0]
@@ -445,17 +427,9 @@ class AWS(CloudProvider):
         where = str(region or ec2.meta.region_name)
         pool.region = where
         market = "spot" if spot else "on-demand"
-        try:
+        with _launch_errors(pool, choice):
             details = instances.type_details(ec2, choice)
-            need = int(details["VCpuInfo"]["DefaultVCpus"]) * pool.spec.nodes
-            sq = self.client("service-quotas", region)
-            quota = quotas.vcpu_quota(sq, choice.instance_type, spot)
-            if quota is not None and quota.vcpus < need:
-                attempts.block_region(
-                    where,
-                    f"its {quota.name} quota is {quota.vcpus:g} vCPUs; {pool.spec.nodes} x "
-                    f"{choice.instance_type} ({market}) need {need}",
-                )
+            if self._short_of_quota(region, where, pool, choice, details, spot, attempts):
                 return None
             candidates = instances.subnets(ec2, self.subnets.get(region, ()), choice.instance_type)
             pool.subnets = candidates
@@ -488,23 +462,34 @@ class AWS(CloudProvider):
                 for index, instance_id in enumerate(ids):
                     progress.phase(index, Phase.BOOTING, f"{instance_id} {choice.instance_type}")
                 return self._wait_running(ec2, pool, ids)
-        except ClientError as exc:
-            raise ProvisionError(instances.launch_error(exc, pool.spec, choice)) from None
-        except NoCredentialsError:
-            raise ConfigError("no AWS credentials found (see `aws configure`)") from None
-        except NoRegionError:
-            raise ConfigError("no AWS region: pass sky.AWS(region=...)") from None
-        except (BotoCoreError, ResponseParserError) as exc:
-            # What botocore's retries could not get past (an endpoint that cannot be reached,
-            # an answer that cannot be read): named here, once, with the call that failed.
-            raise ProvisionError(
-                f"launching pool {pool.pool_id}: the AWS call {last_operation()} failed after "
-                f"botocore's retries: {exc}"
-            ) from None
         # Nothing started here: what the pool made in this region goes before the next one.
         self._remove_pool(ec2, pool.pool_id, pool.made, pool.tell)
         pool.made = teardown.Made()
         return None
+
+    def _short_of_quota(
+        self,
+        region: str | None,
+        where: str,
+        pool: AWSCluster,
+        choice: instance_types.Choice,
+        details: Mapping[str, Any],
+        spot: bool,
+        attempts: failover.Attempts,
+    ) -> bool:
+        """Whether `region`'s vCPU quota is below what the pool needs (then the region is
+        blocked in `attempts`, and nothing is made there)."""
+        need = int(details["VCpuInfo"]["DefaultVCpus"]) * pool.spec.nodes
+        quota = quotas.vcpu_quota(self.client("service-quotas", region), choice.instance_type, spot)
+        if quota is None or quota.vcpus >= need:
+            return False
+        market = "spot" if spot else "on-demand"
+        attempts.block_region(
+            where,
+            f"its {quota.name} quota is {quota.vcpus:g} vCPUs; {pool.spec.nodes} x "
+            f"{choice.instance_type} ({market}) need {need}",
+        )
+        return True
 
     def _wait_running(self, ec2: Any, pool: AWSCluster, ids: list[str]) -> list[dict[str, Any]]:
         return instances.wait_running(
@@ -624,3 +609,70 @@ def _note_operation(model: Any, **_: Any) -> None:
 def last_operation() -> str:
     """The API call this thread made last (``RunInstances``), for an error to name."""
     return str(getattr(_operations, "name", "?"))
+
+
+@contextlib.contextmanager
+def _launch_errors(pool: AWSCluster, choice: instance_types.Choice) -> Iterator[None]:
+    """A launch's AWS errors in words: what was asked that AWS refused, missing credentials or
+    region, and what botocore's retries could not get past."""
+    try:
+        yield
+    except ClientError as exc:
+        raise ProvisionError(instances.launch_error(exc, pool.spec, choice)) from None
+    except NoCredentialsError:
+        raise ConfigError("no AWS credentials found (see `aws configure`)") from None
+    except NoRegionError:
+        raise ConfigError("no AWS region: pass sky.AWS(region=...)") from None
+    except (BotoCoreError, ResponseParserError) as exc:
+        # What botocore's retries could not get past (an endpoint that cannot be reached,
+        # an answer that cannot be read): named here, once, with the call that failed.
+        raise ProvisionError(
+            f"launching pool {pool.pool_id}: the AWS call {last_operation()} failed after "
+            f"botocore's retries: {exc}"
+        ) from None
+
+
+def _checked_regions(region: str | Sequence[str] | None, ami: str | None) -> list[str | None]:
+    """The regions `region=` names, in order ([None]: the session's own), each checked; an
+    `ami=` goes with one region only."""
+    asked = [region] if region is None or isinstance(region, str) else region
+    regions: list[str | None] = (
+        [None] if region is None else list(checks.texts(asked, "sky.AWS(region=)"))
+    )
+    if not regions:
+        raise ConfigError("region=[] names no region: give one or more, or leave it out")
+    if len(regions) > 1 and ami:
+        raise ConfigError(
+            "ami= names one region's image: with several regions, leave it out (skyward "
+            "finds the image in each)"
+        )
+    return regions
+
+
+def _check_settings(
+    spot: object,
+    ssh_cidr: str | None,
+    user: object,
+    use_private_ips: object,
+    placement_group: object,
+) -> None:
+    """`sky.AWS`'s choices checked, each a `ConfigError` naming the parameter."""
+    if ssh_cidr is not None:
+        check_cidr(ssh_cidr)
+    checks.one_of(spot, "spot", (True, False, "prefer"))
+    checks.text(user, "sky.AWS(user=)")
+    checks.flag(use_private_ips, "sky.AWS(use_private_ips=)")
+    checks.flag(placement_group, "sky.AWS(placement_group=)")
+
+
+def _check_names(
+    instance_type: object, ami: object, iam_instance_profile: object, profile: object
+) -> None:
+    """`sky.AWS`'s optional names checked: each None or a non-empty string."""
+    checks.optional_texts(
+        "sky.AWS",
+        instance_type=instance_type,
+        ami=ami,
+        iam_instance_profile=iam_instance_profile,
+        profile=profile,
+    )

@@ -4,8 +4,10 @@ a pool cannot start (the scheduler's and the kubelet's words), and nothing left 
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -183,12 +185,12 @@ def test_an_image_without_python3_fails_at_once_naming_it(
         cluster.stop()
 
 
-def test_a_container_that_crashes_fails_at_once_with_its_last_lines(
-    instance_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def broken_cluster(instance_root: Path, tmp_path: Path) -> Iterator[FakeCluster]:
+    """A cluster of its own whose image ``broken:1`` has a python3 that crashes at start (a
+    broken interpreter, a wrong architecture)."""
     from tests.kubernetes.conftest import SECOND_SUBNET
 
-    # An image whose python3 crashes at start (a broken interpreter, a wrong architecture).
     layer = tmp_path / "broken"
     (layer / "usr/local/bin").mkdir(parents=True)
     crash = layer / "usr/local/bin/python3"
@@ -197,13 +199,58 @@ def test_a_container_that_crashes_fails_at_once_with_its_last_lines(
     images = {"broken:1": [str(layer), str(instance_root)]}
     cluster = FakeCluster(tmp_path / "k8s", subnet=SECOND_SUBNET, images=images).start()
     try:
-        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
-        with pytest.raises(sky.ProvisionError) as caught:
-            with sky.ComputePool(provider=sky.Kubernetes(image="broken:1"), nodes=2):
-                pytest.fail("the container crashes")
-        message = str(caught.value)
-        assert "'broken:1'" in message and "exit code 1" in message, message
-        assert "Fatal Python error: init_fs_encoding" in message, message
-        assert wait_none_left(cluster) == []
+        yield cluster
     finally:
         cluster.stop()
+
+
+def test_a_container_that_crashes_fails_at_once_with_its_last_lines(
+    broken_cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(broken_cluster.kubeconfig))
+    with pytest.raises(sky.ProvisionError) as caught:
+        with sky.ComputePool(provider=sky.Kubernetes(image="broken:1"), nodes=2):
+            pytest.fail("the container crashes")
+    message = str(caught.value)
+    assert "'broken:1'" in message and "exit code 1" in message, message
+    assert "Fatal Python error: init_fs_encoding" in message, message
+    assert wait_none_left(broken_cluster) == []
+
+
+def test_an_exec_into_a_container_that_ended_says_why_it_ended(
+    broken_cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API server refuses an exec into a container that ended with a bare HTTP 400; the
+    pool's start may reach that exec when the crash comes between the pod's Running and its
+    first command. The error is then the crash's, as when the watch sees it first."""
+    from skyward.providers.kubernetes import connection, execstream
+    from skyward.providers.kubernetes.api import KubeApi
+
+    monkeypatch.setenv("KUBECONFIG", str(broken_cluster.kubeconfig))
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "crashed"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [
+                {"name": execstream.CONTAINER, "image": "broken:1", "command": ["python3"]}
+            ],
+        },
+    }
+    broken_cluster.create_pod(manifest)
+    broken_cluster.wait_phase("crashed", ("Failed",))
+
+    async def exec_into_it() -> str:
+        api = await KubeApi.open(connection.resolve(None, None))
+        try:
+            with pytest.raises(sky.ProvisionError) as caught:
+                await execstream.connect(api, "crashed", ["true"])
+            return str(caught.value)
+        finally:
+            await api.close()
+
+    message = asyncio.run(exec_into_it())
+    assert message.startswith("pod crashed cannot start:"), message
+    assert "'broken:1'" in message and "exit code 1" in message, message
+    assert "Fatal Python error: init_fs_encoding" in message, message

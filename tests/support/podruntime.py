@@ -257,7 +257,15 @@ async def start(
         await process.wait()
         tail = log.read_text(errors="replace")[-2000:]
         raise LaunchError(f"the container's launch failed ({process.returncode}): {tail}")
-    children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    try:
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    except OSError:
+        children = []
+    if not children:
+        # The command ended as soon as it began (a crash at start): the container has ended,
+        # and `unshare` is about to exit with its status.
+        await process.wait()
+        return Container(process, -1, dict(env), cwd, log)
     return Container(process, int(children[0]), dict(env), cwd, log)
 
 

@@ -202,6 +202,13 @@ class KubeApi:
             f"creating service {name}", self.core.create_namespaced_service(self.namespace, body)
         )
 
+    async def read_pod(self, name: str) -> Any | None:
+        """The pod `name`, or None where it cannot be read (gone, or the server unreachable)."""
+        try:
+            return await self.core.read_namespaced_pod(name, self.namespace)
+        except (ApiException, aiohttp.ClientError, OSError):
+            return None
+
     async def list_pods(self, selector: str, namespace: str | None = None) -> list[Any]:
         where = namespace or self.namespace
         found = await self.call(

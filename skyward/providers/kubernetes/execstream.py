@@ -29,6 +29,7 @@ from urllib.parse import urlencode
 import aiohttp
 
 from skyward.errors import ProvisionError
+from skyward.providers.kubernetes import waiting
 from skyward.transport.base import AgentStream, Receiver
 from skyward.transport.eventloop import lender
 from skyward.transport.frames import Buffer
@@ -76,8 +77,10 @@ async def connect(api: KubeApi, pod: str, argv: Sequence[str]) -> aiohttp.Client
             proxy_headers=configuration.proxy_headers or None,
         )
     except aiohttp.WSServerHandshakeError as exc:
+        ended = await waiting.why_ended(api, pod)
         raise ProvisionError(
-            f"exec in pod {pod} was refused by the API server (HTTP {exc.status}: {exc.message})"
+            ended
+            or f"exec in pod {pod} was refused by the API server (HTTP {exc.status}: {exc.message})"
         ) from None
     except (aiohttp.ClientError, OSError) as exc:
         raise ProvisionError(f"exec in pod {pod}: cannot reach {host} ({exc})") from None

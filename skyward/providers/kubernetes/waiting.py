@@ -165,6 +165,17 @@ async def wait_running(
     return [running[name] for name in names]
 
 
+async def why_ended(api: KubeApi, pod: str) -> str | None:
+    """Why `pod`'s container cannot run commands any more (it crashed, its image went, the pod
+    ended), with the cluster's words, or None where nothing says so. An exec refused by the API
+    server asks this: a container that ended is refused with a bare HTTP 400."""
+    found = await api.read_pod(pod)
+    problem = None if found is None else container_problem(found)
+    if problem is None:
+        return None
+    return f"pod {pod} cannot start: {problem}{await _explain(api, pod)}"
+
+
 class _CannotStart(Exception):
     def __init__(self, pod: str, problem: str) -> None:
         super().__init__(problem)

@@ -66,25 +66,7 @@ def bulk_body(
 ) -> compute_v1.BulkInsertInstanceResource:
     """The bulkInsert body of the pool's VMs in `access.zone`'s region (count unset)."""
     tag = resources.network_tag(spec.pool_id)
-    network = network_url(access, settings.network)
     labels = resources.pool_labels(spec.pool_id)
-    interface = compute_v1.NetworkInterface(network=network)
-    subnetwork = subnetwork_url(access, settings.subnetwork)
-    if subnetwork:
-        interface.subnetwork = subnetwork
-    if not settings.use_private_ips:
-        interface.access_configs = [
-            compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")
-        ]
-    scheduling = compute_v1.Scheduling(
-        automatic_restart=False,
-        # GPU VMs cannot live-migrate; spot VMs must not.
-        on_host_maintenance="TERMINATE" if choice.is_gpu or settings.spot else "MIGRATE",
-        provisioning_model="SPOT" if settings.spot else "STANDARD",
-    )
-    if settings.spot:
-        # STOP, not DELETE: a preempted VM stays (TERMINATED) so `explain` can say what happened.
-        scheduling.instance_termination_action = "STOP"
     properties = compute_v1.InstanceProperties(
         machine_type=choice.machine_type,
         labels=labels,
@@ -104,8 +86,8 @@ def bulk_body(
                 ),
             )
         ],
-        network_interfaces=[interface],
-        scheduling=scheduling,
+        network_interfaces=[_interface(access, settings)],
+        scheduling=_scheduling(settings, choice),
     )
     if settings.service_account:
         # The VMs' own credentials (e.g. for gs:// data): an account the user owns.
@@ -118,6 +100,34 @@ def bulk_body(
     return compute_v1.BulkInsertInstanceResource(
         name_pattern=resources.name_pattern(spec.pool_id), instance_properties=properties
     )
+
+
+def _interface(access: Access, settings: MachineSettings) -> compute_v1.NetworkInterface:
+    """The VMs' network interface: the pool's network (and subnetwork), with a public address
+    unless `use_private_ips`."""
+    interface = compute_v1.NetworkInterface(network=network_url(access, settings.network))
+    subnetwork = subnetwork_url(access, settings.subnetwork)
+    if subnetwork:
+        interface.subnetwork = subnetwork
+    if not settings.use_private_ips:
+        interface.access_configs = [
+            compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")
+        ]
+    return interface
+
+
+def _scheduling(settings: MachineSettings, choice: Choice) -> compute_v1.Scheduling:
+    """What the VMs do on host maintenance and preemption, spot or standard."""
+    scheduling = compute_v1.Scheduling(
+        automatic_restart=False,
+        # GPU VMs cannot live-migrate; spot VMs must not.
+        on_host_maintenance="TERMINATE" if choice.is_gpu or settings.spot else "MIGRATE",
+        provisioning_model="SPOT" if settings.spot else "STANDARD",
+    )
+    if settings.spot:
+        # STOP, not DELETE: a preempted VM stays (TERMINATED) so `explain` can say what happened.
+        scheduling.instance_termination_action = "STOP"
+    return scheduling
 
 
 def named(

@@ -149,34 +149,14 @@ class GCP(CloudProvider):
             poll_interval=poll_interval,
             teardown_timeout=teardown_timeout,
         )
-        if ssh_cidr is not None:
-            ssh_cidr = check_cidr(ssh_cidr)
-        checks.one_of(spot, "spot", (True, False, "prefer"))
-        if zone is not None:
-            checks.texts([zone] if isinstance(zone, str) else zone, "sky.GCP(zone=)")
-        checks.optional_texts(
-            "sky.GCP",
-            project=project,
-            network=network,
-            subnetwork=subnetwork,
-            service_account=service_account,
-            machine_type=machine_type,
-            runtime_version=runtime_version,
-            image=image,
-            api_endpoint=api_endpoint,
-        )
-        checks.text(user, "sky.GCP(user=)")
-        checks.whole(disk_size_gb, "sky.GCP(disk_size_gb=)", minimum=10)
-        checks.flag(use_private_ips, "sky.GCP(use_private_ips=)")
-        zones = zone_list(zone)
-        if zone is not None and not zones:
-            raise ConfigError("zone=[] names no zone: give one or more, or leave it out")
-        _check_subnetwork(subnetwork, zones)
-        self.project = project
-        self.zones = zones  # () : the standard resolution
-        self.spot = spot
-        self.machine_type = machine_type
-        self.runtime_version = runtime_version
+        ssh_cidr = _check_settings(spot, ssh_cidr, user, disk_size_gb, use_private_ips)
+        checks.optional_texts("sky.GCP", project=project, network=network, subnetwork=subnetwork)
+        checks.optional_texts("sky.GCP", machine_type=machine_type, image=image)
+        checks.optional_texts("sky.GCP", runtime_version=runtime_version)
+        checks.optional_texts("sky.GCP", service_account=service_account, api_endpoint=api_endpoint)
+        self.zones = _checked_zones(zone, subnetwork)  # () : the standard resolution
+        self.project, self.spot = project, spot
+        self.machine_type, self.runtime_version = machine_type, runtime_version
         self.machine_settings = MachineSettings(
             image,
             bool(spot),  # "prefer": spot first (each market tried sets its own)
@@ -189,8 +169,7 @@ class GCP(CloudProvider):
             disk_size_gb,
             user,
         )
-        self._credentials = credentials
-        self._endpoint = api_endpoint
+        self._credentials, self._endpoint = credentials, api_endpoint
         self._access: Access | None = None
         self._clients: Clients | None = None
 
@@ -498,6 +477,29 @@ class GCP(CloudProvider):
             log=log,
             tpu_zone=tpu_zone,
         )
+
+
+def _check_settings(
+    spot: object, ssh_cidr: str | None, user: object, disk_size_gb: object, use_private_ips: object
+) -> str | None:
+    """`sky.GCP`'s choices checked, each a `ConfigError` naming the parameter; the SSH CIDR in
+    its normal form."""
+    checks.one_of(spot, "spot", (True, False, "prefer"))
+    checks.text(user, "sky.GCP(user=)")
+    checks.whole(disk_size_gb, "sky.GCP(disk_size_gb=)", minimum=10)
+    checks.flag(use_private_ips, "sky.GCP(use_private_ips=)")
+    return None if ssh_cidr is None else check_cidr(ssh_cidr)
+
+
+def _checked_zones(zone: str | Sequence[str] | None, subnetwork: str | None) -> tuple[str, ...]:
+    """The zones `zone=` names, in order, each checked (a subnetwork is one region's)."""
+    if zone is not None:
+        checks.texts([zone] if isinstance(zone, str) else zone, "sky.GCP(zone=)")
+    zones = zone_list(zone)
+    if zone is not None and not zones:
+        raise ConfigError("zone=[] names no zone: give one or more, or leave it out")
+    _check_subnetwork(subnetwork, zones)
+    return zones
 
 
 def _check_subnetwork(subnetwork: str | None, zones: Sequence[str]) -> None:

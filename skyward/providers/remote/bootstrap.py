@@ -219,16 +219,41 @@ async def prepare_host(
     node's `Phase.BUILDING` details."""
     spec = env_spec(image)
     host_log = progress.log_for(node.index)
+    report = await _host_report(node, image, bootstrap, progress, accelerator)
+    await _add_missing(node, bootstrap, report, host_log)
+    if report.satisfied is None:  # not probed by the check (a report of another kind)
+        report = await _probe_packages(node, image, bootstrap, report, host_log)
+    decision = hostcheck.decide(report, spec.python, bool(spec.setup))
+    node.python = await _environment(node, image, bootstrap, report, decision, host_log)
+    node.prepared = spec.hash
+
+
+async def _host_report(
+    node: RemoteNode,
+    image: Image,
+    bootstrap: Bootstrap,
+    progress: Progress,
+    accelerator: Accelerator | None,
+) -> hostcheck.HostReport:
+    """The host's check for `image`: the survey's when it was for this image, else a new one
+    (with the GPUs owned against `accelerator` for a node not surveyed)."""
+    host_log = progress.log_for(node.index)
     checked, node.checked = node.checked, None
     if node.inventory is None:
         progress.phase(node.index, Phase.BUILDING)
         report = await _check(node, image, bootstrap, host_log, gpus=True)
         _own_gpus(node, report.gpus or Inventory(), accelerator)
-    elif checked is not None and checked[0] == spec.hash:
-        report = checked[1]
-    else:
-        report = await _check(node, image, bootstrap, host_log, gpus=False)
-    base = shlex.quote(report.python)
+        return report
+    if checked is not None and checked[0] == env_spec(image).hash:
+        return checked[1]
+    return await _check(node, image, bootstrap, host_log, gpus=False)
+
+
+async def _add_missing(
+    node: RemoteNode, bootstrap: Bootstrap, report: hostcheck.HostReport, host_log: Log
+) -> None:
+    """What the check found missing that is not the environment: skyward's source, apt
+    packages."""
     if not report.src:
         await hoststeps.run_step(
             node,
@@ -240,18 +265,41 @@ async def prepare_host(
         )
     if report.apt_missing:
         await hoststeps.apt_install(node, bootstrap, report.apt_missing, report.uid, host_log)
-    if report.satisfied is None:  # not probed by the check (a report of another kind)
-        report = hostcheck.HostReport.from_json(
-            await hoststeps.json_step(
-                node,
-                bootstrap,
-                f'cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.hostcheck "{CACHE}"',
-                "checking the host's packages",
-                host_log,
-                _query(image, bootstrap, gpus=False).to_json().encode(),
-            )
+
+
+async def _probe_packages(
+    node: RemoteNode,
+    image: Image,
+    bootstrap: Bootstrap,
+    report: hostcheck.HostReport,
+    host_log: Log,
+) -> hostcheck.HostReport:
+    """The host's check run again with its own interpreter, for what its packages satisfy."""
+    base = shlex.quote(report.python)
+    return hostcheck.HostReport.from_json(
+        await hoststeps.json_step(
+            node,
+            bootstrap,
+            f'cd && {hoststeps.pythonpath()} exec {base} -m skyward.worker.hostcheck "{CACHE}"',
+            "checking the host's packages",
+            host_log,
+            _query(image, bootstrap, gpus=False).to_json().encode(),
         )
-    decision = hostcheck.decide(report, spec.python, bool(spec.setup))
+    )
+
+
+async def _environment(
+    node: RemoteNode,
+    image: Image,
+    bootstrap: Bootstrap,
+    report: hostcheck.HostReport,
+    decision: hostcheck.Decision,
+    host_log: Log,
+) -> str | None:
+    """The interpreter the node's agents run: the image's environment built where `decision`
+    found none, or the one found (with the image's setup commands run, where it asks)."""
+    spec = env_spec(image)
+    base = shlex.quote(report.python)
     if decision.python is None:
         uv = await hoststeps.install_uv(node, bootstrap, report, image.indexes, host_log)
         built = await hoststeps.json_step(
@@ -263,8 +311,8 @@ async def prepare_host(
             host_log,
             spec.to_json().encode(),
         )
-        decision = hostcheck.Decision(str(json.loads(built)["python"]))
-    elif decision.setup:
+        return str(json.loads(built)["python"])
+    if decision.setup:
         await hoststeps.json_step(
             node,
             bootstrap,
@@ -274,8 +322,7 @@ async def prepare_host(
             host_log,
             spec.to_json().encode(),
         )
-    node.python = decision.python
-    node.prepared = spec.hash
+    return decision.python
 
 
 def _query(image: Image, bootstrap: Bootstrap, gpus: bool) -> hostcheck.Query:

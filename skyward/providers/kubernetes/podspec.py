@@ -233,6 +233,20 @@ def pod(
         # The keeper ends on SIGTERM at once; the agents are the pool's to stop before.
         "terminationGracePeriodSeconds": 5,
     }
+    _place_resources(container, spec, settings, accelerator, gpu_labels)
+    metadata = _metadata(name, pool, index, nodes, settings)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def _place_resources(
+    container: dict[str, Any],
+    spec: dict[str, Any],
+    settings: PodSettings,
+    accelerator: Accelerator | None,
+    gpu_labels: Mapping[str, Sequence[str]] | None,
+) -> None:
+    """The container's requests and limits (CPUs, memory, GPUs), and for GPUs the pod's
+    toleration and node affinity."""
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if settings.cpus is not None:
@@ -248,6 +262,12 @@ def pod(
         container["resources"] = {
             key: value for key, value in (("requests", requests), ("limits", limits)) if value
         }
+
+
+def _metadata(
+    name: str, pool: str, index: int, nodes: int, settings: PodSettings
+) -> dict[str, Any]:
+    """The pod's name, labels and annotations (Kueue's group with a queue)."""
     metadata: dict[str, Any] = {
         "name": name,
         "labels": labels(pool, index),
@@ -258,7 +278,7 @@ def pod(
         metadata["labels"][KUEUE_QUEUE] = settings.queue
         metadata["labels"][KUEUE_GROUP] = pool_label(pool)
         metadata["annotations"][KUEUE_GROUP_COUNT] = str(nodes)
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+    return metadata
 
 
 def service(pool: str, name: str) -> dict[str, Any]:

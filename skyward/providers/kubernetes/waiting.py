@@ -95,53 +95,11 @@ async def wait_running(
     """Wait until every pod of `names` runs with an IP; they in `names`' order, each given to
     `on_running` as soon as it runs (its hold). Raises `ProvisionError` (`Unschedulable` for
     the scheduler) naming the pod and the reason."""
-    index = dict(zip(names, indices or range(len(names)), strict=True))
-    running: dict[str, Running] = {}
-    shown: dict[str, str] = {}
+    watch = _PodWatch(names, indices, progress, on_running)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    last_reason: dict[str, str] = {}
-
-    def look(pod: Any) -> None:
-        name = pod.metadata.name
-        if name not in index:
-            return
-        if pod.metadata.deletion_timestamp is not None:
-            raise ProvisionError(f"pod {name} was deleted while the pool started")
-        problem = container_problem(pod)
-        if problem is not None:
-            raise _CannotStart(name, problem)
-        waiting = scheduling_message(pod)
-        if waiting is not None:
-            last_reason[name] = waiting
-            if shown.get(name) != waiting:
-                shown[name] = waiting
-                progress.phase(index[name], Phase.REQUESTED, f"pending: {waiting}")
-            return
-        last_reason.pop(name, None)
-        if pod.status.phase == "Running" and pod.status.pod_ip and name not in running:
-            running[name] = Running(name, pod.status.pod_ip)
-            if on_running is not None:
-                on_running(name)
-            progress.phase(index[name], Phase.CONNECTING, pod.status.pod_ip)
-        elif name not in running and shown.get(name) != "scheduled":
-            shown[name] = "scheduled"
-            where = pod.spec.node_name or "a node"
-            progress.phase(index[name], Phase.BOOTING, f"on {where}: pulling and starting")
-
-    while len(running) < len(names):
-        waited = loop.time() - started
-        if waited >= pending and last_reason:
-            name, reason = next(iter(last_reason.items()))
-            raise Unschedulable(
-                f"pod {name} could not be scheduled within {pending:g} s "
-                f"(pending_timeout=): {reason}"
-            )
-        if waited >= boot:
-            late = [n for n in names if n not in running]
-            raise ProvisionError(
-                f"pod(s) {', '.join(late)} did not run within {boot:g} s (boot_timeout=)"
-            )
+    while len(watch.running) < len(names):
+        watch.check_deadlines(loop.time() - started, pending, boot)
         try:
             # A short watch, ended by the server, so the deadlines above are looked at; the
             # timeout around it only guards against a server that does not end it.
@@ -151,18 +109,84 @@ async def wait_running(
                     contextlib.aclosing(api.watch_pods(selector, timeout=2)) as events,
                 ):
                     async for _, pod in events:
-                        look(pod)
-                        if len(running) == len(names):
+                        watch.look(pod)
+                        if len(watch.running) == len(names):
                             break
-            if len(running) < len(names):
+            if len(watch.running) < len(names):
                 # The watch may have ended between events; one list catches what it missed.
                 for pod in await api.list_pods(selector):
-                    look(pod)
+                    watch.look(pod)
         except _CannotStart as failed:
             raise ProvisionError(
                 f"pod {failed.pod} cannot start: {failed.problem}{await _explain(api, failed.pod)}"
             ) from None
-    return [running[name] for name in names]
+    return [watch.running[name] for name in names]
+
+
+class _PodWatch:
+    """What `wait_running` has seen of the pods: which run, why the others wait, and what the
+    user was last told of each."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        indices: Sequence[int] | None,
+        progress: Progress,
+        on_running: Callable[[str], None] | None,
+    ) -> None:
+        self.names = names
+        self.index = dict(zip(names, indices or range(len(names)), strict=True))
+        self.running: dict[str, Running] = {}
+        self.shown: dict[str, str] = {}
+        self.last_reason: dict[str, str] = {}
+        self.progress = progress
+        self.on_running = on_running
+
+    def look(self, pod: Any) -> None:
+        """Take in one pod's state: running, waiting (with the scheduler's reason), or unable
+        to start (`_CannotStart`)."""
+        name = pod.metadata.name
+        if name not in self.index:
+            return
+        if pod.metadata.deletion_timestamp is not None:
+            raise ProvisionError(f"pod {name} was deleted while the pool started")
+        problem = container_problem(pod)
+        if problem is not None:
+            raise _CannotStart(name, problem)
+        waiting = scheduling_message(pod)
+        if waiting is not None:
+            self.last_reason[name] = waiting
+            if self.shown.get(name) != waiting:
+                self.shown[name] = waiting
+                self.progress.phase(self.index[name], Phase.REQUESTED, f"pending: {waiting}")
+            return
+        self.last_reason.pop(name, None)
+        if pod.status.phase == "Running" and pod.status.pod_ip and name not in self.running:
+            self.running[name] = Running(name, pod.status.pod_ip)
+            if self.on_running is not None:
+                self.on_running(name)
+            self.progress.phase(self.index[name], Phase.CONNECTING, pod.status.pod_ip)
+        elif name not in self.running and self.shown.get(name) != "scheduled":
+            self.shown[name] = "scheduled"
+            where = pod.spec.node_name or "a node"
+            self.progress.phase(
+                self.index[name], Phase.BOOTING, f"on {where}: pulling and starting"
+            )
+
+    def check_deadlines(self, waited: float, pending: float, boot: float) -> None:
+        """Raise when a pod has waited for the scheduler past `pending` seconds, or any pod is
+        not running after `boot`."""
+        if waited >= pending and self.last_reason:
+            name, reason = next(iter(self.last_reason.items()))
+            raise Unschedulable(
+                f"pod {name} could not be scheduled within {pending:g} s "
+                f"(pending_timeout=): {reason}"
+            )
+        if waited >= boot:
+            late = [n for n in self.names if n not in self.running]
+            raise ProvisionError(
+                f"pod(s) {', '.join(late)} did not run within {boot:g} s (boot_timeout=)"
+            )
 
 
 async def why_ended(api: KubeApi, pod: str) -> str | None:

@@ -2,8 +2,9 @@
 build an image once, fail half-way and leave nothing, name a failing plugin), and each
 capability it declares (`skyward.providers.base.Capability`) is exercised through the public
 API: signals (`pool.stacks()` names what a node is doing), replace (a dead node replaced and
-the pool whole again), list (`find` sees a live pool and not a closed one). A capability it
-does not declare is refused where a feature needs it (`ConfigError`), never a silent no-op.
+the pool whole again), list (`find` sees a live pool and not a closed one), and its verbs are
+its own (`skyward.providers.base.CAPABILITY_VERBS`). A capability it does not declare is refused
+where a feature needs it (`ConfigError`), never a silent no-op.
 
 A provider's test module subclasses `ProviderContract` and supplies the `make_provider` fixture
 (a fresh provider object each call), `make_broken_provider` (a provider whose 2-node pool fails
@@ -30,7 +31,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
-from skyward.providers.base import Capability, Provider
+from skyward.providers.base import Capability, Provider, missing_verbs
 from tests.support import wheels
 
 PROBE = "skyward-contract-probe"
@@ -458,6 +459,15 @@ class ProviderContract:
             after = identity() >> pool
             assert after[0] == 0 and after[3] == pool.pool_id
             assert after[1] != before[1] or after[2] != before[2], "the same agent answered"
+
+    def test_each_declared_capability_has_its_verbs(
+        self, make_provider: Callable[[], object]
+    ) -> None:
+        """A capability declared without the verbs it needs would be a silent no-op (`LIST`
+        without `find` lists nothing): the provider writes each one itself."""
+        provider = make_provider()
+        assert isinstance(provider, Provider)
+        assert missing_verbs(type(provider)) == []
 
     def test_a_live_pool_is_found_and_a_closed_one_is_not_or_listing_is_refused(
         self, make_provider: Callable[[], object]

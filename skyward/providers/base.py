@@ -3,46 +3,65 @@
 A provider is one class over a handful of async verbs (a folder of plain functions behind it for
 a cloud). Every capability the pool uses is a method here; the optional ones have defaults:
 
-- `default_nodes()`        the pool size when the user gives none (SSH: one per host);
-- `nodes_for(acc, asked)`  the pool size for an accelerator that fixes it (a TPU slice is one
-                           node per host), or `ConfigError` when the asked size disagrees;
-- `implied_accelerator()`  what an explicit instance type carries, so plugins see it (AWS);
-- `validate(spec)`         checks the request before anything is created or paid for;
-- `price(spec)`            one node's `Price` per hour, from the cloud's own price APIs
-                           (default: free, for machines the user already has);
-- `launch(spec, progress)`  creates all N nodes or raises, leaving nothing behind; returns the
+- `validate(spec)`         checks the request before anything is created or paid for: a
+                           `ConfigError` for one it cannot serve; creates nothing;
+- `launch(spec, progress)`  creates all `spec.nodes` nodes or raises, leaving nothing behind;
+                           reports each node's `Phase.BOOTING` / `Phase.CONNECTING`; returns the
                            `Cluster`: the nodes and everything the provider keeps for this pool;
 - `survey(cluster, image, progress)`  what the launched nodes have (`Hardware`: their GPUs,
-                           the CUDA their drivers support), before any environment is built: the
-                           pool fills in its spec with it and the plugins choose their packages;
-- `prepare(cluster, image, progress)`  builds the image's environment on every node;
-- `terminate(cluster)`     removes every node and everything made for them; idempotent;
+                           the lowest CUDA their drivers support), with each node's `gpus` set,
+                           before any environment is built: the pool fills in its spec with it
+                           and runs the plugins' `transform` again if that changed it. `image`
+                           is the plan made before launch, for a provider that checks its
+                           machines here and reuses that check in `prepare` (default: the
+                           nodes' `gpus`, CUDA unknown);
+- `prepare(cluster, image, progress)`  builds the image's environment on every node, once per
+                           image hash; reports `Phase.BUILDING` and the build's lines
+                           (`progress.detail`);
+- `terminate(cluster)`     removes every node and everything made for them; idempotent, safe on
+                           a partial pool;
+- `default_nodes()`        the pool size when the user gives none (default 1; SSH: one per
+                           host);
+- `nodes_for(acc, asked)`  the pool size (default `asked` or `default_nodes()`); one for an
+                           accelerator that fixes it (a TPU slice is one node per host), or
+                           `ConfigError` when the asked size disagrees;
+- `implied_accelerator()`  what an explicit instance type carries, so plugins see it (AWS);
+- `price(spec)`            one node's `Price` per hour, from the cloud's own price APIs
+                           (default: free, for machines the user already has);
 - `release(cluster)`       lets the client go but leaves the nodes running, for a detached run
                            that holds them (default: `terminate`, for nodes that are not made:
                            processes here, existing hosts, a Slurm allocation);
 - `detached_kind()`        how a detached run reaches the nodes (``local``, ``ssh``, ``slurm``,
-                           ``tcp``), or a `ConfigError` where it cannot hold one (the default);
-                           with it, `detached_login(cluster)` (``ssh``: how a later process logs
-                           into the hosts, what the run keeps to remove them),
-                           `batch_command(...)` (``slurm``: the command that queues the run as a
-                           batch job) or `detached_reach(cluster)` and the class's
-                           `detached_commands(data)` (``tcp``: what the run's record keeps, and
-                           the later process's commands on the nodes from it);
+                           ``tcp``: docs/detach.md), or a `ConfigError` where it cannot hold one
+                           (the default); with it, `detached_login(cluster)` (``ssh``: how a
+                           later process logs into the hosts, `DetachedLogin`: the key, the
+                           ssh_config, the timeout, a `KeptPool` to remove once the run ended),
+                           `batch_command(cluster, spec, run, script, output)` (``slurm``: the
+                           command that queues the run as one batch job) or
+                           `detached_reach(cluster)` and the class's `detached_commands(data)`
+                           (``tcp``: what the run's record keeps, `DetachedReach`, never a
+                           secret, and the later process's `NodeCommands` on the nodes from it,
+                           raising `NodeGone` for a node that will never answer again);
 - `teardown_summary(cluster)`  what `terminate` did, for the last line ("removed 4 instances");
-- `replace(cluster, index)`  a fresh node in place of a lost one (default: not supported);
+- `replace(cluster, index)`  a fresh node in `cluster.nodes[index]`, in place of a lost one
+                           (default: not supported);
 - `prestart(cluster, index)`  start that replacement ahead, on a preemption notice (default:
                            nothing to start ahead);
-- `explain(cluster, node)` why a node went away (a reclaimed spot instance), or None;
+- `explain(cluster, node)` why a node went away (`NodeLoss`: a reclaimed spot instance), or
+                           None;
 - `stage_data(cluster, data, log)`  makes a `sky.Data` available on every node and says where
                            (default: the client's own path: the nodes share this machine);
-- `node_output_dir(cluster, node)`  the node's directory for `sky.output_dir()`;
+- `node_output_dir(cluster, node)`  the node's directory for `sky.output_dir()` (default:
+                           ``outputs/<pool>/node-<i>`` under the node's cache directory);
 - `collect_outputs(cluster, nodes, log)`  brings nodes' output directories to the pool's
                            `output_dir` (a local directory or s3://); incremental.
 
 What a provider can do beyond the abstract verbs it declares in `capabilities` (`Capability`:
-replace, prestart, signals, price, list); the pool refuses a feature that needs one it lacks.
-Outside a pool, the command line asks a provider built from its flags (its registry entry,
-`skyward.providers.registry`):
+replace, prestart, signals, price, list); the pool refuses a feature that needs one it lacks
+(`require`: `restarts=` without `REPLACE`, `stall_timeout=` without `SIGNALS`), and a provider
+that declares one writes the verbs it needs (`CAPABILITY_VERBS`; `missing_verbs` names those
+left to this class's defaults). Outside a pool, the command line asks a provider built from its
+flags (its registry entry, `skyward.providers.registry`):
 
 - `find()`                 every pool skyward made that it can see, by pool id (`skyward ls`);
 - `cleanup(pool)`          removes one pool's leftovers, or every pool's (`skyward down`);
@@ -487,3 +506,26 @@ def local_outputs(cluster: Cluster, index: int) -> Path:
     """Where node `index`'s outputs land on the client (the pool's `output_dir` is local)."""
     assert cluster.spec.outputs and not cluster.spec.outputs.startswith("s3://")
     return Path(cluster.spec.outputs) / f"node-{index}"
+
+
+# The verbs a provider that declares a capability writes itself: the base class's are refusals
+# or no-ops, so a provider declaring `LIST` without `find` would list nothing, silently.
+# `SIGNALS` needs none: the agents' streams deliver them.
+CAPABILITY_VERBS: Mapping[Capability, tuple[str, ...]] = {
+    Capability.REPLACE: ("replace",),
+    Capability.PRESTART: ("prestart",),
+    Capability.SIGNALS: (),
+    Capability.PRICE: ("price",),
+    Capability.LIST: ("find", "cleanup"),
+}
+
+
+def missing_verbs(provider: type[Provider]) -> list[str]:
+    """The verbs `provider`'s declared capabilities need that it leaves to `Provider`'s
+    defaults, as ``CAPABILITY: verb``."""
+    return [
+        f"{capability.name}: {verb}"
+        for capability in sorted(provider.capabilities, key=lambda c: c.name)
+        for verb in CAPABILITY_VERBS[capability]
+        if getattr(provider, verb) is getattr(Provider, verb)
+    ]

@@ -126,15 +126,11 @@ def test_a_bad_per_gpu_is_a_config_error_naming_it() -> None:
         sky.plugins.torch(per_gpu="yes")  # type: ignore[arg-type]
 
 
-def test_skyward_run_refuses_a_bad_nproc_per_node_and_ranks_in_a_detached_run(
-    tmp_path: Path,
-) -> None:
+def test_skyward_run_refuses_a_bad_nproc_per_node(tmp_path: Path) -> None:
+    # (a detached run's: tests/test_detached_ranks.py)
     write(tmp_path, "noop.py", "print('never run')\n")
     zero = skyward_run("--nproc-per-node", "0", "noop.py", cwd=tmp_path, timeout=30)
     assert zero.returncode != 0 and "--nproc-per-node (processes_per_node)" in zero.stderr
-    detached = skyward_run("--detach", "--nproc-per-node", "2", "noop.py", cwd=tmp_path)
-    assert detached.returncode != 0
-    assert "detached runs take one rank per node for now" in detached.stderr, detached.stderr
 
 
 # -- PyTorch: 2 nodes x 2 ranks ------------------------------------------------------------------

@@ -42,9 +42,10 @@ def start(profile: Profile, script: str, args: Sequence[str], options: Options) 
             args,
             provider=profile.build_provider(),
             nodes=profile.nodes,
+            processes_per_node=profile.processes_per_node,
             accelerator=profile.accelerator,
             image=packages.image(),
-            plugins=script_plugins(profile),
+            plugins=script_plugins(profile, ranks_per_gpu=True),
             env=profile.env,
             workdir=profile.workdir,
             name=options.name,
@@ -59,7 +60,8 @@ def start(profile: Profile, script: str, args: Sequence[str], options: Options) 
             raise
         raise better from exc
     # What the leader said once every rank had started: no node is asked again here.
-    print(f"run {run.name} started on {run.record.nodes} node(s): every rank is running")
+    ranks = f", {run.record.ranks} ranks" if run.record.ranks_per_node > 1 else ""
+    print(f"run {run.name} started on {run.record.nodes} node(s){ranks}: every rank is running")
     if run.started.get("state") in FINAL:
         print(f"it has ended already: {run.started['state']} {run.started.get('reason', '')}")
     for command, what in (

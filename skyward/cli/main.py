@@ -220,13 +220,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.detach:
         from skyward.cli import detached
 
-        if (profile.processes_per_node or 1) > 1:
-            raise ConfigError(
-                f"--nproc-per-node (processes_per_node) {profile.processes_per_node} with "
-                "--detach: detached runs take one rank per node for now; run it attached "
-                "(without --detach), or with one rank per node"
-            )
-
         return detached.start(
             profile,
             args.script,

@@ -38,21 +38,23 @@ if TYPE_CHECKING:  # asyncssh, which an SSH node needs, is an extra: loaded wher
 
 @dataclass
 class LeaderKeys:
-    """What node 0's leader proves itself to the other nodes with, one per node, made here:
-    an SSH key pair (``ssh``: node i's authorized_keys gets the public key), or a secret both
-    ends hold (``tcp``: node i's door admits who proves it); `private` goes to node 0."""
+    """What node 0's leader proves itself to the other nodes' ranks with, one per rank (by
+    global rank) off node 0, made here: an SSH key pair (``ssh``: the node's authorized_keys
+    gets the public key, which runs that rank's attach), or a secret both ends hold (``tcp``:
+    the rank's door admits who proves it); `private` goes to node 0."""
 
     kind: str = "local"
     public: dict[int, str] = field(default_factory=dict)
     private: dict[int, str] = field(default_factory=dict)
+    per_node: int = 1
 
-    def login_key(self, node: int) -> str | None:
-        """The public key node `node`'s authorized_keys lets run its attach (``ssh``)."""
-        return self.public.get(node) if self.kind == "ssh" else None
+    def login_key(self, rank: int) -> str | None:
+        """The public key rank `rank`'s node lets run that rank's attach (``ssh``)."""
+        return self.public.get(rank) if self.kind == "ssh" else None
 
-    def door_secret(self, node: int) -> str | None:
-        """The secret node `node`'s door admits the leader with (``tcp``)."""
-        return self.public.get(node) if self.kind == "tcp" else None
+    def door_secret(self, rank: int) -> str | None:
+        """The secret rank `rank`'s door admits the leader with (``tcp``)."""
+        return self.public.get(rank) if self.kind == "tcp" else None
 
     def known_hosts(self, pool: ComputePool) -> str:
         """node 0's known_hosts: each other node's host key, as the client verified it, under
@@ -61,46 +63,52 @@ class LeaderKeys:
             return ""
         lines = []
         for node, (endpoint, key) in enumerate(_host_keys(pool)):
-            if node in self.public:
+            if node > 0:
                 address = _nodes(pool)[node].private_addr
                 lines.append(f"{_host_pattern(address, endpoint.port)} {key}")
         return "\n".join(lines) + "\n"
 
 
-def leader_keys(kind: str, nodes: int) -> LeaderKeys:
-    keys = LeaderKeys(kind)
+def leader_keys(kind: str, nodes: int, per_node: int = 1) -> LeaderKeys:
+    """The keys for `nodes` nodes of `per_node` ranks each: one per rank off node 0."""
+    keys = LeaderKeys(kind, per_node=per_node)
+    away = range(per_node, nodes * per_node)
     if kind == "tcp":
-        for node in range(1, nodes):
-            keys.public[node] = keys.private[node] = secrets.token_hex(32)
+        for rank in away:
+            keys.public[rank] = keys.private[rank] = secrets.token_hex(32)
     if kind != "ssh":
         return keys
     import asyncssh
 
-    for node in range(1, nodes):
+    for rank in away:
         key = asyncssh.generate_private_key("ssh-ed25519")
-        keys.public[node] = key.export_public_key("openssh").decode().strip()
-        keys.private[node] = key.export_private_key("openssh").decode()
+        keys.public[rank] = key.export_public_key("openssh").decode().strip()
+        keys.private[rank] = key.export_private_key("openssh").decode()
     return keys
 
 
 def launchers(kind: str, pool: ComputePool, setups: Sequence[dict[str, Any]]) -> list[list[str]]:
-    """The command line node 0's leader starts each rank's follower with. ``{key}`` and
-    ``{known_hosts}`` are filled in on node 0, where those files are written."""
-    if kind == "tcp":  # node 0's dial (its interpreter) to node i's door, at its private address
+    """The command line node 0's leader starts each rank's follower with (`setups`: each
+    rank's, in rank order; node 0's ranks it follows itself). ``{key}`` and ``{known_hosts}``
+    are filled in on node 0, where those files are written."""
+    per_node = pool.spec.processes_per_node
+    here = [list(setup["here"]) for setup in setups[:per_node]]
+    if kind == "tcp":  # node 0's dial (its interpreter) to rank r's door, at its private address
         assert pool.cluster is not None, "the pool has started"
         nodes = pool.cluster.nodes
         dial = list(setups[0]["dial"])
         doors = [
-            [*dial, nodes[i].private_addr, str(setups[i]["door"]), "{key}"]
-            for i in range(1, len(setups))
+            [*dial, nodes[r // per_node].private_addr, str(setups[r]["door"]), "{key}"]
+            for r in range(per_node, len(setups))
         ]
-        return [list(setups[0]["here"]), *doors]
+        return [*here, *doors]
     if kind != "ssh":  # every node is this machine: the leader follows each rank itself
         return [list(setup["here"]) for setup in setups]
     from skyward.providers.remote.bootstrap import ssh_host
 
-    found = [list(setups[0]["here"])]
-    for node in range(1, len(setups)):
+    found = here
+    for rank in range(per_node, len(setups)):
+        node = rank // per_node
         endpoint = ssh_host(_nodes(pool)[node]).endpoint
         found.append(
             [
@@ -132,7 +140,7 @@ def launchers(kind: str, pool: ComputePool, setups: Sequence[dict[str, Any]]) ->
                 "-p",
                 str(endpoint.port),
                 "-l",
-                str(setups[node]["user"]),
+                str(setups[rank]["user"]),
                 _nodes(pool)[node].private_addr,
             ]
         )

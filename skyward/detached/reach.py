@@ -299,7 +299,9 @@ class Remote(Shell):
     """Nodes on SSH hosts, reached with the pool's login options and the host keys the pool
     verified (pinned in the record)."""
 
-    def __init__(self, reach: dict[str, Any], directories: Sequence[str]) -> None:
+    def __init__(
+        self, reach: dict[str, Any], directories: Sequence[str], per_node: int = 1
+    ) -> None:
         import asyncssh
 
         from skyward.providers.remote.connect import ConnectOptions
@@ -314,16 +316,17 @@ class Remote(Shell):
             timeout=float(reach.get("timeout", 10.0)),
             keepalive=5.0,
         )
-        self._hosts: dict[int, Any] = {}
+        self.per_node = per_node  # the directories are the ranks', `per_node` to a host
+        self._hosts: dict[int, Any] = {}  # a connection per rank: its looks run concurrently
 
     async def _run(self, index: int, command: str, sink: Callable[[bytes], Awaitable[None]]) -> int:
-        """Run `command` on node `index`, handing its output to `sink` as it comes; its exit
-        status. `TimeoutError` when the node sends nothing for `PROGRESS_TIMEOUT` seconds."""
+        """Run `command` on rank `index`'s node, handing its output to `sink` as it comes; its
+        exit status. `TimeoutError` when the node sends nothing for `PROGRESS_TIMEOUT` s."""
         import asyncssh
 
         host = self._hosts.get(index)
         if host is None or host.conn.is_closed():
-            host = await self.options.connect(self.endpoints[index])
+            host = await self.options.connect(self.endpoints[index // self.per_node])
             self._hosts[index] = host
         process = await asyncio.wait_for(
             host.conn.create_process(command, encoding=None, stdin=asyncssh.DEVNULL),
@@ -488,10 +491,13 @@ class Batch(Local):
             subprocess.run(command, capture_output=True, timeout=30)
 
 
-def connect(kind: str, reach: dict[str, Any], directories: Sequence[str]) -> Reach:
-    """The `Reach` for a record's `kind` and `reach` data."""
+def connect(
+    kind: str, reach: dict[str, Any], directories: Sequence[str], per_node: int = 1
+) -> Reach:
+    """The `Reach` for a record's `kind` and `reach` data; `directories` are the ranks',
+    `per_node` to a node."""
     if kind == "ssh":
-        return Remote(reach, directories)
+        return Remote(reach, directories, per_node)
     if kind == "slurm":
         return Batch(str(reach["job_id"]), directories)
     if kind == "tcp":

@@ -21,6 +21,7 @@ from typing import Any
 
 from skyward.cachedir import cache_root
 from skyward.errors import ConfigError
+from skyward.worker import supervisor
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,47}")
 _ADJECTIVES = [
@@ -94,13 +95,29 @@ class RunRecord:
     script: str
     args: list[str]
     created_at: float
-    directories: list[str]  # each node's run directory, on that node
+    directories: list[str]  # each rank's run directory, on its node (node-major order)
     price_per_hour: float | None = None  # one node's, when known
     reach: dict[str, Any] = field(default_factory=dict)  # what `kind` needs to reach it
     key_tags: list[str | None] = field(default_factory=list)  # each node's authorized_keys tag
     output_dir: str | None = None  # where `fetch` (and the end, seen) brings the outputs
     keep_for: float = 0.0  # seconds each node stays up after the run's end (`--keep-for`)
     last: dict[str, Any] = field(default_factory=dict)  # the last run state read, once final
+    ranks_per_node: int = 1  # the ranks each node holds (``--nproc-per-node``)
+
+    @property
+    def ranks(self) -> int:
+        """Every rank of the run: one directory, log and follower each."""
+        return self.nodes * self.ranks_per_node
+
+    def rank_label(self, rank: int) -> str:
+        """How lines and errors name rank `rank`: ``node i``, or ``node i rank r`` where a
+        node holds several ranks."""
+        node = rank // self.ranks_per_node
+        return f"node {node}" if self.ranks_per_node == 1 else f"node {node} rank {rank}"
+
+    def rank_path(self, rank: int) -> str:
+        """Where rank `rank`'s outputs and kept log go under a local directory."""
+        return supervisor.rank_path(rank // self.ranks_per_node, rank, self.ranks_per_node)
 
 
 def runs_dir() -> Path:

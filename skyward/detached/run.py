@@ -77,8 +77,8 @@ class Run:
     def __init__(self, name: str) -> None:
         self.record = record.load(name)
         self._reach: reach.Reach | None = None
-        self._offsets = [0] * self.record.nodes
-        self._partial = [b""] * self.record.nodes
+        self._offsets = [0] * self.record.ranks
+        self._partial = [b""] * self.record.ranks
         # What the leader said once every rank had started, for a run `submit` just started.
         self.started: dict[str, Any] = {}
 
@@ -96,7 +96,9 @@ class Run:
             if saved and rec.last.get("state") in FINAL:  # a cloud run's nodes are gone
                 self._reach = reach.Local(saved)
             else:
-                self._reach = reach.connect(rec.kind, rec.reach, rec.directories)
+                self._reach = reach.connect(
+                    rec.kind, rec.reach, rec.directories, rec.ranks_per_node
+                )
         return self._reach
 
     def close(self) -> None:
@@ -111,7 +113,7 @@ class Run:
         unless a cloud run's logs are still to be kept)."""
         if self.record.last.get("state") in FINAL:
             return self._kept_status()
-        views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
+        views = self._nodes().peek([_EVERYTHING] * self.record.ranks)
         return self._judge(views)
 
     def _kept_status(self) -> RunStatus:
@@ -141,7 +143,7 @@ class Run:
         if self.record.last.get("state") in FINAL:
             return
         with contextlib.suppress(Exception):
-            self._nodes().clean(self.record.key_tags or [None] * self.record.nodes)
+            self._nodes().clean(self.record.key_tags or [None] * self.record.ranks)
         self.record.last = run
         self._release_cloud()
         record.save(self.record)
@@ -182,7 +184,7 @@ class Run:
         so (``gone``): waiting would not bring it back, and the others' machines would wait
         for it for ever."""
         root = record.runs_dir() / f"{self.name}.logs"
-        kept = [root / f"node-{node}" for node in range(self.record.nodes)]
+        kept = [root / self.record.rank_path(rank) for rank in range(self.record.ranks)]
         handles = []
         for directory in kept:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -191,7 +193,7 @@ class Run:
         nodes = self._nodes()
         gone: dict[int, str] = {}
         try:
-            offsets = [0] * self.record.nodes
+            offsets = [0] * self.record.ranks
             more = True
             while more:  # a bounded piece of each log per look, until every one is read
                 views = nodes.peek(offsets)
@@ -199,7 +201,7 @@ class Run:
                     if view is None and nodes.gone(node):
                         gone[node] = nodes.why(node)
                     elif view is None:
-                        raise FetchError(f"node {node} cannot be reached")
+                        raise FetchError(f"{self.record.rank_label(node)} cannot be reached")
                     else:
                         handles[node].write(view.data)
                         offsets[node] += len(view.data)
@@ -209,14 +211,17 @@ class Run:
                 handle.close()
         self._bring(nodes, [directory / supervisor.OUTPUTS for directory in kept], set(gone))
         if gone:
-            self.record.reach["gone"] = "; ".join(f"node {n}: {why}" for n, why in gone.items())
+            self.record.reach["gone"] = "; ".join(
+                f"{self.record.rank_label(n)}: {why}" for n, why in gone.items()
+            )
         return [str(directory) for directory in kept]
 
     # -- outputs
 
     def fetch(self, to: str | os.PathLike[str] | None = None) -> list[Path]:
-        """Bring every node's `sky.output_dir()` here, to ``<to>/node-<i>`` (default: the run's
-        ``output_dir``, else ``./NAME``); returns those directories. Once the run has ended,
+        """Bring every rank's `sky.output_dir()` here, to ``<to>/node-<i>`` (``<to>/node-<i>/
+        rank-<r>`` where a node holds several ranks; default: the run's ``output_dir``, else
+        ``./NAME``); returns those directories. Once the run has ended,
         the machines kept up for this (``--keep-for``) may go."""
         given = to or self.record.output_dir
         if given is None or str(given).startswith("s3://"):
@@ -229,7 +234,7 @@ class Run:
             ) from None
         if self.record.reach.pop("unplaced", None) is not None:
             record.save(self.record)
-        views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
+        views = self._nodes().peek([_EVERYTHING] * self.record.ranks)
         if self._judge(views).ended:  # the look just taken: no second one
             holders = [
                 (node, int(view.node["holder"]))
@@ -244,7 +249,7 @@ class Run:
 
     def _place(self, nodes: reach.Reach, destination: Path) -> list[Path]:
         """Every node's outputs from `nodes` into ``destination/node-<i>``."""
-        placed = [destination / f"node-{node}" for node in range(self.record.nodes)]
+        placed = [destination / self.record.rank_path(r) for r in range(self.record.ranks)]
         self._bring(nodes, placed)
         return placed
 
@@ -252,7 +257,9 @@ class Run:
         """Every node's outputs but those of nodes `gone` for good, into `targets`."""
         found = nodes.outputs(targets)
         failed = [
-            f"node {node} ({why})" for node, why in enumerate(found) if why and node not in gone
+            f"{self.record.rank_label(rank)} ({why})"
+            for rank, why in enumerate(found)
+            if why and rank not in gone
         ]
         if failed:
             raise FetchError(f"the outputs of {', '.join(failed)} could not be fetched")
@@ -313,7 +320,8 @@ class Run:
     # -- logs
 
     def logs(self, follow: bool = False, out: Callable[[str], None] | None = None) -> int | None:
-        """Write every line the ranks have written, ``(node i) line``, to `out` (default: this
+        """Write every line the ranks have written, ``(node i) line`` (``(node i rank r)``
+        where a node holds several ranks), to `out` (default: this
         process's stdout); with `follow`, keep going until the run ends and return its
         `RunStatus.returncode`."""
         write = out or _print
@@ -358,15 +366,16 @@ class Run:
             if view is None or not view.data:
                 continue
             self._offsets[node] += len(view.data)
+            label = self.record.rank_label(node)
             text = self._partial[node] + view.data
             *lines, self._partial[node] = text.split(b"\n")
             for line in lines:
-                write(f"(node {node}) {line.decode(errors='replace')}")
+                write(f"({label}) {line.decode(errors='replace')}")
 
     def _flush(self, write: Callable[[str], None]) -> None:
         for node, rest in enumerate(self._partial):
             if rest:
-                write(f"(node {node}) {rest.decode(errors='replace')}")
+                write(f"({self.record.rank_label(node)}) {rest.decode(errors='replace')}")
                 self._partial[node] = b""
 
     def wait(self, timeout: float | None = None) -> int:
@@ -391,7 +400,7 @@ class Run:
     def stop(self, timeout: float = 30.0) -> RunStatus:
         """End the run on every node: SIGTERM to its supervisors (each rank gets SIGTERM, then
         SIGKILL after the run's grace), SIGKILL to whatever is left after `timeout` seconds."""
-        views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
+        views = self._nodes().peek([_EVERYTHING] * self.record.ranks)
         status = self._judge(views)
         if status.ended:
             return status
@@ -408,7 +417,7 @@ class Run:
         self._nodes().signal(targets, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
+            views = self._nodes().peek([_EVERYTHING] * self.record.ranks)
             status = self._judge(views)
             running = [v for v in views if v is not None and v.node.get("state") == "running"]
             if status.ended and not running:
@@ -417,7 +426,7 @@ class Run:
                 break  # no leader to stop the ranks in order: what is left is killed now
             time.sleep(POLL_SECONDS)
         # Whatever is left: the ranks' groups and the supervisors, killed.
-        views = self._nodes().peek([_EVERYTHING] * self.record.nodes)
+        views = self._nodes().peek([_EVERYTHING] * self.record.ranks)
         kills = list(targets)
         for node, view in enumerate(views):
             if view is not None and view.node.get("state") == "running":

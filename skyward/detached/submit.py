@@ -11,7 +11,6 @@ connections go, the run stays with its nodes, and the client keeps a record.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import subprocess
 import time
@@ -27,9 +26,7 @@ from skyward.detached.run import Run
 from skyward.errors import ConfigError, SkywardError
 from skyward.image import Image
 from skyward.plugins.base import Plugin
-from skyward.plugins.jax_plugin import JaxPlugin
 from skyward.plugins.launcher import LauncherEnv
-from skyward.plugins.torch_plugin import TorchPlugin
 from skyward.pool import ComputePool
 from skyward.providers import registry
 from skyward.providers.base import Provider
@@ -88,16 +85,14 @@ def _output_dir(
 
 def launcher_plugins(plugins: Sequence[Plugin]) -> list[Plugin]:
     """`plugins` for a script that initializes its framework itself, as ``skyward run`` has
-    them: every launcher's variables first, and the JAX and torch plugins installing their
-    framework without initializing it."""
+    them: every launcher's variables first, then each plugin as such a script needs it
+    (`Plugin.for_script`: the JAX and torch plugins install their framework and leave its
+    initialization to the script)."""
     chosen: list[Plugin] = [LauncherEnv()]
     for plugin in plugins:
-        if isinstance(plugin, LauncherEnv):
-            continue
-        if isinstance(plugin, JaxPlugin | TorchPlugin) and plugin.initialize:
-            plugin = copy.copy(plugin)
-            plugin.initialize = False
-        chosen.append(plugin)
+        kept = plugin.for_script()
+        if kept is not None:
+            chosen.append(kept)
     return chosen
 
 
@@ -125,6 +120,7 @@ def submit(
     *,
     provider: Provider | None = None,
     nodes: int | None = None,
+    processes_per_node: int | None = None,
     accelerator: str | None = None,
     image: Image | None = None,
     plugins: Sequence[Plugin] = (),
@@ -137,9 +133,11 @@ def submit(
     output_dir: str | os.PathLike[str] | None = None,
     keep_for: float = 0.0,
 ) -> Run:
-    """Start `script` with `args` on every node of a new pool, detached: returns once every rank
-    has started, and the run goes on without this process (see docs/detach.md). `args` is a
-    list of strings, or one string split as a shell would."""
+    """Start `script` with `args` in every rank of a new pool, detached: returns once every
+    rank has started, and the run goes on without this process (see docs/detach.md). `args`
+    is a list of strings, or one string split as a shell would. `processes_per_node`: the
+    ranks on each node, each its own process with torchrun's variables, as for
+    `sky.ComputePool` (default: one a node, or one per GPU with the torch plugin)."""
     name = record.check_name(name) if name is not None else record.new_name()
     with record.claim(name):
         return _submit(
@@ -147,6 +145,7 @@ def submit(
             script_args(args),
             provider=provider,
             nodes=nodes,
+            processes_per_node=processes_per_node,
             accelerator=accelerator,
             image=image,
             plugins=plugins,
@@ -167,6 +166,7 @@ def _submit(
     *,
     provider: Provider | None,
     nodes: int | None,
+    processes_per_node: int | None,
     accelerator: str | None,
     image: Image | None,
     plugins: Sequence[Plugin],
@@ -194,6 +194,11 @@ def _submit(
             "run it attached"
         )
     target, cwd = script_target(script, workdir)
+    if kind in ("slurm", "tcp") and processes_per_node not in (None, 1):
+        raise ConfigError(
+            f"processes_per_node={processes_per_node}: a detached run on {provider.name} holds "
+            "one rank per node; run it attached (without --detach) for several ranks a node"
+        )
     pool = ComputePool(
         provider=provider,
         nodes=nodes,
@@ -202,14 +207,16 @@ def _submit(
         plugins=launcher_plugins(plugins),
         env=dict(env or {}),
         name="run",
-        # One agent a node, whatever the plugins' default (torch's is one rank per GPU): the
-        # node's supervisor starts the run's ranks itself, one a node.
-        processes_per_node=1,
+        # An agent a rank, each with its rank's variables: each writes its rank's spec, the
+        # supervisor then runs it. A batch job and a pod's door hold one rank a node.
+        processes_per_node=1 if kind in ("slurm", "tcp") else processes_per_node,
     )
     bucket = outputs if outputs and outputs.startswith("s3://") else None  # nodes upload
     # Local: the nodes are this machine's processes, and the leader's interpreter starts while
     # the pool does (it waits for its plan): not after, between the pool and "every rank started".
-    ahead = supervisor.leader_ahead(name) if kind == "local" else None
+    # (Its directory is rank 0's: where the plugins' default makes several ranks a node, node
+    # 0's agent starts the leader instead.)
+    ahead = supervisor.leader_ahead(name, processes_per_node or 1) if kind == "local" else None
     try:
         pool.start()
     except BaseException:
@@ -276,8 +283,8 @@ def _start_on_nodes(
 ) -> supervisor.RunState:
     """While the pool is up: each node's spec, node 0's leader (started `ahead` here, for
     Local), the record; the run's state once every rank has started."""
-    count = pool.spec.nodes
-    keys = launch.leader_keys(kind, count)
+    count, per_node = pool.spec.nodes, pool.spec.processes_per_node
+    keys = launch.leader_keys(kind, count, per_node)
     source = None
     if cwd is None and isinstance(target, Data):
         # A lone script travels in the call that prepares each node, into the run's own
@@ -300,9 +307,9 @@ def _start_on_nodes(
                 source,
                 keys.door_secret(i),
             ),
-            node=i,
+            rank=i,
         )
-        for i in range(count)
+        for i in range(count * per_node)
     ]
     try:
         setups: list[dict[str, Any]] = [future.result() for future in asked]
@@ -323,11 +330,12 @@ def _start_on_nodes(
             reach=launch.record_data(kind, pool, name),
             key_tags=[s["key_tag"] for s in setups],
             keep_for=keep_for,
+            ranks_per_node=per_node,
         )
     )
     launchers = launch.launchers(kind, pool, setups)
     if ahead is not None and setups[0]["directory"] == str(ahead[0]):
-        supervisor.write_plan(ahead[0], launchers, {}, "", restarts, float(grace))
+        supervisor.write_plan(ahead[0], launchers, {}, "", restarts, float(grace), per_node)
         supervisor.plan_written(ahead[1])
         return supervisor.wait_started(ahead[0], ahead[1], START_TIMEOUT)
     if ahead is not None:  # node 0's agent sees another cache: it starts the leader itself
@@ -362,12 +370,13 @@ def _end_planless(leader: subprocess.Popen[bytes]) -> None:
 
 def _abandon(pool: ComputePool, name: str) -> None:
     """The run could not start on every node: each node that can still be reached stops what
-    it started for it (an early follower's rank would otherwise wait for a leader a while)."""
+    it started for it (an early follower's rank would otherwise wait for a leader a while),
+    each rank's agent its own."""
     stop = compute(supervisor.abandon)
     asked = []
-    for node in range(pool.spec.nodes):
+    for rank in range(pool.spec.nodes * pool.spec.processes_per_node):
         with contextlib.suppress(Exception):  # a node that is gone has nothing left to stop
-            asked.append(pool.submit(stop(name), node=node))
+            asked.append(pool.submit(stop(name), rank=rank))
     for future in asked:
         with contextlib.suppress(Exception):
             future.result(timeout=10)

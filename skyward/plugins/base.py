@@ -95,5 +95,13 @@ class Plugin:
         does not say ``processes_per_node`` then starts one rank for each GPU of a node."""
         return False
 
+    def for_script(self) -> Plugin | None:
+        """This plugin as a pool needs it when the script initializes its framework itself
+        (``skyward run``, a detached run: the script calls ``init_process_group`` or
+        ``jax.distributed.initialize()``): the same wheels, variables and ranks a node, but
+        no runtime the agent would initialize first. None where every such pool has what
+        the plugin gives already (the launchers' variables). By default the plugin itself."""
+        return self
+
     def __repr__(self) -> str:
         return f"<skyward plugin {self.name!r}>"

@@ -17,6 +17,7 @@ a bare call reads the JAX_* variables.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import re
@@ -93,6 +94,15 @@ class JaxPlugin(Plugin):
         self.initialization_timeout = checks.whole(
             initialization_timeout, "jax(initialization_timeout=) (seconds)", minimum=1
         )
+
+    def for_script(self) -> JaxPlugin:
+        """The same wheel and ``JAX_*`` variables, ``jax.distributed.initialize()`` left to
+        the script (it finds its arguments in them)."""
+        if not self.initialize:
+            return self
+        chosen = copy.copy(self)
+        chosen.initialize = False
+        return chosen
 
     def flavour(self, cluster: ClusterSpec) -> str:
         """The wheel family for `cluster`: the explicit `cuda`; else from its accelerator and

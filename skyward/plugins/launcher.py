@@ -24,6 +24,10 @@ class LauncherEnv(Plugin):
     name = "launcher-env"
     ports = ("jax", "torch")
 
+    def for_script(self) -> None:
+        """Every script's pool has the launchers' variables already (see `Plugin`)."""
+        return None
+
     def around_app(self, info: InstanceInfo) -> None:
         export_launcher_env(info)
         export_torch_env(info)

@@ -18,6 +18,7 @@ says otherwise, as torchrun does.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import socket
 from collections.abc import Iterator
@@ -86,6 +87,17 @@ class TorchPlugin(Plugin):
     def rank_per_gpu(self) -> bool:
         """`per_gpu`, by default where the plugin makes the group."""
         return self.initialize if self.per_gpu is None else self.per_gpu
+
+    def for_script(self) -> TorchPlugin:
+        """The same wheel and ``MASTER_*``/``RANK`` variables, ``init_process_group`` left to
+        the script, and the same ranks a node by default (one per GPU where this plugin
+        would have made the group)."""
+        if not self.initialize:
+            return self
+        chosen = copy.copy(self)
+        chosen.initialize = False
+        chosen.per_gpu = self.rank_per_gpu
+        return chosen
 
     def build(self, cluster: ClusterSpec) -> str:
         """The PyTorch build for `cluster`: ``"cpu"`` without GPUs (a TPU too: torch_xla is

@@ -132,6 +132,21 @@ def run_root(name: str) -> Path:
     return Path(cache_root()) / "runs" / name
 
 
+def rank_path(node: int, rank: int, per_node: int) -> str:
+    """A rank's directory under a run's (and its outputs' under a local output directory):
+    ``node-<i>``, or ``node-<i>/rank-<r>`` (`rank` global) where a node holds several ranks,
+    as a live pool's outputs are laid out."""
+    return f"node-{node}" if per_node == 1 else f"node-{node}/rank-{rank}"
+
+
+def rank_directory(name: str) -> Path:
+    """In a rank's agent: that rank's directory of run `name` on this node."""
+    from skyward.info import instance_info
+
+    info = instance_info()
+    return run_root(name) / rank_path(info.node, info.rank, info.processes_per_node)
+
+
 # -- the follower -------------------------------------------------------------------------------
 
 
@@ -253,11 +268,13 @@ def _node_state(directory: Path, state: Mapping[str, Any]) -> None:
 
 
 def _upload(directory: Path, spec: Mapping[str, Any]) -> None:
-    """Mirror the rank's outputs to the run's bucket (``<uri>/node-<i>``) with the rank's
+    """Mirror the rank's outputs to the run's bucket (``<uri>/node-<i>``, or
+    ``<uri>/node-<i>/rank-<r>`` where a node holds several ranks) with the rank's
     interpreter and environment (its credentials, the image's boto3), as a live pool's nodes
     do; what it says goes to the rank's log."""
     env = {**os.environ, **{str(k): str(v) for k, v in dict(spec.get("env", {})).items()}}
-    target = f"{str(spec['upload']).rstrip('/')}/node-{spec['rank']}"
+    where = spec.get("outputs_at", f"node-{spec['rank']}")
+    target = f"{str(spec['upload']).rstrip('/')}/{where}"
     command = [spec["argv"][0], "-m", "skyward.worker.s3sync", "upload", output_dir(directory)]
     with open(directory / LOG, "ab") as log:
         log.write(f"[skyward] uploading the outputs to {target}\n".encode())
@@ -361,10 +378,8 @@ def follow_early(directory: Path) -> int:
 
 def abandon(name: str) -> None:
     """In a node's agent, when run `name` could not start on every node: stop what this node
-    started for it (`stop_early`), and leave no spec or key."""
-    from skyward.info import instance_info
-
-    stop_early(run_root(name) / f"node-{instance_info().node}")
+    started for it (`stop_early`), and leave no spec or key (each rank's agent, its own)."""
+    stop_early(rank_directory(name))
 
 
 def stop_early(directory: Path) -> None:
@@ -950,6 +965,7 @@ def lead(directory: Path) -> int:
     launchers: list[list[str]] = plan["launchers"]
     restarts = int(plan.get("restarts", 0))
     grace = float(plan.get("grace", 10.0))
+    per_node = int(plan.get("per_node", 1))
     state: RunState = {"state": "starting", "attempt": 0, "started_at": time.time()}
     state["leader_pid"] = os.getpid()
     _run_state(directory, state)
@@ -971,7 +987,7 @@ def lead(directory: Path) -> int:
         while True:
             for rank in ranks:
                 rank.start(log)
-            end = _watch(ranks, events, state, directory)
+            end = _watch(ranks, events, state, directory, per_node)
             if stop.is_set():
                 end = {"state": "stopped", "reason": "stopped by skyward stop"}
             retry = end["state"] == "failed" and not end.get("lost")
@@ -1091,9 +1107,15 @@ def _heartbeat(ranks: list[_Rank], stop: threading.Event) -> None:
 
 
 def _watch(
-    ranks: list[_Rank], events: queue.Queue[tuple[int, str]], state: RunState, directory: Path
+    ranks: list[_Rank],
+    events: queue.Queue[tuple[int, str]],
+    state: RunState,
+    directory: Path,
+    per_node: int = 1,
 ) -> dict[str, Any]:
-    """Read the followers' words until the run (this attempt) ends; how it ended."""
+    """Read the followers' words until the run (this attempt) ends; how it ended. The ranks
+    are in rank order, `per_node` to a node: an end names the rank's node where a node holds
+    several."""
     done: set[int] = set()
     while True:
         index, word = events.get()
@@ -1118,14 +1140,15 @@ def _watch(
                 "state": "failed",
                 "rank": index,
                 "status": rank.status,
-                "reason": _status_words(index, rank.status),
+                "reason": _status_words(_rank_words(index, per_node), rank.status),
             }
         if word in ("gone", "lost") and rank.status is None:
             # The launcher ended before its follower said how the rank ended: the node or
             # its channel is gone (ssh's status 255, a cancelled srun step).
-            reason = f"node {index} was lost (its supervisor could not be reached)"
+            node = index // per_node
+            reason = f"node {node} was lost (its supervisor could not be reached)"
             if not rank.started:
-                reason = _unreached(index, rank.complaint)
+                reason = _unreached(node, rank.complaint)
             return {"state": "failed", "rank": index, "status": -1, "lost": True, "reason": reason}
 
 
@@ -1143,14 +1166,19 @@ def _unreached(node: int, complaint: Sequence[str]) -> str:
     return reason
 
 
-def _status_words(rank: int, status: int) -> str:
+def _rank_words(rank: int, per_node: int) -> str:
+    """``rank R``, or ``node N rank R`` where a node holds several ranks."""
+    return f"rank {rank}" if per_node == 1 else f"node {rank // per_node} rank {rank}"
+
+
+def _status_words(rank: str, status: int) -> str:
     if status < 0:
         try:
             name = signal.Signals(-status).name
         except ValueError:
             name = "unknown"
-        return f"rank {rank} was killed by signal {-status} ({name})"
-    return f"rank {rank} exited with status {status}"
+        return f"{rank} was killed by signal {-status} ({name})"
+    return f"{rank} exited with status {status}"
 
 
 def _stop_all(
@@ -1207,10 +1235,11 @@ def prepare_node(
     from skyward.info import OUTPUT_ENV_VAR as OUTPUT_ENV
     from skyward.info import instance_info
 
-    node = instance_info().node
-    directory = run_root(name) / f"node-{node}"
+    info = instance_info()
+    where = rank_path(info.node, info.rank, info.processes_per_node)
+    directory = run_root(name) / where
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for parent in (directory.parent, directory.parent.parent):
+    for parent in directory.parents[: len(Path(where).parts) + 1]:
         with contextlib.suppress(OSError):
             os.chmod(parent, 0o700)
     _clear_earlier(directory)
@@ -1221,11 +1250,12 @@ def prepare_node(
         with os.fdopen(fd, "wb") as handle:
             handle.write(source)
         script = str(path)
-    tag = f"{KEY_TAG}:{name}:node-{node}"
+    tag = f"{KEY_TAG}:{name}:{where.replace('/', ':')}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", OUTPUT_ENV: output_dir(directory)}
     spec = {
         "name": name,
-        "rank": node,
+        "rank": info.rank,
+        "outputs_at": where,
         "argv": [sys.executable, "-m", "skyward.worker.script", script, *args],
         "cwd": cwd or os.getcwd(),
         "env": env,
@@ -1315,10 +1345,14 @@ def start_leader(
     """On node 0: start the run's leader outside the agent (its own session: it outlives the
     agent and the client) and wait until every rank has started or the run has ended. The
     other nodes' ranks may run already (early followers): they count as started once the
-    leader has reached them, so a node whose sshd refuses the run's key fails the start."""
-    directory = run_root(name) / "node-0"
+    leader has reached them, so a node whose sshd refuses the run's key fails the start.
+    Its directory is rank 0's (this agent's)."""
+    from skyward.info import instance_info
+
+    directory = rank_directory(name)
     (directory / LEADER_LOG).unlink(missing_ok=True)  # an earlier run's of this name
-    write_plan(directory, launchers, keys, known_hosts, restarts, grace)
+    per_node = instance_info().processes_per_node
+    write_plan(directory, launchers, keys, known_hosts, restarts, grace, per_node)
     leader = spawn_leader(directory, interpreter())
     return wait_started(directory, leader, timeout)
 
@@ -1330,9 +1364,11 @@ def write_plan(
     known_hosts: str,
     restarts: int,
     grace: float,
+    per_node: int = 1,
 ) -> None:
     """Node 0's part of the leader's plan: its keys to the other nodes, their host keys, and
-    ``leader.json`` (the launchers), last: a leader started ahead begins once it is there."""
+    ``leader.json`` (the launchers, one a rank in rank order, and the ranks a node holds),
+    last: a leader started ahead begins once it is there."""
     (directory / RUN_STATE).unlink(missing_ok=True)
     keydir = directory / KEYS
     keydir.mkdir(mode=0o700, exist_ok=True)
@@ -1343,21 +1379,22 @@ def write_plan(
         argvs[index] = [w.replace("{key}", str(path)) for w in argvs[index]]
     write_private(keydir / KNOWN_HOSTS, known_hosts)
     argvs = [[w.replace("{known_hosts}", str(keydir / KNOWN_HOSTS)) for w in a] for a in argvs]
-    plan = {"launchers": argvs, "restarts": restarts, "grace": grace}
+    plan = {"launchers": argvs, "restarts": restarts, "grace": grace, "per_node": per_node}
     write_private(directory / LEADER, json.dumps(plan))
 
 
-def leader_ahead(name: str) -> tuple[Path, subprocess.Popen[bytes]]:
+def leader_ahead(name: str, per_node: int = 1) -> tuple[Path, subprocess.Popen[bytes]]:
     """Where nodes are this machine's processes (Local): start run `name`'s leader now, before
     the pool, so its interpreter starts while the pool does; it waits for `write_plan`. Its
     directory (node 0's) and process, whose stdin the caller holds: a line on it says the
-    plan is there (`plan_written`), its end without one that there will be none."""
+    plan is there (`plan_written`), its end without one that there will be none. Its
+    directory is rank 0's, for nodes of `per_node` ranks each."""
     import shutil
 
     # An earlier run of this name left its files here (every node's: they are this machine's):
     # this run starts with empty logs and outputs.
     shutil.rmtree(run_root(name), ignore_errors=True)
-    directory = run_root(name) / "node-0"
+    directory = run_root(name) / rank_path(0, 0, per_node)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     return directory, spawn_leader(directory, interpreter(), ahead=True)
 

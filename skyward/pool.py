@@ -565,6 +565,8 @@ class ComputePool:
         lost node is replaced, with all its ranks, and the call run again, resumed from the
         newest reported checkpoint.
         """
+        if not self._policy.restarts:  # nothing to retry: the call goes straight through
+            return self._calling(self._check_open().broadcast, call)
         return recovery.with_restarts(
             lambda: self._calling(self._check_open().broadcast, call), self._policy, self._restart
         )

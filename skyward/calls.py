@@ -22,8 +22,7 @@ import cloudpickle
 from skyward.client import sources
 from skyward.data import Stager, collecting
 from skyward.errors import SerializationError, SkywardError
-from skyward.transport.frames import PROTOCOL, Buffer
-from skyward.transport.pickling import cloud_dumps
+from skyward.transport.frames import PROTOCOL, Buffer, cloud_dumps
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -104,7 +104,7 @@ def test_after_a_frame_cut_short_the_rest_of_its_chunk_takes_the_fast_path() -> 
     """Small results many to a chunk, their frames cut at every chunk's end (a gather's
     replies): the decoder finishes each cut frame with the plain decoder and reads the rest of
     the chunk with `settle_frames`, so only the frames cut short take the plain path."""
-    from skyward.transport.reply_decoder import ReplyDecoder
+    from skyward.transport.fastpath import ReplyDecoder
 
     stream = b"".join(
         bytes(c) for i in range(300) for c in frames.encode_result(i, [pickle.dumps(i, 5)])
@@ -200,7 +200,7 @@ def test_a_tally_counts_each_reply_once_whatever_thread_settles_it() -> None:
     """The replies the fast path settles (`settle`, `register_each`) are `Reply`s: each is
     counted once, under its tally's lock, however many threads settle it at once, and a waiter
     asleep on the tally is woken."""
-    from skyward.client.replies import Reply, Tally
+    from skyward.client.dispatch import Reply, Tally
 
     for _ in range(20):
         tally = Tally(64)

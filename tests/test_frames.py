@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from skyward.transport import frames, messages, pickling
+from skyward.transport import frames, messages
 from skyward.transport.agentwire import AgentWire
 
 
@@ -21,7 +21,7 @@ def _stream(count: int, rng: random.Random) -> tuple[bytes, list[dict[str, objec
             "bytes": bytes([i % 251]) * rng.choice([0, 10, 70_000, 200_000]),
             "array": np.arange(rng.choice([1, 100, 20_000])) * i,
         }
-        for chunk in frames.encode(messages.Result(i), pickling.fast_dumps(value)):
+        for chunk in frames.encode(messages.Result(i), frames.fast_dumps(value)):
             blob += chunk
         values.append(value)
     return bytes(blob), values
@@ -50,7 +50,7 @@ def test_any_chunking_decodes_the_same_frames() -> None:
 
 def test_large_bytes_travel_out_of_band_and_come_back_as_the_same_object() -> None:
     big = b"z" * 1_000_000
-    segments = pickling.cloud_dumps(((big,), {}))
+    segments = frames.cloud_dumps(((big,), {}))
     assert len(segments) == 2 and memoryview(segments[1]).nbytes == len(big)
     assert memoryview(segments[0]).nbytes < 200  # the pickle stream holds no copy of it
     received = bytes(segments[1])  # what the agent reads off the pipe
@@ -145,7 +145,7 @@ def test_a_frame_that_is_no_message_is_refused() -> None:
 def test_the_reply_decoder_settles_every_result_and_hands_on_the_rest() -> None:
     """A session's decoder settles each Result's call, small or large, whatever the chunking;
     every other message still reaches `on_frame` as itself."""
-    from skyward.transport.reply_decoder import ReplyDecoder
+    from skyward.transport.fastpath import ReplyDecoder
 
     rng = random.Random(11)
     blob, values = _stream(60, rng)
@@ -215,7 +215,7 @@ class _Host:
         self.failed.append((call_id, f"{type(exc).__name__}: {exc}"))
 
     def dump_result(self, call_id: int, value: object) -> list[frames.Buffer] | None:
-        return pickling.fast_dumps(value)
+        return frames.fast_dumps(value)
 
 
 def _halve(x: int) -> object:
@@ -252,7 +252,7 @@ def test_the_agent_wire_serves_calls_that_arrive_in_any_pieces(shared: bool) -> 
     blob = bytearray()
     for call_id, fn_id, fnb, args in calls:
         call = messages.Call(call_id, fn_id, fnb)
-        for chunk in frames.encode(call, pickling.cloud_dumps((args, {}))):
+        for chunk in frames.encode(call, frames.cloud_dumps((args, {}))):
             blob += chunk
     hello = messages.Hello("info")  # one small segment, like a call's, but no call
     for chunk in frames.encode(hello, [b"plugins"]):
@@ -367,7 +367,7 @@ def test_the_agent_fast_path_writes_the_bytes_encode_result_writes() -> None:
     sent = b"".join(
         bytes(chunk)
         for call_id, x in [(1, 10), (2**40, 4)]
-        for chunk in frames.encode_call(call_id, 7, pickling.cloud_dumps(((x,), {})))
+        for chunk in frames.encode_call(call_id, 7, frames.cloud_dumps(((x,), {})))
     )
     os.write(to_agent_w, sent + b"".join(bytes(c) for c in frames.encode(messages.Shutdown())))
     os.close(to_agent_w)

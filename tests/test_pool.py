@@ -392,7 +392,7 @@ def test_calls_leave_no_garbage_for_the_collector(pool: sky.ComputePool) -> None
     objects are counted: what other threads leave meanwhile is not the calls'.)"""
     import gc
 
-    from skyward.client.replies import Reply, Tally
+    from skyward.client.dispatch import Reply, Tally
 
     for _ in range(3):  # warm: whatever is built once (functions, pipe groups) is built
         double(1) >> pool, double(1) @ pool, sky.gather(double(1), double(2)) >> pool

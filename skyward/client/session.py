@@ -31,8 +31,8 @@ from skyward.providers.base import NodeLoss
 from skyward.reports import Report
 from skyward.transport import frames, messages
 from skyward.transport.base import AgentStream
-from skyward.transport.callframes import CallFrames, Calls, Outcome
-from skyward.transport.reply_decoder import ReplyDecoder
+from skyward.transport.fastpath import ReplyDecoder
+from skyward.transport.frames import CallFrames, Calls, Outcome
 
 # How long to wait for the rest of a dead node's output before reporting its death.
 OUTPUT_DRAIN_SECONDS = 0.3

@@ -15,6 +15,11 @@ against the plain behaviour it stands for.
   written to every node's pipe, each in one Python call with all the locks taken at once
   (`broadcast`: a method call or two per node cost it about a third, in A/B runs of this
   module's commit against the per-node calls written plainly).
+- `ReplyDecoder.feed`: a session's frame decoder, which hands every chunk that starts at a
+  frame's start to `settle_frames`; a frame cut short at a chunk's end is finished by the plain
+  `frames.FrameDecoder`, and the rest of that chunk goes back to `settle_frames` (`gather`: its
+  replies come many to a chunk, and chunks rarely end where a frame does). Its plain twin is
+  `frames.FrameDecoder` with `settle` for each `Result`.
 - `PipeGroup.read_until`: a Local broadcast's replies, read from all its pipes in one poll loop
   in the caller's thread (`broadcast`: the floor it is measured against reads 8 raw pipes the
   same way).
@@ -29,6 +34,7 @@ import collections
 import pickle
 import select
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -40,6 +46,7 @@ from skyward.transport.frames import (
     PACKED_RESULT,
     RESULT,
     RESULT_FRAME,
+    Outcome,
     lengths_of,
     read_meta,
 )
@@ -90,7 +97,7 @@ class Registry(Protocol):
 
 
 class Frames(Protocol):
-    """One call's frames (`callframes.CallFrames`)."""
+    """One call's frames (`frames.CallFrames`)."""
 
     @property
     def call_id(self) -> int: ...
@@ -110,7 +117,7 @@ def register_each(
 ) -> list[list[frames.Buffer]]:
     """Register `call` on every session with its reply, every session's lock held (`locks`,
     theirs, in order); the bytes to write to each: none where the node is dead (its reply
-    fails now). The replies are `client.replies.Reply`s, never cancelled.
+    fails now). The replies are `client.dispatch.Reply`s, never cancelled.
 
     FAST PATH (`broadcast`): one Python call for every node; the plain version is
     `NodeSession.register`, which a `>>` and a gather use."""
@@ -317,3 +324,67 @@ class PipeGroup:
     def _drop(self, reader: Reader) -> None:
         if self._by_fd.pop(reader.fd, None) is not None:
             self._poller.unregister(reader.fd)
+
+
+class HoldsCalls(Protocol):
+    """Whose calls the replies answer: a node session."""
+
+    @property
+    def pending(self) -> dict[int, Outcome]:
+        """The calls sent and not yet answered, by call id."""
+        ...
+
+
+class ReplyDecoder(frames.FrameDecoder):
+    """Decodes one node's control stream; a `Result` settles its call in `calls.pending`."""
+
+    def __init__(
+        self,
+        calls: HoldsCalls,
+        on_frame: Callable[[Message, list[frames.Buffer]], None],
+        on_unpicklable: Callable[[Outcome, Exception], None],
+        on_end: Callable[[], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
+        """`on_frame` gets every message but a `Result`; `on_unpicklable` an outcome whose
+        result could not be unpickled, and why."""
+        super().__init__(self._on_message, on_end, on_error)
+        self._calls = calls
+        self._on_other = on_frame
+        self._on_unpicklable = on_unpicklable
+
+    def feed(self, data: frames.Buffer) -> None:
+        """`FrameDecoder.feed`, with the whole frames of a chunk read by `settle_frames`.
+
+        FAST PATH (`rtt`, `broadcast`, `gather`: every reply)."""
+        if type(data) is bytes and data and not self.between_frames:
+            # A frame cut short by the last chunk: its rest goes to the plain decoder, so that
+            # the frames after it are read by the fast path too (a gather's replies come many
+            # to a chunk, and chunks rarely end where a frame does).
+            view, taken = memoryview(data), 0
+            while 0 < (wanted := self.bytes_wanted()) < len(data) - taken:
+                super().feed(view[taken : taken + wanted])
+                taken += wanted
+            if taken:
+                data = data[taken:]
+        if type(data) is bytes and data and self.between_frames:
+            self.last_fed = time.monotonic()
+            try:
+                taken = settle_frames(
+                    data, self._calls.pending, self._on_unpicklable, self._on_other
+                )
+            except Exception as exc:
+                if self._on_error is None:
+                    raise
+                self._on_error(exc)
+                return
+            if taken == len(data):
+                return
+            data = data[taken:]
+        super().feed(data)
+
+    def _on_message(self, message: Message, segments: list[frames.Buffer]) -> None:
+        if type(message) is Result:  # a large one, or one split across chunks
+            settle(self._calls.pending, message.call_id, segments, self._on_unpicklable)
+        else:
+            self._on_other(message, segments)

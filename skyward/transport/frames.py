@@ -7,7 +7,11 @@ arguments and results are pickled with protocol 5, their large buffers (numpy ar
 ``bytes``) kept out of band as segments of their own, so a 100 MB argument is never copied into
 a pickle stream, and a broadcast writes the same segment objects to every node.
 
-This module is shared by the client and the worker agent, so it imports only the standard library.
+Here too: the pickling of what travels (`cloud_dumps`, `fast_dumps`, `try_dumps`) and one
+call's frames as the nodes get it (`CallFrames`, encoded once for every node).
+
+This module is shared by the client and the worker agent, so it imports only the standard
+library and cloudpickle.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import pickle
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
+
+import cloudpickle
 
 from skyward.transport.messages import Call, Message, Result, from_wire, to_wire
 
@@ -179,6 +185,28 @@ def dumps(value: Any, dump: Callable[..., bytes] = pickle.dumps) -> list[Buffer]
     return [stream, *(b.raw() for b in buffers)]
 
 
+def cloud_dumps(value: Any) -> list[Buffer]:
+    """Segments for `value` with cloudpickle (functions, lambdas, classes of ``__main__``)."""
+    return dumps(value, cloudpickle.dumps)
+
+
+def fast_dumps(value: Any) -> list[Buffer]:
+    """Segments for `value`: the standard pickler first (several times faster on plain data),
+    cloudpickle for what only it can carry (lambdas, classes defined inside a function)."""
+    try:
+        return dumps(value)
+    except Exception:
+        return cloud_dumps(value)
+
+
+def try_dumps(value: Any) -> list[Buffer]:
+    """Segments for `value`, or none when it cannot be pickled (an exception to describe)."""
+    try:
+        return cloud_dumps(value)
+    except Exception:
+        return []
+
+
 @functools.cache
 def lengths_of(count: int) -> struct.Struct:
     """The struct of `count` segment lengths."""
@@ -188,6 +216,51 @@ def lengths_of(count: int) -> struct.Struct:
 def loads(segments: Sequence[Buffer]) -> Any:
     """Inverse of `dumps`."""
     return pickle.loads(segments[0], buffers=segments[1:])
+
+
+class Outcome(Protocol):
+    """Where a call's result or exception goes: a `concurrent.futures.Future`, or the lighter
+    `client.dispatch.Reply`. The session sets each outcome it holds exactly once."""
+
+    def set_running_or_notify_cancel(self) -> bool: ...
+    def set_result(self, result: Any) -> None: ...
+    def set_exception(self, exception: BaseException | None) -> None: ...
+    def done(self) -> bool: ...
+
+
+class CallFrames:
+    """One call's frame, encoded once however many nodes it goes to (a broadcast writes the same
+    bytes to every node), and once more with the function's bytes when some node lacks them:
+    both are made here, by whoever makes the call, so no node's writer comes back to encode."""
+
+    __slots__ = ("call_id", "fn_id", "with_fn", "without_fn")
+
+    def __init__(
+        self,
+        call_id: int,
+        fn_id: int,
+        segments: list[Buffer],
+        fn_bytes: bytes | None = None,
+    ) -> None:
+        """`fn_bytes`: the function's, when some node the call goes to may lack it."""
+        self.call_id = call_id
+        self.fn_id = fn_id
+        self.without_fn = encode_call(call_id, fn_id, segments)
+        self.with_fn: list[Buffer] | None = None
+        if fn_bytes is not None:
+            self.with_fn = encode(Call(call_id, fn_id, fn_bytes), segments)
+
+    def chunks(self, node_has_function: bool) -> list[Buffer]:
+        """The bytes for a node that has the function (or not)."""
+        if node_has_function:
+            return self.without_fn
+        if self.with_fn is None:
+            raise ValueError(f"call {self.call_id} was made without its function's bytes")
+        return self.with_fn
+
+
+# Calls bound for one node, each with where its outcome goes.
+Calls = list[tuple[CallFrames, Outcome]]
 
 
 class Patience:
@@ -282,8 +355,8 @@ class FrameDecoder:
     """Turns a byte stream, fed in chunks of any size, into frames (the client's side).
 
     A large segment is gathered into a buffer of its final size as its bytes arrive, so it is
-    copied once, whatever the chunking. (A session's decoder, `reply_decoder.ReplyDecoder`,
-    first takes the whole frames of a chunk itself: `fastpath.settle_frames`.)
+    copied once, whatever the chunking. (A session's decoder, `fastpath.ReplyDecoder`, first
+    takes the whole frames of a chunk itself: `fastpath.settle_frames`.)
     """
 
     def __init__(

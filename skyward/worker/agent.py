@@ -35,7 +35,7 @@ from skyward import info as info_module
 from skyward import preemption, reports
 from skyward.cachedir import keep_private
 from skyward.errors import PluginError, SerializationError
-from skyward.transport import frames, messages, pickling
+from skyward.transport import frames, messages
 from skyward.transport.agentwire import LINGER_ENV, AgentWire
 from skyward.version import __version__
 from skyward.worker import hookrunner, notices
@@ -140,7 +140,7 @@ class Agent:
             # The plugin's own exception is what the client shows, with its own traceback.
             cause = exc.__cause__ if isinstance(exc, PluginError) and exc.__cause__ else exc
             failed = messages.HookFailed(current[0], "around_app", _report(cause))
-            self.send(failed, pickling.try_dumps(cause))
+            self.send(failed, frames.try_dumps(cause))
             return False
         return True
 
@@ -155,7 +155,7 @@ class Agent:
 
     def dump_result(self, call_id: int, value: Any) -> frames.Segments | None:
         try:
-            return pickling.fast_dumps(value)
+            return frames.fast_dumps(value)
         except Exception as exc:
             error = SerializationError(
                 f"the return value ({type(value).__name__}) could not be pickled for the trip "
@@ -182,7 +182,7 @@ class Agent:
 
     def fail_call(self, call_id: int, exc: BaseException, tb: str | None = None) -> None:
         self.reports.flush()
-        self.send(messages.Raised(call_id, _report(exc, tb)), pickling.try_dumps(exc))
+        self.send(messages.Raised(call_id, _report(exc, tb)), frames.try_dumps(exc))
 
     def _watch(self, silence_timeout: float, stacks: int) -> None:
         """Heartbeats while calls run; the threads' stacks when they are asked for; and a hard

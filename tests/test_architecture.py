@@ -106,9 +106,64 @@ def _top_names(path: Path) -> set[str]:
     return names
 
 
+def _defined(paths: list[Path]) -> set[str]:
+    """Every name `paths` define anywhere: functions, classes, assigned names and attributes,
+    and what they import."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.ImportFrom | ast.Import):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+_QUALIFIED = re.compile(r"`([A-Za-z_]\w*)\.([A-Za-z_]\w*)")
+# `sky.X` is the package as users import it; `ENTRY.attr` a provider folder's entry's field.
+_NOT_CODE = {"sky", "ENTRY"}
+
+
+def missing_names(text: str) -> list[str]:
+    """The page's `module.name` and `Class.name` (backticked) that the code does not have:
+    a module (by its file's name) or class skyward lacks, or a name it does not define. A
+    lower-case name before the dot that is no module is a variable (`spec.nodes`), unless a
+    class follows it (`callframes.Outcome`)."""
+    modules: dict[str, list[Path]] = {}
+    classes: dict[str, list[Path]] = {}
+    for path in (ROOT / "skyward").rglob("*.py"):
+        name = path.parent.name if path.name == "__init__.py" else path.stem
+        modules.setdefault(name, []).append(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(path)
+    missing = []
+    for owner, name in sorted(set(_QUALIFIED.findall(text))):
+        if owner in _NOT_CODE or name == "py":  # `frames.py`: a file, checked above
+            continue
+        homes = classes.get(owner) if owner[0].isupper() else modules.get(owner)
+        if homes is None:
+            if owner[0].isupper() or name[0].isupper():
+                missing.append(f"{owner}.{name}")
+            continue
+        submodule = any(
+            (path.parent / f"{name}.py").is_file() or (path.parent / name / "__init__.py").is_file()
+            for path in homes
+            if path.name == "__init__.py"
+        )
+        if name not in _defined(homes) and not submodule:
+            missing.append(f"{owner}.{name}")
+    return missing
+
+
 def test_every_module_and_path_the_page_names_exists() -> None:
     assert "skyward/worker/agent.py" in set(tree_paths(_tree(_page()))), "the tree was not read"
     assert missing_paths(_page()) == []
+    assert missing_names(_page()) == []
 
 
 def test_a_page_naming_a_module_the_code_lacks_fails() -> None:
@@ -123,6 +178,19 @@ def test_a_page_naming_a_module_the_code_lacks_fails() -> None:
         "skyward.errors.NoSuchError",
         "skyward.worker.agents",
         "skyward/client/dispatcher.py",
+    ]
+
+
+def test_a_page_naming_what_the_code_lacks_fails() -> None:
+    wrong = _page() + (
+        "\n`callframes.Outcome`, `ReplyDecoder.fed`, `Dispatch.run`, `Dispatch.fly`,"
+        " `eventloop.LoopThread`, `eventloop.Missing`, `spec.nodes`, `transport.frames`\n"
+    )
+    assert missing_names(wrong) == [
+        "Dispatch.fly",
+        "ReplyDecoder.fed",
+        "callframes.Outcome",
+        "eventloop.Missing",
     ]
 
 

@@ -896,8 +896,11 @@ class _Rank:
             self.complaint = [f"its launcher could not start: {exc}"]
             self.events.put((self.index, "lost"))
             return
-        threading.Thread(target=self._complaints, args=(self.process, log), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.process,), daemon=True).start()
+        complaints = threading.Thread(
+            target=self._complaints, args=(self.process, log), daemon=True
+        )
+        complaints.start()
+        threading.Thread(target=self._read, args=(self.process, complaints), daemon=True).start()
 
     def _complaints(self, process: subprocess.Popen[bytes], log: int) -> None:
         """The launcher's stderr (ssh's "Permission denied", srun's errors): to the leader's
@@ -921,13 +924,17 @@ class _Rank:
         self.thread = threading.Thread(target=follow_here, daemon=True)
         self.thread.start()
 
-    def _read(self, process: subprocess.Popen[bytes]) -> None:
+    def _read(self, process: subprocess.Popen[bytes], complaints: threading.Thread) -> None:
         assert process.stdout is not None
         for raw in process.stdout:
             line = raw.decode(errors="replace").strip()
             if line == "started" or line.startswith("exit "):
                 self.events.put((self.index, line))
         process.wait()
+        # "gone" is when the leader reads `complaint` for the reason: the launcher's last words
+        # on stderr (ssh's "Permission denied") must be in it, not still in the pipe. Bounded:
+        # a grandchild that kept stderr open must not hold the run's end.
+        complaints.join(timeout=5)
         self.events.put((self.index, "gone"))
 
     def beat(self) -> None:

@@ -17,7 +17,7 @@ import sys
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from skyward import checks
 from skyward.cachedir import cache_root
@@ -286,6 +286,24 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("--version", action="version", version=f"skyward {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_run(commands, common, entries)
+    _add_status(commands, common)
+    _add_detached(commands, common)
+    _add_cache(commands, common)
+    _add_listing(commands, common, entries)
+    return parser
+
+
+# What `add_subparsers` returns (generic only to a type checker).
+_Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _add_run(
+    commands: _Commands,
+    common: argparse.ArgumentParser,
+    entries: Mapping[str, registry.ProviderEntry],
+) -> None:
+    """`skyward run`: the pool's flags, the nodes' packages, --detach's, then the script."""
     run = commands.add_parser(
         "run",
         parents=[common],
@@ -318,6 +336,22 @@ def _parser() -> argparse.ArgumentParser:
         metavar="K[=V]",
         help="node env var; K alone takes its value from this shell (a secret stays off argv)",
     )
+    _add_packages(run)
+    run.add_argument("--workdir", help="a directory to copy to every node and run the script in")
+    run.add_argument(
+        "--max-cost",
+        type=float,
+        metavar="DOLLARS",
+        help="a budget: the pool stops and is torn down once it has spent this much",
+    )
+    _provider_flags(run, entries, listing=False)
+    _add_detach_flags(run)
+    run.add_argument("script", help="the script, as you would give it to python")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def _add_packages(run: argparse.ArgumentParser) -> None:
+    """What the nodes install for `skyward run` besides the script's PEP 723 metadata."""
     run.add_argument(
         "--pip",
         action="append",
@@ -348,14 +382,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a page (or folder) of wheel links for the nodes (repeatable)",
     )
-    run.add_argument("--workdir", help="a directory to copy to every node and run the script in")
-    run.add_argument(
-        "--max-cost",
-        type=float,
-        metavar="DOLLARS",
-        help="a budget: the pool stops and is torn down once it has spent this much",
-    )
-    _provider_flags(run, entries, listing=False)
+
+
+def _add_detach_flags(run: argparse.ArgumentParser) -> None:
+    """`skyward run --detach` and the flags only a detached run reads."""
     run.add_argument(
         "--detach",
         "-d",
@@ -385,8 +415,9 @@ def _parser() -> argparse.ArgumentParser:
         help="--detach on machines the run made (a cloud's): how long they wait after the run "
         "for its outputs",
     )
-    run.add_argument("script", help="the script, as you would give it to python")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def _add_status(commands: _Commands, common: argparse.ArgumentParser) -> None:
     status = commands.add_parser(
         "status", parents=[common], help="this user's live pools on every configured provider"
     )
@@ -404,6 +435,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="forget every detached run that has ended (each is named as it goes)",
     )
+
+
+def _add_detached(commands: _Commands, common: argparse.ArgumentParser) -> None:
+    """A detached run's commands: logs, stop, fetch."""
     logs = commands.add_parser(
         "logs", parents=[common], help="a detached run's output, every rank's, from its first line"
     )
@@ -421,10 +456,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     fetch.add_argument("name", help="the run's name (see 'skyward status')")
     fetch.add_argument("--to", metavar="DIR", help="default: the run's --output-dir, else ./NAME")
+
+
+def _add_cache(commands: _Commands, common: argparse.ArgumentParser) -> None:
     cache = commands.add_parser(
         "cache", parents=[common], help="node environments and sky.Data stored on this machine"
     )
     cache.add_argument("action", choices=["list", "clear"])
+
+
+def _add_listing(
+    commands: _Commands,
+    common: argparse.ArgumentParser,
+    entries: Mapping[str, registry.ProviderEntry],
+) -> None:
+    """`skyward ls` and `skyward down`: a provider's pools, found and removed."""
     for name, text in (
         ("ls", "list the pools a provider can see (a cloud's resources, a cluster's jobs)"),
         ("down", "remove them"),
@@ -441,7 +487,6 @@ def _parser() -> argparse.ArgumentParser:
         if name == "down":
             sub.add_argument("pool", nargs="?", help="the pool id (see `skyward ls`)")
             sub.add_argument("--all", action="store_true", help="every skyward pool")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

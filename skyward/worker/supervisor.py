@@ -1239,57 +1239,21 @@ def prepare_node(
     name: the script is `source`, written in the run's directory here."""
     import getpass
 
-    from skyward.info import OUTPUT_ENV_VAR as OUTPUT_ENV
     from skyward.info import instance_info
 
     info = instance_info()
     where = rank_path(info.node, info.rank, info.processes_per_node)
-    directory = run_root(name) / where
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for parent in directory.parents[: len(Path(where).parts) + 1]:
-        with contextlib.suppress(OSError):
-            os.chmod(parent, 0o700)
-    _clear_earlier(directory)
-    if source is not None:  # in a folder of its own: its name may be any of the run's files'
-        (directory / SCRIPT).mkdir(mode=0o700, exist_ok=True)
-        path = directory / SCRIPT / os.path.basename(script)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(source)
-        script = str(path)
+    directory = _node_directory(name, where)
+    if source is not None:
+        script = _write_script(directory, script, source)
     tag = f"{KEY_TAG}:{name}:{where.replace('/', ':')}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", OUTPUT_ENV: output_dir(directory)}
-    spec = {
-        "name": name,
-        "rank": info.rank,
-        "outputs_at": where,
-        "argv": [sys.executable, "-m", "skyward.worker.script", script, *args],
-        "cwd": cwd or os.getcwd(),
-        "env": env,
-        "grace": grace,
-        "restarts": restarts,
-        "keep_for": keep_for,
-        "upload": upload,
-        "key_tag": tag if leader_key else None,
-        "attach_within": ATTACH_SECONDS,
-    }
+    spec = _node_spec(name, info.rank, where, directory, script, args, cwd)
+    spec.update(grace=grace, restarts=restarts, keep_for=keep_for, upload=upload)
+    spec["key_tag"] = tag if leader_key else None
     if door_secret:
         spec["door_secret"] = door_secret  # (the spec is owner-only, and goes with the run)
     write_private(directory / SPEC, json.dumps(spec))
-    door = None
-    if leader_key:
-        attach_argv = [*interpreter(), "-m", MODULE, "attach", str(directory)]
-        authorize(leader_key, " ".join(_shell_word(w) for w in attach_argv), tag)
-        start_early(directory, START_SECONDS)
-    elif door_secret:
-        # The door first: the rank runs from the early follower on, and the leader that
-        # comes for it must find the door open.
-        door = open_door(directory)
-        try:
-            start_early(directory, START_SECONDS)
-        except BaseException:
-            finish_node(directory, None)  # (the door ends with the spec)
-            raise
+    door = _start_rank(directory, leader_key, tag, door_secret)
     return {
         "directory": str(directory),
         "here": [IN_PROCESS, str(directory)],
@@ -1299,6 +1263,78 @@ def prepare_node(
         "door": door,
         "dial": [*interpreter(), "-m", MODULE, "dial"],
     }
+
+
+def _node_directory(name: str, where: str) -> Path:
+    """This rank's directory of run `name`, owner-only up to the runs' root, emptied of what an
+    earlier run of the same name left there."""
+    directory = run_root(name) / where
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for parent in directory.parents[: len(Path(where).parts) + 1]:
+        with contextlib.suppress(OSError):
+            os.chmod(parent, 0o700)
+    _clear_earlier(directory)
+    return directory
+
+
+def _write_script(directory: Path, script: str, source: bytes) -> str:
+    """The script the client sent, written in the run's directory; returns its path. It goes in
+    a folder of its own: its name may be any of the run's files'."""
+    (directory / SCRIPT).mkdir(mode=0o700, exist_ok=True)
+    path = directory / SCRIPT / os.path.basename(script)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(source)
+    return str(path)
+
+
+def _node_spec(
+    name: str,
+    rank: int,
+    where: str,
+    directory: Path,
+    script: str,
+    args: Sequence[str],
+    cwd: str | None,
+) -> dict[str, Any]:
+    """What the follower runs and how: the rank's command, its directory and the environment
+    it inherits from the agent (whose environment the pool built)."""
+    from skyward.info import OUTPUT_ENV_VAR as OUTPUT_ENV
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", OUTPUT_ENV: output_dir(directory)}
+    return {
+        "name": name,
+        "rank": rank,
+        "outputs_at": where,
+        "argv": [sys.executable, "-m", "skyward.worker.script", script, *args],
+        "cwd": cwd or os.getcwd(),
+        "env": env,
+        "attach_within": ATTACH_SECONDS,
+    }
+
+
+def _start_rank(
+    directory: Path, leader_key: str | None, tag: str, door_secret: str | None
+) -> int | None:
+    """Start the node's rank under an early follower, for a leader that comes over SSH (its key
+    may run this node's ``attach`` and nothing else) or through a door; returns the door's
+    port. A node the leader follows itself starts nothing here."""
+    if leader_key:
+        attach_argv = [*interpreter(), "-m", MODULE, "attach", str(directory)]
+        authorize(leader_key, " ".join(_shell_word(w) for w in attach_argv), tag)
+        start_early(directory, START_SECONDS)
+        return None
+    if not door_secret:
+        return None
+    # The door first: the rank runs from the early follower on, and the leader that comes for
+    # it must find the door open.
+    door = open_door(directory)
+    try:
+        start_early(directory, START_SECONDS)
+    except BaseException:
+        finish_node(directory, None)  # (the door ends with the spec)
+        raise
+    return door
 
 
 def _clear_earlier(directory: Path) -> None:

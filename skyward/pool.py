@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import os
 import threading
 import uuid
@@ -32,6 +33,7 @@ from skyward.cost import Cost, Price
 from skyward.data import RESUME_ENV, Data
 from skyward.errors import BudgetExceeded, ConfigError, NoCapacity, PoolClosedError
 from skyward.hardware import ClusterSpec
+from skyward.history import Recorder
 from skyward.image import Image
 from skyward.info import InstanceInfo
 from skyward.plugins import hooks
@@ -147,6 +149,9 @@ class ComputePool:
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
         self.env = checks.environment(env, "env")
         self.pool_id = f"{checks.text(name, 'name')}-{uuid.uuid4().hex[:8]}"
+        # How the dashboard lists it: its name=, else its id.
+        self.listed_as = name if name != "pool" else self.pool_id
+        self.keeps_history = True  # whether the dashboard's history records it
         # Where the pool may start, each with its spec; `provider`/`spec` are the one in use.
         self._candidates = plan.candidates(listed, self.pool_id, nodes, accelerator, output_dir)
         self.spec = self._candidates[0][1]
@@ -225,6 +230,7 @@ class ComputePool:
         self._lifetime.enter_context(sigterm_unwinds())
         self._loop = self._transfers.loop = LoopThread(f"skyward-{self.pool_id}")
         try:
+            self._record_history()
             self.console.start()
             with self.console.calling():
                 hooks.enter_hooks(
@@ -250,7 +256,10 @@ class ComputePool:
             if self._closed:
                 return
             self._closed = True
-            self._tear_down(graceful, failure, keep_nodes)
+            try:
+                self._tear_down(graceful, failure, keep_nodes)
+            finally:
+                self._end_history(failure)
 
     def _tear_down(self, graceful: bool, failure: BaseException | None, keep_nodes: bool) -> None:
         with self.console.calling():
@@ -271,6 +280,33 @@ class ComputePool:
                     )
             finally:
                 self._lifetime.close()
+
+    def _record_history(self) -> None:
+        """Keep what the console shows in the history the dashboard reads (`skyward.history`);
+        a cache that cannot be written costs the pool its history, nothing more."""
+        if not self.keeps_history:
+            return
+        try:
+            recorder = Recorder(self.pool_id, self.listed_as, self.provider.name, self.spec.nodes)
+            recorder.costing = self._bill.dollars
+            recorder.start()
+        except OSError as exc:
+            logging.getLogger("skyward").warning("the pool's history is not kept: %s", exc)
+            return
+        self.console.history = recorder
+
+    def _end_history(self, failure: BaseException | None) -> None:
+        recorder, self.console.history = self.console.history, None
+        if recorder is None:
+            return
+        recorder.update(provider=self.provider.name, nodes=self.spec.nodes)
+        if failure is None:
+            recorder.end("succeeded")
+        elif isinstance(failure, KeyboardInterrupt | SystemExit):
+            recorder.end("stopped", type(failure).__name__)
+        else:
+            first = str(failure).strip().splitlines()
+            recorder.end("failed", f"{type(failure).__name__}: {first[0] if first else ''}")
 
     def collect_outputs(self) -> None:
         """Bring every node's `sky.output_dir()` to the pool's ``output_dir`` now (only what
@@ -392,6 +428,8 @@ class ComputePool:
         self.provider = provider
         self.image, self.spec = plan.plan(self.plugins, self._asked, spec, self._ranks)
         self.console.provider = provider.name
+        if self.console.history is not None:
+            self.console.history.update(provider=provider.name, nodes=self.spec.nodes)
         self._transfers.use(provider)
         self.console.status(f"launching {self.spec.nodes} node(s) on {provider.name}")
 

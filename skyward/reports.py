@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -33,9 +34,14 @@ BATCH = 1000
 INTERVAL_SECONDS = 0.05
 
 _PLAIN = frozenset({float, int, str, bool})
+_writing = threading.Lock()
 
 _put: Callable[[Entry], None] | None = None  # set by the agent; None outside a node
 _warned = False
+# A script that `skyward run` starts is not the agent: its reports go, a JSON line each, to
+# the pipe its agent reads (``skyward run``) or to its rank's file (a detached run's).
+REPORTS_FD_ENV = "SKYWARD_REPORTS_FD"
+REPORTS_FILE_ENV = "SKYWARD_REPORTS_FILE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,16 +77,58 @@ def report(
     the key, here and now. The metrics are copied: changing the mapping afterwards changes
     nothing. Reports of a call reach the client before that call's result.
 
-    Outside a skyward node (in the client, in ``.local()``, or in a process the call starts on
-    its node) this checks the metrics, warns once per process, and sends nothing.
+    In a script that ``skyward run`` started (detached or not), the reports go to the run the
+    same way. Outside a skyward node (in the client, in ``.local()``, or in a process the call
+    starts on its node) this checks the metrics, warns once per process, and sends nothing.
     """
     clean = _checked(metrics)
     path = checkpoint if checkpoint is None or type(checkpoint) is str else _path(checkpoint)
     put = _put
     if put is None:
-        _warn_outside()
-        return
+        put = _script_sink()
+        if put is None:
+            _warn_outside()
+            return
     put((time.time(), clean, path))
+
+
+def _script_sink() -> Callable[[Entry], None] | None:
+    """Where a script's reports go (see `REPORTS_FD_ENV`), installed on its first report;
+    None outside a script skyward started."""
+    fd_text, file_name = os.environ.get(REPORTS_FD_ENV), os.environ.get(REPORTS_FILE_ENV)
+    if fd_text:
+        # "FD:INODE": a process the script started inherits the variable, not the pipe, and
+        # its FD may be another file there.
+        number, _, inode = fd_text.partition(":")
+        try:
+            fd = int(number)
+            if os.fstat(fd).st_ino != int(inode):
+                return None
+        except (OSError, ValueError):
+            return None
+    elif file_name:
+        fd = os.open(file_name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    else:
+        return None
+
+    def write(entry: Entry) -> None:
+        stamp, metrics, path = entry
+        plain = {k: v.value() if type(v) is _Later else v for k, v in metrics.items()}
+        line = json.dumps({"time": stamp, "metrics": plain, "checkpoint": path}) + "\n"
+        with _writing:  # one line at a time from the script's threads
+            os.write(fd, line.encode())
+
+    install(write)
+    return write
+
+
+def entry_of(line: bytes) -> Entry:
+    """A report as a script's line carries it (`_script_sink`); ValueError if it is not one."""
+    data = json.loads(line)
+    if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
+        raise ValueError(f"not a report: {line[:80]!r}")
+    checkpoint = data.get("checkpoint")
+    return float(data["time"]), data["metrics"], checkpoint if isinstance(checkpoint, str) else None
 
 
 def _checked(metrics: Mapping[str, Any]) -> dict[str, Any]:

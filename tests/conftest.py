@@ -112,6 +112,15 @@ def worker_children() -> list[int]:
     return found
 
 
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A skyward cache of this test's own (SKYWARD_CACHE_DIR), for it and the processes it
+    starts: what it lists (runs, pools' history) is only what it made."""
+    where = tmp_path / "cache"
+    monkeypatch.setenv("SKYWARD_CACHE_DIR", str(where))
+    return where
+
+
 @pytest.fixture(autouse=True)
 def fresh_prices() -> Iterable[None]:
     """Every test asks the price services afresh: a price a test's stand-in served is kept on

@@ -70,6 +70,7 @@ def run(profile: Profile, script: str, args: Sequence[str]) -> RunEnd:
             max_cost=profile.max_cost,
             processes_per_node=profile.processes_per_node,
         )
+        pool.listed_as = f"{Path(script).name} ({pool.pool_id})"
         try:
             stack.enter_context(pool)
         except BootstrapError as exc:

@@ -300,6 +300,11 @@ class Bill:
             return ""
         return str(cost)
 
+    def dollars(self) -> tuple[float | None, float | None]:
+        """The pool's rate now and what it has spent, in dollars (None: price unknown)."""
+        cost = self.meter.cost()
+        return cost.per_hour, cost.spent
+
     def total(self) -> str:
         """For the teardown's last line: ``cost $0.42`` ("" when it cost nothing)."""
         cost = self.meter.cost()

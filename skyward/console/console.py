@@ -47,6 +47,7 @@ from skyward.console.rendering import (
 )
 from skyward.console.terminal import Screen
 from skyward.cost import Price
+from skyward.history import Recorder
 from skyward.reports import Report
 
 # Past this many nodes a pool's region lists the first ones and counts the rest by phase.
@@ -89,6 +90,8 @@ class Console(Progress):
         # Where a node's grant goes (the pool's bill): see `Progress.granted`.
         self.billing: Callable[[int, Price | None, float | None], None] | None = None
         self.latest: Report | None = None  # node 0's last report, shown on its line
+        # Where what is shown is kept for the dashboard (`skyward.history`), once started.
+        self.history: Recorder | None = None
         self._quiet = quiet()
         self._lock = threading.Lock()
         self._began = time.monotonic()
@@ -136,6 +139,8 @@ class Console(Progress):
         """A message of the pool's: printed above the region (live) or as a line on stderr."""
         line = f"{self.name}: {message}"
         logger.info("%s", line)
+        if self.history is not None:
+            self.history.event(message)
         self._say(line)
 
     def granted(self, node: int, price: Price | None = None, at: float | None = None) -> None:
@@ -150,8 +155,13 @@ class Console(Progress):
                 self._nodes[index] = _Node(phase, now, detail)
             if phase is Phase.REQUESTED:
                 self._wave = now
-        line = f"{self.name}: {self._describe(node, phase, detail, now)}"
+        described = self._describe(node, phase, detail, now)
+        line = f"{self.name}: {described}"
         logger.info("%s", line)
+        if self.history is not None:
+            self.history.event(described)
+            if phase is Phase.READY and node is None:
+                self.history.update(state="running", ranks_per_node=self.ranks_per_node)
         screen = self._screen
         if screen is not None:
             screen.wake()
@@ -181,9 +191,11 @@ class Console(Progress):
     def node_line(self, rank: int, line: str) -> None:
         """One line rank `rank` printed (the node, with one rank per node), with its prefix (in
         colour on a terminal): ``(node 1)``, or ``(node 1 rank 3)`` where nodes hold several."""
+        per_node = self.ranks_per_node
+        if self.history is not None:
+            self.history.line(who(rank, per_node), line)
         if not self.stream_output:
             return
-        per_node = self.ranks_per_node
         if self.notebook is not None:
             self.notebook.line(rank, line, who(rank, per_node))
             return
@@ -212,6 +224,16 @@ class Console(Progress):
     def report(self, report: Report) -> None:
         """Note a rank's `sky.report`: rank 0's latest is shown on node 0's line (never
         printed: a line per report would drown the nodes' own lines)."""
+        if self.history is not None:
+            rank = report.node if report.rank is None else report.rank
+            self.history.report(
+                who(rank, self.ranks_per_node),
+                report.node,
+                rank,
+                report.time,
+                report.metrics,
+                report.checkpoint,
+            )
         if report.first_rank:
             self.latest = report
 

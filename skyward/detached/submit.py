@@ -211,6 +211,7 @@ def _submit(
         # supervisor then runs it. A batch job and a pod's door hold one rank a node.
         processes_per_node=1 if kind in ("slurm", "tcp") else processes_per_node,
     )
+    pool.keeps_history = False  # the dashboard lists the run, not the pool that started it
     bucket = outputs if outputs and outputs.startswith("s3://") else None  # nodes upload
     # Local: the nodes are this machine's processes, and the leader's interpreter starts while
     # the pool does (it waits for its plan): not after, between the pool and "every rank started".

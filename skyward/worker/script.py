@@ -21,8 +21,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 
+from skyward import reports
 from skyward.worker import jaxenv
 
 # The file where the script's process names a module it could not import, for `run_script`.
@@ -43,17 +45,41 @@ def run_script(
             _MISSING_MODULE: missing.name,
         }
         command = [sys.executable, "-m", "skyward.worker.script", os.fspath(script), *args]
-        child = subprocess.Popen(command, cwd=cwd, env=env, preexec_fn=die_with_parent)
+        read_end, write_end = os.pipe()
+        env[reports.REPORTS_FD_ENV] = f"{write_end}:{os.fstat(write_end).st_ino}"
+        try:
+            child = subprocess.Popen(
+                command, cwd=cwd, env=env, preexec_fn=die_with_parent, pass_fds=(write_end,)
+            )
+        finally:
+            os.close(write_end)
+        relay = threading.Thread(target=_relay_reports, args=(read_end,), name="skyward-script")
+        relay.start()
         try:
             status = child.wait()
         finally:
             if child.poll() is None:  # the call was interrupted: the script goes with it
                 child.kill()
                 child.wait()
+            relay.join(timeout=5)  # its reports before its result; a grandchild may hold the pipe
         name = missing.read().strip()
     if status != 0 and name:
         raise ModuleNotFoundError(f"No module named {name!r} on this node", name=name)
     return status
+
+
+def _relay_reports(fd: int) -> None:
+    """Hand the script's reports (a JSON line each, `reports.REPORTS_FD_ENV`) to this agent's
+    outbox, as its own calls' reports go, until the script's end closes the pipe."""
+    with open(fd, "rb") as pipe:
+        for line in pipe:
+            put = reports._put
+            try:
+                entry = reports.entry_of(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+            if put is not None:
+                put(entry)
 
 
 def die_with_parent() -> None:

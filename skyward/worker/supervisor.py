@@ -68,6 +68,8 @@ if TYPE_CHECKING:  # a door and its dial import it themselves (see above)
 
 SPEC = "spec.json"
 LOG = "rank.log"
+REPORTS = "reports.jsonl"  # what the rank gave sky.report, a JSON line each
+REPORTS_FILE_ENV = "SKYWARD_REPORTS_FILE"  # = skyward.reports.REPORTS_FILE_ENV (see above)
 NODE_STATE = "node.json"
 RUN_STATE = "run.json"
 LEADER = "leader.json"
@@ -224,6 +226,7 @@ def _run_rank(
     # Slurm step's SLURM_* and CUDA_VISIBLE_DEVICES) stays where the spec does not say.
     env = {**os.environ, **{str(k): str(v) for k, v in dict(spec.get("env", {})).items()}}
     env["SKYWARD_RESTART"] = str(spec["starts"] - 1)  # 0, then 1 after the first restart...
+    env[REPORTS_FILE_ENV] = str(directory / REPORTS)  # the script's sky.report, kept by rank
     log_fd = os.open(directory / LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         rank = subprocess.Popen(

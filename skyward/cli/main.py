@@ -290,6 +290,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_status(commands, common)
     _add_detached(commands, common)
     _add_cache(commands, common)
+    _add_dashboard(commands, common)
     _add_listing(commands, common, entries)
     return parser
 
@@ -465,6 +466,19 @@ def _add_cache(commands: _Commands, common: argparse.ArgumentParser) -> None:
     cache.add_argument("action", choices=["list", "clear"])
 
 
+def _add_dashboard(commands: _Commands, common: argparse.ArgumentParser) -> None:
+    dashboard = commands.add_parser(
+        "dashboard",
+        parents=[common],
+        help="a page of every run and pool: live output, sky.report charts, cost, a Stop button",
+    )
+    dashboard.add_argument("--port", type=int, default=8787, help="default: 8787 (0: any free)")
+    dashboard.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)"
+    )
+    dashboard.add_argument("--open", action="store_true", help="open it in the browser too")
+
+
 def _add_listing(
     commands: _Commands,
     common: argparse.ArgumentParser,
@@ -518,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "fetch":
                 return detached.fetch(args.name, args.to)
             return detached.stop(args.name)
+        if args.command == "dashboard":
+            from skyward.cli import dashboard
+
+            return dashboard.serve(args.host, args.port, args.open)
         if args.command == "cache":
             where = Path(cache_root())
             return _cache_list(where) if args.action == "list" else _cache_clear(where)

@@ -362,6 +362,13 @@ class Run:
                 return views
 
     def _emit(self, views: list[reach.NodeView | None], write: Callable[[str], None]) -> None:
+        for label, line in self._taken(views):
+            write(f"({label}) {line}")
+
+    def _taken(self, views: list[reach.NodeView | None]) -> list[tuple[str, str]]:
+        """The whole lines `views` brought, each with its rank's label; a line's start
+        waits for its end."""
+        taken: list[tuple[str, str]] = []
         for node, view in enumerate(views):
             if view is None or not view.data:
                 continue
@@ -369,8 +376,18 @@ class Run:
             label = self.record.rank_label(node)
             text = self._partial[node] + view.data
             *lines, self._partial[node] = text.split(b"\n")
-            for line in lines:
-                write(f"({label}) {line.decode(errors='replace')}")
+            taken.extend((label, line.decode(errors="replace")) for line in lines)
+        return taken
+
+    def new_lines(self) -> list[tuple[str, str]]:
+        """The lines every rank wrote since the last call (``(label, line)``: ``node 1``,
+        ``node 1 rank 3``), for a reader that shows them as they come (the dashboard)."""
+        taken: list[tuple[str, str]] = []
+        while True:
+            views = self._nodes().peek(self._offsets)
+            taken.extend(self._taken(views))
+            if not any(view is not None and view.more for view in views):
+                return taken
 
     def _flush(self, write: Callable[[str], None]) -> None:
         for node, rest in enumerate(self._partial):

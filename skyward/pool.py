@@ -26,6 +26,7 @@ from skyward.client.dispatch import Dispatch
 from skyward.client.handshake import handshake
 from skyward.client.session import NodeSession, ping_agents, watch_heartbeats
 from skyward.client.stalls import watch_stalls
+from skyward.client.tensorboard import TensorBoard
 from skyward.client.transfers import Transfers
 from skyward.console.console import Console
 from skyward.console.progress import Phase
@@ -193,8 +194,9 @@ class ComputePool:
         self._dispatch.stager = self._transfers.stage
         # What the nodes gave `sky.report`, in arrival order (appended to by skyward's threads).
         self.reports: list[Report] = []
+        self._tensorboard = TensorBoard(self.spec.outputs)
         self._reported = activity.report_sink(
-            self.reports, self._transfers.reported, self.console, on_report
+            self.reports, self._transfers.reported, self.console, on_report, self._tensorboard
         )
         self.cluster: Cluster | None = None
         self.infos: list[InstanceInfo] = []
@@ -259,6 +261,7 @@ class ComputePool:
             try:
                 self._tear_down(graceful, failure, keep_nodes)
             finally:
+                self._tensorboard.close()
                 self._end_history(failure)
 
     def _tear_down(self, graceful: bool, failure: BaseException | None, keep_nodes: bool) -> None:

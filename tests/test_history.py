@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,31 @@ def test_an_inherited_reports_variable_whose_pipe_is_not_there_is_not_written_to
         assert (tmp_path / "another-file").read_bytes() == b""
     finally:
         os.close(other)
+
+
+def _scalars(directory: Path) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of every scalar in `directory`'s TensorBoard event files, read as
+    TensorBoard reads them: TFRecords (a length, its CRC, an Event, its CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    found = []
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            found += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return found
+
+
+def test_reports_are_written_for_tensorboard_under_the_output_dir(
+    own_cache: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("tensorboardX")
+    with sky.ComputePool(nodes=2, output_dir=str(tmp_path / "out")) as pool:
+        noisy(4) @ pool
+    for node in range(2):
+        scalars = _scalars(tmp_path / "out" / "tensorboard" / f"node-{node}")
+        assert scalars == [("loss", step, pytest.approx(1.0 / (step + 1))) for step in range(4)]

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from skyward.client.dispatch import Dispatch
 from skyward.client.session import NodeSession, Stage
+from skyward.client.tensorboard import TensorBoard
 from skyward.console.console import Console
 from skyward.console.progress import Phase
 from skyward.reports import Report
@@ -99,14 +100,17 @@ def report_sink(
     checkpoint: Callable[[Report], None],
     console: Console,
     on_report: Callable[[Report], object] | None,
+    tensorboard: TensorBoard,
 ) -> Callable[[Report], None]:
     """What a node session calls with each report: kept in `reports`, its checkpoint copied
-    (`checkpoint`), shown, and handed to the user's `on_report`."""
+    (`checkpoint`), shown (and kept in the history), written for TensorBoard where it can be,
+    and handed to the user's `on_report`."""
 
     def reported(report: Report) -> None:
         reports.append(report)
         checkpoint(report)
         console.report(report)
+        tensorboard.report(report, console.ranks_per_node)
         if on_report is not None:
             try:
                 on_report(report)

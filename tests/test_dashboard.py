@@ -294,3 +294,46 @@ def test_a_pool_whose_client_died_is_listed_lost(own_cache: Path) -> None:
     assert child.returncode == 0
     (found,) = history.runs()
     assert found["name"] == "killed" and found["state"] == "lost"
+
+
+LONG_POOL = """\
+import time
+import skyward as sky
+
+@sky.compute
+def train():
+    for step in range(600):
+        print(f"step {step}", flush=True)
+        time.sleep(0.5)
+
+with sky.ComputePool(nodes=2, name="stop-my-pool") as pool:
+    train() @ pool
+"""
+
+
+@pytest.mark.slow
+def test_the_stop_button_stops_a_scripts_pool_as_ctrl_c_would(
+    dashboard: str, browser: Browser, tmp_path: Path
+) -> None:
+    script = tmp_path / "long.py"
+    script.write_text(LONG_POOL)
+    process = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        page = browser.page
+        page.goto(dashboard)
+        row = _row(browser, "stop-my-pool")
+        expect(row).to_contain_text("running", timeout=30_000)
+        row.get_by_role("link", name="stop-my-pool", exact=True).click()
+        expect(page.locator("#output")).to_contain_text("(node 1) step 1", timeout=10_000)
+        page.on("dialog", lambda dialog: dialog.accept())
+        page.get_by_role("button", name="Stop").click()
+        _, err = process.communicate(timeout=30)
+        assert process.returncode != 0 and "stopped 2 processes" in err, err
+        expect(page.locator(".facts")).to_contain_text("stopped", timeout=10_000)
+        expect(page.get_by_role("button", name="Stop")).to_be_hidden()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()

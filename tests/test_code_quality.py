@@ -332,6 +332,13 @@ def _documented_agent_imports() -> list[str]:
     return block.group(1).split()
 
 
+def test_the_shipped_bytecode_is_for_the_agents_modules() -> None:
+    """The source tarball compiles what an agent imports to start, the list above."""
+    from skyward.providers.source import AGENT_MODULES
+
+    assert sorted(AGENT_MODULES) == _documented_agent_imports()
+
+
 def test_an_agent_imports_only_the_wire_and_the_hook_runner() -> None:
     """An agent loads the wire, the hook runner and the vocabulary it reports with: not the
     plugins, the image, packaging or the client (what docs/architecture.md lists)."""

@@ -153,7 +153,9 @@ class Kubernetes(RemoteData, ReplacingProvider):
         self.idle_timeout = self.pods.idle
         self.pending_timeout = checks.seconds(pending_timeout, "pending_timeout")
         self.boot_timeout = checks.seconds(boot_timeout, "boot_timeout")
-        self.bootstrap = Bootstrap(python, build_env=checks.environment(build_env, "build_env"))
+        self.bootstrap = Bootstrap(
+            python, build_env=checks.environment(build_env, "build_env"), fresh_hosts=True
+        )
         self._price = given_rate(price_per_hour, "sky.Kubernetes")
 
     def validate(self, spec: ClusterSpec) -> None:

@@ -59,6 +59,9 @@ class Bootstrap:
     python: str | None = None  # default python3
     uv_version: str = field(default_factory=lambda: metadata.version("uv"))
     build_env: Mapping[str, str] = field(default_factory=dict)
+    # Whether hosts start without skyward's cache (a pod's filesystem is its image's): then
+    # skyward's source goes to a host beside its first check rather than after it found none.
+    fresh_hosts: bool = False
 
     def __post_init__(self) -> None:
         checks.optional_text(self.python, "python")

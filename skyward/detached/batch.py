@@ -33,6 +33,7 @@ class BatchJob:
     command: list[str]
     root: Path
     nodes: int
+    per_node: int = 1  # ranks a node: a step each
 
 
 def prepare(
@@ -44,6 +45,7 @@ def prepare(
     restarts: int,
     grace: float,
     upload: str | None = None,
+    per_node: int = 1,
 ) -> BatchJob:
     """While `pool` is up: write the run's plan and batch script into its directory. The
     provider makes the batch job's command first: it refuses a run it cannot hold before
@@ -65,12 +67,13 @@ def prepare(
         "restarts": restarts,
         "grace": grace,
         "upload": upload,
+        "per_node": per_node,
     }
     supervisor.write_private(root / supervisor.SLURM_PLAN, json.dumps(plan))
     words = " ".join(_quote(w) for w in [*node["prefix"], "-m", supervisor.MODULE, "batch"])
     supervisor.write_private(script, f"#!/bin/sh\nexec {words} {_quote(str(root))}\n")
     script.chmod(0o700)
-    return BatchJob(command, root, pool.spec.nodes)
+    return BatchJob(command, root, pool.spec.nodes, per_node)
 
 
 def _quote(word: str) -> str:
@@ -88,13 +91,18 @@ def submit(job: BatchJob) -> str:
 
 
 def directories(job: BatchJob) -> list[str]:
-    return [str(job.root / f"node-{i}") for i in range(job.nodes)]
+    """Each rank's directory, node-major (``node-<i>``, or ``node-<i>/rank-<r>``)."""
+    per_node = job.per_node
+    return [
+        str(job.root / supervisor.rank_path(rank // per_node, rank, per_node))
+        for rank in range(job.nodes * per_node)
+    ]
 
 
 def wait_started(job: BatchJob, job_id: str, say: Any) -> supervisor.RunState:
     """Wait until every rank of the job has started (the job may pend first: its reason is
     said once per change) or the run has ended; the run's state then."""
-    head = job.root / "node-0"
+    head = Path(directories(job)[0])
     told = ""
     while True:
         state = supervisor.read_json(head / supervisor.RUN_STATE)

@@ -20,6 +20,7 @@ from typing import Any
 
 from skyward import checks
 from skyward.calls import compute
+from skyward.client import plan
 from skyward.data import Data
 from skyward.detached import batch, launch, record
 from skyward.detached.run import Run
@@ -194,11 +195,13 @@ def _submit(
             "run it attached"
         )
     target, cwd = script_target(script, workdir)
-    if kind in ("slurm", "tcp") and processes_per_node not in (None, 1):
+    if kind == "tcp" and processes_per_node not in (None, 1):
         raise ConfigError(
             f"processes_per_node={processes_per_node}: a detached run on {provider.name} holds "
             "one rank per node; run it attached (without --detach) for several ranks a node"
         )
+    # A batch job's ranks are its steps (`batch.prepare`): its pool holds one agent a node.
+    batch_ranks = plan.processes_per_node(processes_per_node, accelerator) or 1
     pool = ComputePool(
         provider=provider,
         nodes=nodes,
@@ -227,7 +230,9 @@ def _submit(
     held = False  # whether the run holds the pool's nodes once the pool ends (a cloud's)
     try:
         if kind == "slurm":
-            job = batch.prepare(pool, name, target, list(args), cwd, restarts, grace, bucket)
+            job = batch.prepare(
+                pool, name, target, list(args), cwd, restarts, grace, bucket, batch_ranks
+            )
             price = pool.cost.price.per_hour
         else:
             state = _start_on_nodes(
@@ -407,6 +412,7 @@ def _start_batch(
             price_per_hour=price,
             reach={"job_id": job_id},
             key_tags=[None] * job.nodes,
+            ranks_per_node=job.per_node,
         )
     )
     return batch.wait_started(job, job_id, lambda line: print(f"[skyward] run {name}: {line}"))

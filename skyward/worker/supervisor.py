@@ -1535,32 +1535,38 @@ def node_environment(script: str, cwd: str | None) -> dict[str, Any]:
 
 def lead_batch(root: Path) -> int:
     """The batch job of a detached Slurm run: learn the job's nodes, write each rank's spec
-    (its JAX_* variables for a coordinator on this node), then lead the run with one
-    ``srun`` step per rank as its launcher."""
+    (its JAX_* and torchrun variables for a coordinator on this node; ``per_node`` ranks a
+    node, ``--nproc-per-node``), then lead the run with one ``srun`` step per rank as its
+    launcher."""
     from skyward.info import OUTPUT_ENV_VAR as OUTPUT_ENV  # (see the imports)
 
     plan = read_json(root / SLURM_PLAN)
     hosts = _slurm_out(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]]).split()
+    per_node = int(plan.get("per_node", 1))
+    world = len(hosts) * per_node
     head = _node_address(hosts[0])
     port, torch_port = _free_ports(head, 2)
     launchers = []
-    for rank, host in enumerate(hosts):
-        directory = root / f"node-{rank}"
+    for rank in range(world):
+        node, local = divmod(rank, per_node)
+        directory = root / rank_path(node, rank, per_node)
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         env = {
             **plan["env"],
             OUTPUT_ENV: output_dir(directory),
             "JAX_COORDINATOR_ADDRESS": f"{head}:{port}",
             "JAX_COORDINATOR_BIND_ADDRESS": f"{head}:{port}",  # not [::] (jax_plugin)
-            "JAX_NUM_PROCESSES": str(len(hosts)),
+            "JAX_NUM_PROCESSES": str(world),
             "JAX_PROCESS_ID": str(rank),
-            # torchrun's, as `skyward run` sets them (one process per node)
+            # torchrun's, as `skyward run` sets them (NODE_RANK too, Lightning's name)
             "MASTER_ADDR": head,
             "MASTER_PORT": str(torch_port),
             "RANK": str(rank),
-            "WORLD_SIZE": str(len(hosts)),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(per_node),
+            "GROUP_RANK": str(node),
+            "NODE_RANK": str(node),
         }
         spec = {
             "name": plan["name"],
@@ -1574,12 +1580,19 @@ def lead_batch(root: Path) -> int:
             "key_tag": None,
         }
         write_private(directory / SPEC, json.dumps(spec))
-        step = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}"]
+        # A step a rank: the job's node `node`, overlapping the batch script's own step.
+        step = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={hosts[node]}"]
         here = [IN_PROCESS, str(directory)]  # the batch script runs on the job's first node
         launchers.append(here if rank == 0 else [*step, *follower_command(directory)])
-    leader = {"launchers": launchers, "restarts": plan["restarts"], "grace": plan["grace"]}
-    write_private(root / "node-0" / LEADER, json.dumps(leader))
-    return lead(root / "node-0")
+    first = root / rank_path(0, 0, per_node)
+    leader = {
+        "launchers": launchers,
+        "restarts": plan["restarts"],
+        "grace": plan["grace"],
+        "per_node": per_node,
+    }
+    write_private(first / LEADER, json.dumps(leader))
+    return lead(first)
 
 
 def _slurm_out(argv: Sequence[str]) -> str:

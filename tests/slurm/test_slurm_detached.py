@@ -48,7 +48,7 @@ def _why(name: str, started: subprocess.CompletedProcess[str]) -> str:
     """The client's error, and what the job's leader wrote."""
     root = Path(os.environ["SKYWARD_CACHE_DIR"]) / "runs" / name
     said = [started.stderr]
-    for path in [root / "batch.out", root / "node-0" / "leader.log"]:
+    for path in [root / "batch.out", *root.glob("node-0/**/leader.log")]:
         if path.exists():
             said.append(f"{path.name}: {path.read_text()}")
     return "\n".join(said)
@@ -92,3 +92,53 @@ def test_stop_cancels_a_detached_batch_job(
     assert time.monotonic() - begun < 20
     assert wait_for_empty_queue(login, 10) == []
     assert "stopped" in _status_line(name, capsys)
+
+
+# torchrun's variables in every rank, and one gloo group over all of them: 0+1+2+3 = 6.
+RANKS = """\
+import os, socket
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+total = torch.tensor([float(os.environ["RANK"])])
+dist.all_reduce(total)
+names = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "JAX_PROCESS_ID")
+told = " ".join(f"{name}={os.environ[name]}" for name in names)
+print(f"{told} sum={int(total.item())} on {socket.gethostname()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_detached_batch_job_holds_several_ranks_a_node(
+    login: SlurmCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "ranked"
+    (tmp_path / "ranks.py").write_text(RANKS)
+    (tmp_path / "skyward.toml").write_text(f'[profile.default]\npython = "{sys.executable}"\n')
+    command = ["run", "--detach", "--provider", "slurm", "--nodes", "2", "--nproc-per-node", "2"]
+    started = subprocess.run(
+        [sys.executable, "-m", "skyward.cli", *command, "--name", name, "ranks.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert started.returncode == 0, _why(name, started)
+    assert main(["logs", "-f", name]) == 0
+    out = capsys.readouterr().out
+    for rank in range(4):
+        node, local = divmod(rank, 2)
+        told = f"RANK={rank} LOCAL_RANK={local} NODE_RANK={node} WORLD_SIZE=4 LOCAL_WORLD_SIZE=2"
+        line = f"(node {node} rank {rank}) {told} JAX_PROCESS_ID={rank} sum=6 on node{node}"
+        assert line in out, out
+    assert wait_for_empty_queue(login, 10) == []
+    assert "succeeded" in _status_line(name, capsys)
+    root = Path(os.environ["SKYWARD_CACHE_DIR"]) / "runs" / name
+    assert sorted(p.relative_to(root).as_posix() for p in root.glob("node-*/rank-*")) == [
+        "node-0/rank-0",
+        "node-0/rank-1",
+        "node-1/rank-2",
+        "node-1/rank-3",
+    ]

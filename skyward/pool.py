@@ -26,7 +26,6 @@ from skyward.client.dispatch import Dispatch
 from skyward.client.handshake import handshake
 from skyward.client.session import NodeSession, ping_agents, watch_heartbeats
 from skyward.client.stalls import watch_stalls
-from skyward.client.tensorboard import TensorBoard
 from skyward.client.transfers import Transfers
 from skyward.console.console import Console
 from skyward.console.progress import Phase
@@ -43,6 +42,7 @@ from skyward.providers.base import Capability, Cluster, Node, Provider
 from skyward.providers.local import Local
 from skyward.reports import Report
 from skyward.transport.eventloop import LoopThread, sigterm_unwinds
+from skyward.worker.tensorboard import TensorBoard
 
 if TYPE_CHECKING:
     from skyward.calls import PendingCall

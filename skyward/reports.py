@@ -85,14 +85,14 @@ def report(
     path = checkpoint if checkpoint is None or type(checkpoint) is str else _path(checkpoint)
     put = _put
     if put is None:
-        put = _script_sink()
+        put = script_sink()
         if put is None:
             _warn_outside()
             return
     put((time.time(), clean, path))
 
 
-def _script_sink() -> Callable[[Entry], None] | None:
+def script_sink() -> Callable[[Entry], None] | None:
     """Where a script's reports go (see `REPORTS_FD_ENV`), installed on its first report;
     None outside a script skyward started."""
     fd_text, file_name = os.environ.get(REPORTS_FD_ENV), os.environ.get(REPORTS_FILE_ENV)
@@ -123,7 +123,7 @@ def _script_sink() -> Callable[[Entry], None] | None:
 
 
 def entry_of(line: bytes) -> Entry:
-    """A report as a script's line carries it (`_script_sink`); ValueError if it is not one."""
+    """A report as a script's line carries it (`script_sink`); ValueError if it is not one."""
     data = json.loads(line)
     if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
         raise ValueError(f"not a report: {line[:80]!r}")

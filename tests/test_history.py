@@ -121,6 +121,10 @@ def test_a_detached_scripts_reports_are_kept_by_rank(own_cache: Path, tmp_path: 
         lines = (own_cache / "runs/kept-reports" / f"node-{node}" / "reports.jsonl").read_text()
         steps = [json.loads(line)["metrics"]["step"] for line in lines.splitlines()]
         assert steps == list(range(8))
+        # and for TensorBoard, under the rank's outputs (which come back with the run's)
+        (events,) = (own_cache / "runs/kept-reports" / f"node-{node}").rglob("events.out.*")
+        expected = [("loss", step, pytest.approx(1.0 / (step + 1))) for step in range(8)]
+        assert _scalars(events.parent) == expected
 
 
 def test_an_inherited_reports_variable_whose_pipe_is_not_there_is_not_written_to(

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 from skyward.client.dispatch import Dispatch
 from skyward.client.session import NodeSession, Stage
-from skyward.client.tensorboard import TensorBoard
 from skyward.console.console import Console
 from skyward.console.progress import Phase
 from skyward.reports import Report
 from skyward.transport.eventloop import LoopThread
 from skyward.transport.messages import Stacks
+from skyward.worker.tensorboard import TensorBoard
 
 
 def node_activity(dispatch: Dispatch, node: int) -> tuple[Phase, str] | None:

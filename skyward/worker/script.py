@@ -99,6 +99,11 @@ def main(argv: Sequence[str]) -> None:
     script = argv[0]
     if "JAX_NUM_PROCESSES" in os.environ:
         jaxenv.teach_jax_when_imported()
+    if os.environ.get(reports.REPORTS_FILE_ENV):  # a detached run's rank
+        from skyward.worker import tensorboard
+
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        tensorboard.install_for_script(int(os.environ.get("RANK", "0") or 0), per_node)
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:

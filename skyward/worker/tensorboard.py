@@ -1,15 +1,18 @@
 """`sky.report` metrics as TensorBoard event files, for ``tensorboard --logdir``.
 
-Where the client has a TensorBoard writer (tensorboardX's ``SummaryWriter``, else PyTorch's
-``torch.utils.tensorboard``, which needs the ``tensorboard`` package) and the pool has a local
-``output_dir``, each rank's numeric metrics go to ``<output_dir>/tensorboard/<rank>/``
-(``node-1``, or ``node-1-rank-3`` where nodes hold several ranks): one TensorBoard run a rank,
-so its charts draw a line per rank as the dashboard's do. A metric's step is the report's
+Where there is a TensorBoard writer (tensorboardX's ``SummaryWriter``, else PyTorch's
+``torch.utils.tensorboard``, which needs the ``tensorboard`` package), reports go to
+``<directory>/tensorboard/<rank>/`` (``node-1``, or ``node-1-rank-3`` where nodes hold several
+ranks): one TensorBoard run a rank, so its charts draw a line per rank as the dashboard's do.
+Two places write them: a pool, on the client, under its local ``output_dir`` (its reports
+arrive there); and a detached run's script, on its node, under its rank's ``sky.output_dir()``,
+which comes back with the run's outputs (`install_for_script`). A metric's step is the report's
 ``step`` where it has a whole one, else the count of that rank's reports of it; its wall time
-is the node's.
+is the node's. Each writer writes out every `FLUSH_SECONDS`, and at the end.
 
-The writer is imported at the first report, not with the pool: a pool that reports nothing
-pays nothing. Without a writer, or without a local ``output_dir``, nothing is written.
+The writer is imported at the first report: a pool or a script that reports nothing pays
+nothing. Without a writer nothing is written. Runs on nodes: the standard library, `reports`,
+and the writer where it is installed.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from typing import Any
 from skyward.reports import Report
 
 Writer = Any  # a SummaryWriter: add_scalar(tag, value, step, walltime), flush(), close()
+FLUSH_SECONDS = 5
 
 
-def writer_class() -> Callable[[str], Writer] | None:
+def writer_class() -> Callable[..., Writer] | None:
     """A TensorBoard SummaryWriter class, or None where none is installed."""
     try:
         from tensorboardX import SummaryWriter
@@ -47,7 +51,7 @@ class TensorBoard:
     def __init__(self, outputs: str | None) -> None:
         local = outputs is not None and "://" not in outputs
         self.directory = os.path.join(outputs, "tensorboard") if local and outputs else None
-        self._make: Callable[[str], Writer] | None = None
+        self._make: Callable[..., Writer] | None = None
         self._looked = False
         self._writers: dict[str, Writer] = {}
         self._counts: dict[tuple[str, str], int] = {}
@@ -79,7 +83,8 @@ class TensorBoard:
             return None
         if name not in self._writers:
             try:
-                self._writers[name] = self._make(os.path.join(self.directory, name))
+                path = os.path.join(self.directory, name)
+                self._writers[name] = self._make(path, flush_secs=FLUSH_SECONDS)
             except Exception as exc:  # a directory it cannot write: the pool goes on
                 logging.getLogger("skyward").warning("no TensorBoard files for %s: %s", name, exc)
                 self.directory = None
@@ -95,3 +100,31 @@ class TensorBoard:
                 writer.close()
             except Exception as exc:
                 logging.getLogger("skyward").warning("a TensorBoard writer failed: %s", exc)
+
+
+def install_for_script(rank: int, per_node: int) -> None:
+    """In a detached run's script (`skyward.worker.script`): its reports, which go to its
+    rank's ``reports.jsonl``, also go to TensorBoard files under its ``sky.output_dir()``
+    (``SKYWARD_OUTPUT_DIR``), written out at the script's end too. Nothing where the script
+    has no output directory or reports go elsewhere."""
+    import atexit
+
+    from skyward import reports
+
+    output = os.environ.get("SKYWARD_OUTPUT_DIR")
+    if not output or not os.environ.get(reports.REPORTS_FILE_ENV):
+        return
+    to_file = reports.script_sink()
+    if to_file is None:
+        return
+    board = TensorBoard(output)
+    node = rank // per_node
+
+    def both(entry: reports.Entry) -> None:
+        to_file(entry)
+        at, metrics, checkpoint = entry
+        report = Report(node, at, metrics, checkpoint, None if per_node == 1 else rank)
+        board.report(report, per_node)
+
+    reports.install(both)
+    atexit.register(board.close)

@@ -136,15 +136,10 @@ class ComputePool:
         prefer: Literal["order", "price"] = "order",
         processes_per_node: int | None = None,
     ) -> None:
-        asked = [provider] if provider is None or isinstance(provider, Provider) else provider
-        if isinstance(asked, str) or not isinstance(asked, Sequence):
-            raise ConfigError(f"provider must be e.g. sky.Local() or a list of them: {provider!r}")
-        listed = [plan.checked(Local() if p is None else p, nodes, image, plugins) for p in asked]
+        listed = _providers(provider, nodes, image, plugins)
         # The ranks per node asked for (None: the plugins' default, `plan.ranks_per_node`,
         # settled with the nodes' GPUs); the spec holds the number in use.
         self._ranks = plan.processes_per_node(processes_per_node, accelerator)
-        if not listed:
-            raise ConfigError("provider=[] names no provider: give one, or a list to fail over")
         self._prefer = checks.one_of(prefer, "prefer", ("order", "price"))
         self.provider = listed[0]
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
@@ -160,10 +155,9 @@ class ComputePool:
             plan.fits_gpus(self._ranks, spec.accelerator)
         self._asked = image or Image()  # before the plugins' transforms
         self.image: Image = self._asked
-        self.startup_timeout = checks.seconds(startup_timeout, "startup_timeout")
-        self.shutdown_timeout = checks.seconds(shutdown_timeout, "shutdown_timeout", zero=True)
-        self.broadcast_grace = checks.seconds(broadcast_grace, "broadcast_grace", zero=True)
-        self.heartbeat_timeout = checks.seconds(heartbeat_timeout, "heartbeat_timeout")
+        self._timeouts(
+            startup_timeout, shutdown_timeout, broadcast_grace, heartbeat_timeout, collect_timeout
+        )
         self.stall_timeout = (
             None if stall_timeout is None else checks.seconds(stall_timeout, "stall_timeout")
         )
@@ -171,26 +165,51 @@ class ComputePool:
             checks.whole(restarts, "restarts", minimum=0), _exception_types(restart_on)
         )
         self._resume: dict[str, str] = {}  # the agents' env after a restart: what to resume
-        for candidate, spec in self._candidates:  # a feature one cannot serve: refused now
+        self._refuse_unserved()
+        self._parts(stream_output, max_cost, on_report)
+        self._not_started()
+
+    def _timeouts(
+        self, startup: float, shutdown: float, grace: float, heartbeat: float, collect: float
+    ) -> None:
+        self.startup_timeout = checks.seconds(startup, "startup_timeout")
+        self.shutdown_timeout = checks.seconds(shutdown, "shutdown_timeout", zero=True)
+        self.broadcast_grace = checks.seconds(grace, "broadcast_grace", zero=True)
+        self.heartbeat_timeout = checks.seconds(heartbeat, "heartbeat_timeout")
+        self.collect_timeout = checks.seconds(collect, "collect_timeout")
+
+    def _refuse_unserved(self) -> None:
+        """A feature a candidate provider cannot serve is refused now, before anything starts."""
+        for candidate, spec in self._candidates:
             if self._policy.restarts:
                 candidate.require(Capability.REPLACE, f"restarts={self._policy.restarts}", spec)
             if self.stall_timeout is not None:
                 candidate.require(Capability.SIGNALS, f"stall_timeout={self.stall_timeout:g}", spec)
-        self.collect_timeout = checks.seconds(collect_timeout, "collect_timeout")
+
+    def _parts(
+        self,
+        stream_output: bool,
+        max_cost: float | None,
+        on_report: Callable[[Report], object] | None,
+    ) -> None:
+        """The pool's parts, made before it starts: its console, dispatch, bill, transfers,
+        and where reports go (their settings checked first)."""
         if max_cost is not None:
             max_cost = checks.dollars(max_cost, "max_cost", zero=False)
         if on_report is not None and not callable(on_report):
             raise ConfigError(f"on_report must be a function of a sky.Report, got {on_report!r}")
         stream_output = checks.flag(stream_output, "stream_output")
         self.console = Console(self.pool_id, self.spec.nodes, self.provider.name, stream_output)
-        self._dispatch = Dispatch(broadcast_grace)
+        self._dispatch = Dispatch(self.broadcast_grace)
         self.console.activity = functools.partial(activity.node_activity, self._dispatch)
         self._bill = spend.Bill(spend.Meter(Price.unknown("not asked yet"), max_cost))
         self.console.spending = self._bill.so_far
         self.console.billing = self._bill.granted
         self._over_budget: BudgetExceeded | None = None  # set when max_cost was spent
         self._watching_budget = False
-        self._transfers = Transfers(self.provider, self.console, self.spec.outputs, collect_timeout)
+        self._transfers = Transfers(
+            self.provider, self.console, self.spec.outputs, self.collect_timeout
+        )
         self._dispatch.stager = self._transfers.stage
         # What the nodes gave `sky.report`, in arrival order (appended to by skyward's threads).
         self.reports: list[Report] = []
@@ -198,6 +217,9 @@ class ComputePool:
         self._reported = activity.report_sink(
             self.reports, self._transfers.reported, self.console, on_report, self._tensorboard
         )
+
+    def _not_started(self) -> None:
+        """Its life's state before `start`: no cluster, no loop, not closed."""
         self.cluster: Cluster | None = None
         self.infos: list[InstanceInfo] = []
         self._loop: LoopThread | None = None
@@ -667,6 +689,23 @@ class ComputePool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running" if self._sessions else "new"
         return f"<ComputePool {self.pool_id} {self.spec.provider} nodes={self.spec.nodes} {state}>"
+
+
+def _providers(
+    provider: Provider | Sequence[Provider] | None,
+    nodes: int | None,
+    image: Image | None,
+    plugins: Sequence[Plugin],
+) -> list[Provider]:
+    """The providers a pool may start on, in order, each checked against the pool's settings
+    (`plan.checked`); None is the embedded default, Local."""
+    asked = [provider] if provider is None or isinstance(provider, Provider) else provider
+    if isinstance(asked, str) or not isinstance(asked, Sequence):
+        raise ConfigError(f"provider must be e.g. sky.Local() or a list of them: {provider!r}")
+    listed = [plan.checked(Local() if p is None else p, nodes, image, plugins) for p in asked]
+    if not listed:
+        raise ConfigError("provider=[] names no provider: give one, or a list to fail over")
+    return listed
 
 
 async def _price_of(provider: Provider, spec: ClusterSpec) -> Price:

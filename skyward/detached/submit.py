@@ -11,10 +11,12 @@ connections go, the run stays with its nodes, and the client keeps a record.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +163,28 @@ def submit(
         )
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What a run starts with, checked: the same on every path to its nodes."""
+
+    name: str
+    kind: str  # how the client reaches the run (`Provider.detached_kind`)
+    script: str
+    target: Any  # the script as the nodes see it (`script_target`)
+    cwd: Any
+    args: list[str]
+    restarts: int
+    grace: float
+    keep_for: float
+    outputs: str | None  # where the outputs go (`_output_dir`)
+    batch_ranks: int  # a batch job's ranks a node (its pool holds one agent a node)
+
+    @property
+    def bucket(self) -> str | None:
+        """The object store the nodes upload their outputs to, if the outputs go to one."""
+        return self.outputs if self.outputs and self.outputs.startswith("s3://") else None
+
+
 def _submit(
     script: str,
     args: list[str],
@@ -183,25 +207,16 @@ def _submit(
     """`submit` once `name` is this process's to start."""
     if provider is None:
         provider = registry.provider_class(registry.DEFAULT)()  # the embedded default
-    kind = provider.detached_kind()
-    restarts = checks.whole(restarts, "restarts", minimum=0)
-    grace = checks.seconds(grace, "grace", zero=True)
-    keep_for = checks.seconds(keep_for, "keep_for", zero=True)
-    outputs = _output_dir(output_dir, provider, keep_for)
-    if max_cost is not None:
-        raise ConfigError(
-            "max_cost cannot be kept by a detached run: no client is there to stop it when it "
-            "is spent; bound it with the provider's own limit (sky.Slurm(time_limit=...)) or "
-            "run it attached"
-        )
-    target, cwd = script_target(script, workdir)
-    if kind == "tcp" and processes_per_node not in (None, 1):
+    run = _checked(
+        provider, script, args, name, restarts, grace, keep_for, max_cost, output_dir, workdir
+    )
+    batch_ranks = plan.processes_per_node(processes_per_node, accelerator) or 1
+    if run.kind == "tcp" and processes_per_node not in (None, 1):
         raise ConfigError(
             f"processes_per_node={processes_per_node}: a detached run on {provider.name} holds "
             "one rank per node; run it attached (without --detach) for several ranks a node"
         )
-    # A batch job's ranks are its steps (`batch.prepare`): its pool holds one agent a node.
-    batch_ranks = plan.processes_per_node(processes_per_node, accelerator) or 1
+    run = dataclasses.replace(run, batch_ranks=batch_ranks)
     pool = ComputePool(
         provider=provider,
         nodes=nodes,
@@ -212,15 +227,72 @@ def _submit(
         name="run",
         # An agent a rank, each with its rank's variables: each writes its rank's spec, the
         # supervisor then runs it. A batch job and a pod's door hold one rank a node.
-        processes_per_node=1 if kind in ("slurm", "tcp") else processes_per_node,
+        processes_per_node=1 if run.kind in ("slurm", "tcp") else processes_per_node,
     )
     pool.keeps_history = False  # the dashboard lists the run, not the pool that started it
-    bucket = outputs if outputs and outputs.startswith("s3://") else None  # nodes upload
+    state = _through_pool(pool, run, processes_per_node or 1)
+    if "running_at" not in state:
+        Run(run.name).stop()
+        raise DetachError(
+            f"run {run.name} did not start on every node: "
+            f"{state.get('reason', state.get('state'))}; "
+            f"`skyward logs {run.name}` shows what the ranks printed"
+        )
+    handle = Run(run.name)
+    handle.started = dict(state)
+    if run.outputs is not None:
+        handle.record.output_dir = run.outputs
+        record.save(handle.record)
+    return handle
+
+
+def _checked(
+    provider: Provider,
+    script: str,
+    args: list[str],
+    name: str,
+    restarts: int,
+    grace: float,
+    keep_for: float,
+    max_cost: float | None,
+    output_dir: str | os.PathLike[str] | None,
+    workdir: str | None,
+) -> _Plan:
+    """The run's settings checked, each a `ConfigError` naming it, before anything starts."""
+    kind = provider.detached_kind()
+    keep_for = checks.seconds(keep_for, "keep_for", zero=True)
+    checked = _Plan(
+        name=name,
+        kind=kind,
+        script=str(script),
+        target=None,
+        cwd=None,
+        args=list(args),
+        restarts=checks.whole(restarts, "restarts", minimum=0),
+        grace=float(checks.seconds(grace, "grace", zero=True)),
+        keep_for=keep_for,
+        outputs=_output_dir(output_dir, provider, keep_for),
+        batch_ranks=1,
+    )
+    if max_cost is not None:
+        raise ConfigError(
+            "max_cost cannot be kept by a detached run: no client is there to stop it when it "
+            "is spent; bound it with the provider's own limit (sky.Slurm(time_limit=...)) or "
+            "run it attached"
+        )
+    target, cwd = script_target(script, workdir)
+    return dataclasses.replace(checked, target=target, cwd=cwd)
+
+
+def _through_pool(pool: ComputePool, run: _Plan, per_node: int) -> supervisor.RunState:
+    """Start the pool, start the run on its nodes (or plan a batch job), end the pool (its
+    nodes kept where the run holds them), then queue the batch job; the run's state once
+    every rank has started."""
     # Local: the nodes are this machine's processes, and the leader's interpreter starts while
     # the pool does (it waits for its plan): not after, between the pool and "every rank started".
     # (Its directory is rank 0's: where the plugins' default makes several ranks a node, node
     # 0's agent starts the leader instead.)
-    ahead = supervisor.leader_ahead(name, processes_per_node or 1) if kind == "local" else None
+    ahead = supervisor.leader_ahead(run.name, per_node) if run.kind == "local" else None
     try:
         pool.start()
     except BaseException:
@@ -229,26 +301,21 @@ def _submit(
         raise
     held = False  # whether the run holds the pool's nodes once the pool ends (a cloud's)
     try:
-        if kind == "slurm":
+        if run.kind == "slurm":
             job = batch.prepare(
-                pool, name, target, list(args), cwd, restarts, grace, bucket, batch_ranks
+                pool,
+                run.name,
+                run.target,
+                run.args,
+                run.cwd,
+                run.restarts,
+                run.grace,
+                run.bucket,
+                run.batch_ranks,
             )
             price = pool.cost.price.per_hour
         else:
-            state = _start_on_nodes(
-                pool,
-                kind,
-                name,
-                str(script),
-                target,
-                list(args),
-                cwd,
-                restarts,
-                grace,
-                keep_for,
-                bucket,
-                ahead,
-            )
+            state = _start_on_nodes(pool, run, ahead)
             held = launch.holds_nodes(pool) and "running_at" in state
     except BaseException:
         if ahead is not None and not (ahead[0] / supervisor.LEADER).exists():
@@ -256,92 +323,23 @@ def _submit(
         pool.close(graceful=False)
         raise
     pool.close(keep_nodes=held)
-    if kind == "slurm":
-        state = _start_batch(job, provider.name, name, str(script), list(args), price)
-    if "running_at" not in state:
-        handle = Run(name)
-        handle.stop()
-        raise DetachError(
-            f"run {name} did not start on every node: {state.get('reason', state.get('state'))}; "
-            f"`skyward logs {name}` shows what the ranks printed"
-        )
-    run = Run(name)
-    run.started = dict(state)
-    if outputs is not None:
-        run.record.output_dir = outputs
-        record.save(run.record)
-    return run
+    if run.kind == "slurm":
+        return _start_batch(job, pool.provider.name, run.name, run.script, run.args, price)
+    return state
 
 
 def _start_on_nodes(
-    pool: ComputePool,
-    kind: str,
-    name: str,
-    script: str,
-    target: Any,
-    args: list[str],
-    cwd: Any,
-    restarts: int,
-    grace: float,
-    keep_for: float,
-    bucket: str | None,
-    ahead: tuple[Path, subprocess.Popen[bytes]] | None = None,
+    pool: ComputePool, run: _Plan, ahead: tuple[Path, subprocess.Popen[bytes]] | None = None
 ) -> supervisor.RunState:
     """While the pool is up: each node's spec, node 0's leader (started `ahead` here, for
     Local), the record; the run's state once every rank has started."""
-    count, per_node = pool.spec.nodes, pool.spec.processes_per_node
-    keys = launch.leader_keys(kind, count, per_node)
-    source = None
-    if cwd is None and isinstance(target, Data):
-        # A lone script travels in the call that prepares each node, into the run's own
-        # directory: no data channel to open on each host for it (one is most of a detached
-        # start's cost on SSH), and the run keeps its copy whatever the pool's cache does.
-        source, target = Path(script).read_bytes(), Path(script).name
-    prepare = compute(supervisor.prepare_node)
-    asked = [
-        pool.submit(
-            prepare(
-                name,
-                target,
-                args,
-                cwd,
-                grace,
-                restarts,
-                keys.login_key(i),
-                keep_for,
-                bucket,
-                source,
-                keys.door_secret(i),
-            ),
-            rank=i,
-        )
-        for i in range(count * per_node)
-    ]
-    try:
-        setups: list[dict[str, Any]] = [future.result() for future in asked]
-    except BaseException:
-        _abandon(pool, name)
-        raise
-    record.save(
-        record.RunRecord(
-            name=name,
-            provider=pool.provider.name,
-            kind=kind,
-            nodes=count,
-            script=script,
-            args=args,
-            created_at=time.time(),
-            directories=[s["directory"] for s in setups],
-            price_per_hour=pool.cost.price.per_hour,
-            reach=launch.record_data(kind, pool, name),
-            key_tags=[s["key_tag"] for s in setups],
-            keep_for=keep_for,
-            ranks_per_node=per_node,
-        )
-    )
-    launchers = launch.launchers(kind, pool, setups)
+    keys = launch.leader_keys(run.kind, pool.spec.nodes, pool.spec.processes_per_node)
+    setups = _prepare_nodes(pool, run, keys)
+    _keep_record(pool, run, setups)
+    launchers = launch.launchers(run.kind, pool, setups)
+    per_node = pool.spec.processes_per_node
     if ahead is not None and setups[0]["directory"] == str(ahead[0]):
-        supervisor.write_plan(ahead[0], launchers, {}, "", restarts, float(grace), per_node)
+        supervisor.write_plan(ahead[0], launchers, {}, "", run.restarts, run.grace, per_node)
         supervisor.plan_written(ahead[1])
         return supervisor.wait_started(ahead[0], ahead[1], START_TIMEOUT)
     if ahead is not None:  # node 0's agent sees another cache: it starts the leader itself
@@ -350,22 +348,79 @@ def _start_on_nodes(
     try:
         state = pool.run(
             start(
-                name,
+                run.name,
                 launchers,
                 keys.private,
                 keys.known_hosts(pool),
-                restarts,
-                float(grace),
+                run.restarts,
+                run.grace,
                 START_TIMEOUT,
             ),
             node=0,
         )
     except BaseException:
-        _abandon(pool, name)
+        _abandon(pool, run.name)
         raise
     if "running_at" not in state:  # a node the leader could not reach runs its rank early
-        _abandon(pool, name)
+        _abandon(pool, run.name)
     return state
+
+
+def _prepare_nodes(pool: ComputePool, run: _Plan, keys: launch.LeaderKeys) -> list[dict[str, Any]]:
+    """Every rank's directory and spec, written by its agent (`supervisor.prepare_node`);
+    what each said."""
+    target, source = run.target, None
+    if run.cwd is None and isinstance(target, Data):
+        # A lone script travels in the call that prepares each node, into the run's own
+        # directory: no data channel to open on each host for it (one is most of a detached
+        # start's cost on SSH), and the run keeps its copy whatever the pool's cache does.
+        source, target = Path(run.script).read_bytes(), Path(run.script).name
+    prepare = compute(supervisor.prepare_node)
+    asked = [
+        pool.submit(
+            prepare(
+                run.name,
+                target,
+                run.args,
+                run.cwd,
+                run.grace,
+                run.restarts,
+                keys.login_key(i),
+                run.keep_for,
+                run.bucket,
+                source,
+                keys.door_secret(i),
+            ),
+            rank=i,
+        )
+        for i in range(pool.spec.nodes * pool.spec.processes_per_node)
+    ]
+    try:
+        return [future.result() for future in asked]
+    except BaseException:
+        _abandon(pool, run.name)
+        raise
+
+
+def _keep_record(pool: ComputePool, run: _Plan, setups: list[dict[str, Any]]) -> None:
+    """The client's record of the run (`record.RunRecord`), before its leader starts."""
+    record.save(
+        record.RunRecord(
+            name=run.name,
+            provider=pool.provider.name,
+            kind=run.kind,
+            nodes=pool.spec.nodes,
+            script=run.script,
+            args=run.args,
+            created_at=time.time(),
+            directories=[s["directory"] for s in setups],
+            price_per_hour=pool.cost.price.per_hour,
+            reach=launch.record_data(run.kind, pool, run.name),
+            key_tags=[s["key_tag"] for s in setups],
+            keep_for=run.keep_for,
+            ranks_per_node=pool.spec.processes_per_node,
+        )
+    )
 
 
 def _end_planless(leader: subprocess.Popen[bytes]) -> None:

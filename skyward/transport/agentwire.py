@@ -195,17 +195,20 @@ class AgentWire:
                 if linger:
                     self.linger(linger)
             return
-        # FAST PATH (the agent's only one; `bench_local.py` rtt and broadcast): a small call's
-        # frame is read with two exact reads (its header and first segment length, then the packed
-        # metadata and the pickled arguments), run, and answered with one write, all in this loop:
-        # with many agents sharing cores, each Python call on a node's path costs several times
-        # what it does in a warm loop (see "Why the per-call path is written flat" in
-        # docs/architecture.md). So the packed format is read and written here in place, with the
-        # structs `frames` defines it by, where the plain steps call `frames.read_meta` and
-        # `frames.encode_result`: calling them here made the 8-node broadcast read 1.76x of its
-        # floor against 1.20x, in six alternating runs (benchmarks/README.md, "The flat call path:
-        # before and after"). Anything else goes through the plain steps (`_rest_of_frame`,
-        # `_serve_frame`, `_answer`), which handle every frame.
+        self._serve_flat(host, other, linger)
+
+    def _serve_flat(
+        self, host: CallHost, other: Callable[[Message, list[bytes]], bool], linger: float
+    ) -> None:
+        """`serve` where this thread alone reads the stream.
+
+        FAST PATH (the agent's only one; `bench_local.py` rtt and broadcast): a small call's
+        frame is read with two exact reads, run, and answered with one write, the packed format
+        read and written in place with `frames`' structs, all in this loop (calling
+        `frames.read_meta` and `frames.encode_result` here made the 8-node broadcast 1.76x its
+        floor against 1.20x: docs/architecture.md, "Why the per-call path is written flat").
+        Anything else takes the plain steps (`_rest_of_frame`, `_serve_frame`, `_answer`).
+        """
         fd_in, fd_out, lock = self.fileno_in, self._out_fd, self._write_lock
         functions, reports = host.functions, host.reports
         while True:

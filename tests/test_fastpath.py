@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+import time
 from typing import Any
 
 import pytest
 
 import skyward as sky
 from skyward.transport import fastpath, frames, messages
-from skyward.transport.pipes import _ControlReader
 
 
 def test_all_held_takes_the_locks_in_order_and_gives_them_back() -> None:
@@ -145,7 +145,7 @@ def test_a_local_broadcast_reads_every_pipe_and_notices_one_that_ended() -> None
     readers = []
     for index, (r, _) in enumerate(pipes):
         got[index] = []
-        readers.append(_ControlReader(r, got[index].append))
+        readers.append(fastpath.ControlReader(r, got[index].append))
     group = fastpath.PipeGroup(readers)
     try:
         for _, w in pipes:
@@ -292,3 +292,69 @@ def test_calls_with_and_without_the_function_from_two_threads_never_outrun_it() 
                 thread.join(60)
             assert not errors, errors[0]
             assert sorted(results, key=str) == sorted([[1 + round_] * 2, 1 + round_], key=str)
+
+
+def _plain_read(fd: int) -> bytes:
+    """The control reader's plain twin: a blocking read loop to the pipe's end."""
+    got = []
+    while data := os.read(fd, 1 << 16):
+        got.append(data)
+    return b"".join(got)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_control_reader_delivers_what_a_plain_read_loop_reads(seed: int) -> None:
+    """Whoever reads (the background thread, or callers taking over now and then) and however
+    the reads grow, the receiver gets the bytes a plain loop reads, in order, then b""."""
+    import random
+
+    rng = random.Random(seed)
+    chunks = [
+        rng.randbytes(rng.choice([1, 40, 255, 256, 257, 70_000, 1 << 20, 3 << 20]))
+        for _ in range(60)
+    ]
+    sent = b"".join(chunks)
+    plain_r, plain_w = os.pipe()
+    fast_r, fast_w = os.pipe()
+    got: list[bytes] = []
+    reader = fastpath.ControlReader(fast_r, got.append)
+
+    def write(fd: int) -> None:
+        for chunk in chunks:
+            frames.write_all(fd, chunk)
+        os.close(fd)
+
+    writers = [threading.Thread(target=write, args=(fd,)) for fd in (plain_w, fast_w)]
+    for thread in writers:
+        thread.start()
+    plain = _plain_read(plain_r)
+    received = 0
+    while not reader.ended:  # callers take over for a while, then leave it to the thread
+        target = min(len(sent), received + rng.randrange(1, 4 << 20))
+        reader.read_until(lambda t=target: sum(map(len, got)) >= t or reader.ended, 0.0002)
+        received = sum(map(len, got))
+        if rng.random() < 0.3:
+            time.sleep(0.002)  # the background thread reads meanwhile
+    for thread in writers:
+        thread.join()
+    os.close(plain_r)
+    assert plain == sent
+    assert b"".join(got) == plain and got[-1] == b""
+
+
+def test_kept_groups_build_a_lists_group_once_and_again_once_it_broke() -> None:
+    pipes = [os.pipe() for _ in range(3)]
+    readers = [fastpath.ControlReader(r, lambda data: None) for r, _ in pipes]
+    kept = fastpath.KeptGroups(lambda streams: [readers[i] for i in streams])
+    try:
+        streams = [0, 1, 2]
+        first = kept.of(streams)
+        assert kept.of(streams) is first  # the same list: the same group
+        assert kept.of([0, 1, 2]) is not first  # an equal list of its own: its own group
+        assert {r.fd for r in first.readers} == {r.fd for r in fastpath.PipeGroup(readers).readers}
+        first.broken = True
+        again = kept.of(streams)
+        assert again is not first and not again.broken
+    finally:
+        for _, w in pipes:
+            os.close(w)

@@ -1,12 +1,12 @@
 """`AgentWire`: the agent's side of the client <-> agent stream, in blocking frame I/O.
 
-The agent spends its life in `AgentWire.serve`. With many agents sharing cores (an 8-node
-broadcast on a laptop), what a call costs on a node is mostly the memory its path touches,
-fetched again each time the agent wakes with cold caches, so each Python function call on the
-path costs several times what it does in a warm loop (one Python call less per
-call on a node made the 8-node broadcast of `benchmarks/bench_local.py` about 20% faster on 2
-cores). So the common case, a small call that returns, is read, run and answered within the
-one loop of `serve`, with the agent's functions (`CallHost`).
+The agent spends its life in `AgentWire.serve` (its flat loop, `_serve_flat`). With many
+agents sharing cores (an 8-node broadcast on a laptop), what a call costs on a node is mostly
+the memory its path touches, fetched again each time the agent wakes with cold caches, so each
+Python function call on the path costs several times what it does in a warm loop (one Python
+call less per call on a node made the 8-node broadcast of `benchmarks/bench_local.py` about
+20% faster on 2 cores). So the common case, a small call that returns, is read, run and
+answered within the one loop of `_serve_flat`, with the agent's functions (`CallHost`).
 
 Run by the worker agent (and the tests): standard library only.
 """

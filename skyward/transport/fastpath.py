@@ -22,15 +22,20 @@ against the plain behaviour it stands for.
   `frames.FrameDecoder` with `settle` for each `Result`.
 - `PipeGroup.read_until`: a Local broadcast's replies, read from all its pipes in one poll loop
   in the caller's thread (`broadcast`: the floor it is measured against reads 8 raw pipes the
-  same way).
+  same way); `KeptGroups`: each broadcast's group built once, kept by its list's identity.
+- `ControlReader`: one Local agent's control pipe, read by a background thread or by the caller
+  that waits for a reply (leader and follower), with reads that start small and grow (`rtt`).
+  Its plain twin is a blocking `os.read` loop over the pipe.
 
-The agent's fast path is the marked loop of `agentwire.AgentWire.serve`.
+The agent's fast path is the marked loop of `agentwire.AgentWire._serve_flat`.
 """
 
 from __future__ import annotations
 
 import _thread
 import collections
+import contextlib
+import os
 import pickle
 import select
 import threading
@@ -39,6 +44,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from skyward.transport import frames
+from skyward.transport.base import Receiver
 from skyward.transport.frames import (
     HEADER,
     LENGTH,
@@ -47,6 +53,7 @@ from skyward.transport.frames import (
     RESULT,
     RESULT_FRAME,
     Outcome,
+    Patience,
     lengths_of,
     read_meta,
 )
@@ -324,6 +331,150 @@ class PipeGroup:
     def _drop(self, reader: Reader) -> None:
         if self._by_fd.pop(reader.fd, None) is not None:
             self._poller.unregister(reader.fd)
+
+
+# A read allocates a bytes object of the size asked for, then shrinks it to what came: at 1 MiB
+# that is an mmap, a page fault and an munmap, and past 512 bytes a malloc and a realloc, on
+# every small reply (most replies are a few dozen bytes). A pipe's reads start small and grow a
+# step each time one comes back full, back to small once one does not.
+_SMALL_READ = 256
+_NEXT_READ = {_SMALL_READ: 1 << 16, 1 << 16: 1 << 20, 1 << 20: 1 << 20}
+
+
+class ControlReader:
+    """Leader/follower reading of one pipe: a background thread, or a caller that takes over
+    (`rtt`: the caller reads its own reply, no thread hands it over; `gather`, `broadcast`).
+
+    Only the holder of `lock` reads and delivers, so bytes reach the receiver in order. A caller
+    that wants to read (`enter`) kicks the background thread out of its wait if it is in one;
+    the thread then stays out while callers come, and for `LINGER` seconds after the last one
+    left, so back-to-back calls cost it no wake-ups. The price: a reply that nobody waits for
+    in `read_until` (a `submit` future) can wait up to `BUSY_POLL` after a caller left.
+    """
+
+    LINGER = 0.001
+    BUSY_POLL = 0.05
+
+    def __init__(self, fd: int, receiver: Receiver) -> None:
+        self.fd = fd
+        self.lock = threading.Lock()  # held by whoever reads the pipe
+        self.ended = False  # the pipe has ended (set with `lock` held)
+        self._receiver = receiver
+        self._read_size = _SMALL_READ
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLIN)
+        self._patience = Patience(0.0)  # the callers' wait (`read_until`'s linger)
+        # Guards the fields below; a plain lock (not a Condition): nobody needs to be notified.
+        self._state = threading.Lock()
+        self._callers = 0  # callers reading or about to
+        self._last_caller = 0.0  # when the last one left
+        self._selecting = False  # the background thread waits in select
+        # Set to end the background thread's wait between its looks (`wake`): a pipe about to
+        # end (its agent killed) is read at once, not at the next look.
+        self._woken = threading.Event()
+        self._kick_r, self._kick_w = os.pipe()
+        os.set_blocking(self._kick_r, False)
+        self._closed_kick = False
+        threading.Thread(target=self._background, name="skyward-pipe-reader", daemon=True).start()
+
+    def read_once(self) -> bool:
+        """Read what is there and deliver it (`lock` held); False once the pipe has ended."""
+        size = self._read_size
+        try:
+            data = os.read(self.fd, size)
+        except OSError:
+            data = b""
+        self._read_size = _NEXT_READ[size] if len(data) == size else _SMALL_READ
+        if not data:
+            self.ended = True
+            self._close_kick()
+        self._receiver(data)
+        return not self.ended
+
+    def _close_kick(self) -> None:
+        with self._state:  # no caller kicks a closed pipe (its number may be reused)
+            self._closed_kick = True
+            for fd in (self._kick_r, self._kick_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _background(self) -> None:
+        while not self.ended:
+            while True:
+                with self._state:
+                    callers, idle = self._callers, time.monotonic() - self._last_caller
+                    if not callers and idle >= self.LINGER:
+                        self._selecting = True  # a caller that comes now kicks (`enter`)
+                        break
+                # Nobody wakes this thread when callers leave (that would cost a wake-up per
+                # call): it looks again now and then, or when woken (`wake`).
+                self._woken.wait(self.BUSY_POLL if callers else self.LINGER - idle)
+                self._woken.clear()
+            with self.lock:
+                if self.ended:
+                    return
+                ready, _, _ = select.select([self.fd, self._kick_r], [], [])
+                with self._state:
+                    self._selecting = False
+                if self._kick_r in ready:
+                    with contextlib.suppress(OSError):
+                        os.read(self._kick_r, 4096)
+                if self.fd in ready:
+                    self.read_once()
+
+    def wake(self) -> None:
+        """Look at the pipe now (its agent was just killed: its end is to be read)."""
+        self._woken.set()
+
+    def enter(self) -> None:
+        """A caller is about to read: the background thread steps aside (it is kicked out of
+        its select if it waits there) and stays out until `LINGER` after the last `leave`."""
+        with self._state:
+            self._callers += 1
+            if self._selecting and not self._closed_kick:
+                with contextlib.suppress(OSError):
+                    os.write(self._kick_w, b"k")
+
+    def leave(self) -> None:
+        with self._state:
+            self._callers -= 1
+            self._last_caller = time.monotonic()
+
+    def read_until(self, done: Callable[[], bool], linger: float = 0.0) -> None:
+        """Read and deliver until `done()`; poll up to `linger` seconds before each blocking
+        read while polling pays (`Patience`), so a quick reply finds this thread awake."""
+        self.enter()
+        try:
+            with self.lock:
+                patience, poll = self._patience, self._poller.poll
+                patience.window = linger
+                while not done() and not self.ended:
+                    patience.wait(lambda: bool(poll(0)))
+                    self.read_once()  # the pipe blocks: this thread sleeps in read()
+        finally:
+            self.leave()
+
+
+class KeptGroups:
+    """The `PipeGroup` of each list of streams a caller waits on, kept by the list's identity
+    (held beside it, so the id stays its own) until one of its pipes ends (`broadcast`: a pool
+    passes the same list to every broadcast, whose group is then built once). Its plain twin is
+    a fresh `PipeGroup` of the list's readers for every wait."""
+
+    KEPT = 8  # a pool's broadcasts use one group, its gathers others
+
+    def __init__(self, readers_of: Callable[[Sequence[Any]], Iterable[Reader]]) -> None:
+        self._readers_of = readers_of
+        self._groups: dict[int, tuple[Sequence[Any], PipeGroup]] = {}
+
+    def of(self, streams: Sequence[Any]) -> PipeGroup:
+        then, kept = self._groups.get(id(streams), (None, None))
+        if kept is None or then is not streams or kept.broken:
+            if len(self._groups) >= self.KEPT:
+                self._groups.clear()
+            kept = PipeGroup(set(self._readers_of(streams)))
+            self._groups[id(streams)] = (streams, kept)
+        return kept
 
 
 class HoldsCalls(Protocol):

@@ -340,7 +340,7 @@ def _cores() -> int:
 def write_all(fd: int, data: Buffer) -> None:
     """Write all of `data` to a blocking file descriptor."""
     # One write is the common case (a small frame); a signal or a large frame cuts it short.
-    # `nbytes(data)` written out: the agent's FAST PATH (`AgentWire.serve`) writes every small
+    # `nbytes(data)` written out: the agent's FAST PATH (`AgentWire._serve_flat`) writes every small
     # call's answer through here, and one Python call less per call on a node made the 8-node
     # broadcast of bench_local.py about 20% faster.
     written = os.write(fd, data)

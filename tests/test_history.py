@@ -169,3 +169,39 @@ def test_reports_are_written_for_tensorboard_under_the_output_dir(
     for node in range(2):
         scalars = _scalars(tmp_path / "out" / "tensorboard" / f"node-{node}")
         assert scalars == [("loss", step, pytest.approx(1.0 / (step + 1))) for step in range(4)]
+
+
+def test_the_dashboard_reads_a_slurm_runs_reports_from_the_shared_cache(
+    own_cache: Path, tmp_path: Path
+) -> None:
+    from skyward.dashboard.runs import Runs
+    from skyward.detached import record
+
+    directories = []
+    for rank in range(2):
+        directory = tmp_path / "shared" / f"node-{rank}"
+        directory.mkdir(parents=True)
+        lines = [json.dumps({"time": 1.0 + s, "metrics": {"loss": s}}) for s in range(3)]
+        (directory / "reports.jsonl").write_text("\n".join(lines) + "\n")
+        directories.append(str(directory))
+    record.save(
+        record.RunRecord(
+            name="on-slurm",
+            provider="slurm",
+            kind="slurm",
+            nodes=2,
+            script="train.py",
+            args=[],
+            created_at=1.0,
+            directories=directories,
+            reach={"job_id": "1"},
+        )
+    )
+    runs = Runs()
+    try:
+        found = runs.records("detached", "on-slurm", "metrics", 0)
+    finally:
+        runs.close()
+    assert sorted((m["who"], m["metrics"]["loss"]) for m in found) == [
+        (f"node {rank}", s) for rank in range(2) for s in range(3)
+    ]

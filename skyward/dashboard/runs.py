@@ -5,7 +5,7 @@ detached run is read as ``skyward status`` and ``skyward logs`` read it (`sky.Ru
 looks at every run not known to have ended every `REFRESH_SECONDS`, so the list answers at
 once however slow a node is to reach; its lines are read when its page asks for them, and its
 ``sky.report`` metrics from each rank's ``reports.jsonl`` where its directories are on this
-machine (Local runs, and a cloud run's kept logs).
+machine (Local runs, Slurm runs in the cache the login node shares, a cloud run's kept logs).
 
 Both kinds are described the same way, a `Row`: what the list shows of a run.
 """
@@ -259,7 +259,9 @@ class _Detached:
         rec = self.record
         saved = rec.reach.get("saved")
         directories = saved if saved and self.ended else rec.directories
-        if rec.kind != "local" and not (saved and self.ended):
+        # Local's directories are this machine's; a Slurm run's are in the cache the login
+        # node shares with the nodes; a cloud run's kept copy is here once it has ended.
+        if rec.kind not in ("local", "slurm") and not (saved and self.ended):
             return
         for rank, directory in enumerate(directories):
             path = Path(directory) / "reports.jsonl"

@@ -5,7 +5,7 @@ detached run is read as ``skyward status`` and ``skyward logs`` read it (`sky.Ru
 looks at every run not known to have ended every `REFRESH_SECONDS`, so the list answers at
 once however slow a node is to reach; its lines are read when its page asks for them, and its
 ``sky.report`` metrics from each rank's ``reports.jsonl`` where its directories are on this
-machine (Local runs, Slurm runs in the cache the login node shares, a cloud run's kept logs).
+machine (Local runs, and Slurm runs in the cache the login node shares).
 
 Both kinds are described the same way, a `Row`: what the list shows of a run.
 """
@@ -257,13 +257,11 @@ class _Detached:
     def _read_reports(self) -> None:
         """What each rank's ``reports.jsonl`` gained (where its directory is on this machine)."""
         rec = self.record
-        saved = rec.reach.get("saved")
-        directories = saved if saved and self.ended else rec.directories
         # Local's directories are this machine's; a Slurm run's are in the cache the login
-        # node shares with the nodes; a cloud run's kept copy is here once it has ended.
-        if rec.kind not in ("local", "slurm") and not (saved and self.ended):
+        # node shares with the nodes. Other runs' reports stay on their nodes.
+        if rec.kind not in ("local", "slurm"):
             return
-        for rank, directory in enumerate(directories):
+        for rank, directory in enumerate(rec.directories):
             path = Path(directory) / "reports.jsonl"
             offset = self._report_offsets.get(rank, 0)
             try:

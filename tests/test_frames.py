@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import time
 
 import numpy as np
 import pytest
@@ -294,6 +295,11 @@ def test_the_agent_wire_serves_calls_that_arrive_in_any_pieces(shared: bool) -> 
     ahead = threading.Thread(target=read_ahead)
     if shared:
         ahead.start()
+        # Frames taken ahead before the loop reads any: on a loaded machine the loop could
+        # otherwise read them all before the other thread first runs.
+        deadline = time.monotonic() + 10
+        while not kept and time.monotonic() < deadline:
+            time.sleep(0.001)
     wire.serve(host, other, shared=shared)  # type: ignore[arg-type]
     served.set()
     if shared:

@@ -200,3 +200,29 @@ def test_key_lines_are_edited_in_place_under_the_lock_a_symlink_stays_one(
     assert (home / ".ssh" / "authorized_keys").is_symlink()
     assert managed.read_text() == "ssh-ed25519 AAAAother someone@else\n"
     assert sorted(p.name for p in (home / ".ssh").iterdir()) == ["authorized_keys"]
+
+
+def test_a_rank_whose_launcher_ends_before_it_starts_is_named_with_what_it_said(
+    tmp_path: Path,
+) -> None:
+    """The leader's reason for a rank never reached holds the far side's own words (a
+    follower that found no spec says so on stdout) beside the launcher's stderr."""
+    directory = tmp_path / "node-0"
+    directory.mkdir()
+    launchers = [
+        ["sh", "-c", "echo started; sleep 5; echo 'exit 0'"],
+        ["sh", "-c", "echo 'no run spec in /somewhere'; echo 'ssh: a complaint' >&2"],
+    ]
+    supervisor.write_plan(directory, launchers, {}, "", restarts=0, grace=1.0)
+    led = subprocess.run(
+        [sys.executable, "-m", "skyward.worker.supervisor", "lead", str(directory)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=60,
+    )
+    assert led.returncode == 0, led.stderr
+    state = json.loads((directory / supervisor.RUN_STATE).read_text())
+    assert state["state"] == "failed"
+    assert state["reason"] == (
+        "node 0 could not reach node 1's rank (no run spec in /somewhere | ssh: a complaint)"
+    )

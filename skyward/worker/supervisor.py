@@ -870,6 +870,7 @@ class _Rank:
         self.started = False
         self.status: int | None = None  # its rank's exit status, once reported
         self.complaint: list[str] = []  # the last lines its launcher wrote on stderr
+        self.said: list[str] = []  # the far follower's last words on stdout not for the leader
 
     @property
     def directory(self) -> Path | None:
@@ -877,7 +878,7 @@ class _Rank:
         return Path(self.argv[1]) if self.argv[0] == IN_PROCESS else None
 
     def start(self, log: int) -> None:
-        self.started, self.status, self.complaint = False, None, []
+        self.started, self.status, self.complaint, self.said = False, None, [], []
         if self.directory is not None:
             self._start_here(self.directory)
             return
@@ -933,6 +934,8 @@ class _Rank:
             line = raw.decode(errors="replace").strip()
             if line == "started" or line.startswith("exit "):
                 self.events.put((self.index, line))
+            elif line:  # the far follower's own words ("no run spec in DIR"): why, if it ends
+                self.said = [*self.said[-4:], line]
         process.wait()
         # "gone" is when the leader reads `complaint` for the reason: the launcher's last words
         # on stderr (ssh's "Permission denied") must be in it, not still in the pipe. Bounded:
@@ -1158,7 +1161,7 @@ def _watch(
             node = index // per_node
             reason = f"node {node} was lost (its supervisor could not be reached)"
             if not rank.started:
-                reason = _unreached(node, rank.complaint)
+                reason = _unreached(node, [*rank.said, *rank.complaint])
             return {"state": "failed", "rank": index, "status": -1, "lost": True, "reason": reason}
 
 

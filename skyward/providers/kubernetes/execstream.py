@@ -287,7 +287,19 @@ async def start(api: KubeApi, pod: str, command: str, v4_input: int | None = Non
     execution.sized = v4_input is not None
     if preface:
         execution.send(preface)  # first in the writer's queue: before any caller's input
-    await execution.wait_pid()
+    try:
+        await execution.wait_pid()
+    except ProvisionError:
+        # A command that ended before it started, in a container that has ended meanwhile
+        # (a crash between the pod's Running and this exec): the crash's words, not the bare
+        # exit status the stream carried.
+        # The pod's status may say so a moment after the stream ended: look for up to 2 s.
+        for _ in range(10):
+            ended = await waiting.why_ended(api, pod)
+            if ended:
+                raise ProvisionError(ended) from None
+            await asyncio.sleep(0.2)
+        raise
     return execution
 
 

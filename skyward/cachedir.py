@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a method of the path given is all it takes: no pathlib at start-up
+    from pathlib import Path
 
 
 def cache_root() -> str:
@@ -41,3 +46,14 @@ def keep_private() -> None:
     tree store write the cache from many places (and uv, and the user's functions under
     ``sky.output_dir()``), and a umask covers them all, and their children, at once."""
     os.umask(0o077)
+
+
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write `data` to `path` owner-only (0600), atomically: a reader sees the old file or the
+    new one, never half of it. The file beside it is named for this process and thread, so
+    two writers of one path do not share it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)

@@ -17,6 +17,7 @@ import boto3
 import pytest
 
 import skyward as sky
+from skyward.cachedir import write_private
 from skyward.cli.main import main
 from skyward.detached import record
 from tests.support.motos3 import moto_s3, s3_env
@@ -236,8 +237,8 @@ def test_an_earlier_runs_leftovers_under_the_same_name_are_not_this_runs_plan(
     old = supervisor.run_root("leftover") / "node-0"
     old.mkdir(parents=True)
     stale = {"launchers": [["false"]], "restarts": 0, "grace": 1}
-    supervisor.write_private(old / supervisor.LEADER, json.dumps(stale))
-    supervisor.write_private(old / supervisor.RUN_STATE, json.dumps({"state": "failed"}))
+    write_private(old / supervisor.LEADER, json.dumps(stale))
+    write_private(old / supervisor.RUN_STATE, json.dumps({"state": "failed"}))
     run = sky.submit(str(job), [str(job.parent / "ckpt"), "ok"], nodes=2, name="leftover")
     assert run.wait() == 0
     assert "rank 1 done" in "\n".join(_lines(run))

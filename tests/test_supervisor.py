@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from skyward.cachedir import write_private
 from skyward.worker import supervisor
 
 
@@ -36,7 +37,7 @@ def _spec(directory: Path, code: str, attach_within: float = 60.0) -> Path:
         "key_tag": None,
         "attach_within": attach_within,
     }
-    supervisor.write_private(directory / supervisor.SPEC, json.dumps(spec))
+    write_private(directory / supervisor.SPEC, json.dumps(spec))
     return directory
 
 
@@ -226,3 +227,11 @@ def test_a_rank_whose_launcher_ends_before_it_starts_is_named_with_what_it_said(
     assert state["reason"] == (
         "node 0 could not reach node 1's rank (no run spec in /somewhere | ssh: a complaint)"
     )
+
+
+def test_the_supervisor_names_the_reports_file_as_the_scripts_read_it() -> None:
+    """The supervisor spells the variable out (it imports nothing more of skyward): the same
+    name `sky.report` reads in a detached rank."""
+    from skyward import reports
+
+    assert supervisor.REPORTS_FILE_ENV == reports.REPORTS_FILE_ENV

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from skyward.cachedir import write_private
 from skyward.calls import compute
 from skyward.errors import ProvisionError
 from skyward.pool import ComputePool
@@ -69,9 +70,9 @@ def prepare(
         "upload": upload,
         "per_node": per_node,
     }
-    supervisor.write_private(root / supervisor.SLURM_PLAN, json.dumps(plan))
+    write_private(root / supervisor.SLURM_PLAN, json.dumps(plan))
     words = " ".join(_quote(w) for w in [*node["prefix"], "-m", supervisor.MODULE, "batch"])
-    supervisor.write_private(script, f"#!/bin/sh\nexec {words} {_quote(str(root))}\n")
+    write_private(script, f"#!/bin/sh\nexec {words} {_quote(str(root))}\n")
     script.chmod(0o700)
     return BatchJob(command, root, pool.spec.nodes, per_node)
 

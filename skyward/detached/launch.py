@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from skyward.cachedir import write_private
 from skyward.detached import record
 from skyward.pool import ComputePool
 from skyward.providers.base import KeptPool, Provider
-from skyward.worker import supervisor
 
 if TYPE_CHECKING:  # asyncssh, which an SSH node needs, is an extra: loaded where one is used
     from skyward.providers.remote.bootstrap import RemoteNode
@@ -179,7 +179,7 @@ def record_data(kind: str, pool: ComputePool, name: str) -> dict[str, Any]:
     key = login.key
     if login.pool_key and key is not None:
         copy = record.runs_dir() / f"{name}.key"
-        supervisor.write_private(copy, Path(key).read_text())
+        write_private(copy, Path(key).read_text())
         key = str(copy)
     found.update(key=key, config=list(login.config), timeout=login.timeout)
     if login.kept is not None:

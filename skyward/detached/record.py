@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from skyward.cachedir import cache_root
+from skyward.cachedir import cache_root, write_private
 from skyward.errors import ConfigError
 from skyward.worker import supervisor
 
@@ -148,12 +148,7 @@ def new_name() -> str:
 
 
 def save(record: RunRecord) -> None:
-    path = runs_dir() / f"{record.name}.json"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(asdict(record), handle, indent=1)
-    os.replace(tmp, path)
+    write_private(runs_dir() / f"{record.name}.json", json.dumps(asdict(record), indent=1))
 
 
 def exists(name: str) -> bool:

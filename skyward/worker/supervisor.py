@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 # "every rank started" (an early follower, the leader), and skyward.info or .worker.script
 # would double its imports. The functions that run in an agent or in the leader's launchers
 # import what they need themselves.
-from skyward.cachedir import keep_private
+from skyward.cachedir import keep_private, write_private
 
 if TYPE_CHECKING:  # a door and its dial import it themselves (see above)
     import socket
@@ -107,15 +107,6 @@ class RunState(TypedDict, total=False):
 
 
 # -- files ------------------------------------------------------------------------------------
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` owner-only, atomically (a reader never sees half of it)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import skyward as sky
+from skyward.cachedir import write_private
 from skyward.cli.main import main
 from skyward.detached import record
 from skyward.worker import supervisor
@@ -408,7 +409,7 @@ def _node(tmp_path: Path, secret: str, seconds: float) -> Path:
         "attach_within": 30,
         "door_secret": secret,
     }
-    supervisor.write_private(directory / supervisor.SPEC, json.dumps(spec))
+    write_private(directory / supervisor.SPEC, json.dumps(spec))
     port = supervisor.open_door(directory)
     (directory / "port").write_text(str(port))
     supervisor.start_early(directory, 10)
@@ -417,7 +418,7 @@ def _node(tmp_path: Path, secret: str, seconds: float) -> Path:
 
 def _dial(tmp_path: Path, directory: Path, secret: str) -> subprocess.Popen[bytes]:
     key = tmp_path / f"key-{secret[:4]}"
-    supervisor.write_private(key, secret)
+    write_private(key, secret)
     port = (directory / "port").read_text()
     argv = [*supervisor.interpreter(), "-m", supervisor.MODULE, "dial", "localhost", port]
     return subprocess.Popen(
@@ -491,7 +492,7 @@ def test_a_door_no_leader_comes_to_closes_with_its_follower(tmp_path: Path) -> N
         "attach_within": 1,
         "door_secret": "12" * 32,
     }
-    supervisor.write_private(directory / supervisor.SPEC, json.dumps(spec))
+    write_private(directory / supervisor.SPEC, json.dumps(spec))
     supervisor.open_door(directory)
     supervisor.start_early(directory, 10)
     assert len(_processes_with(str(directory))) >= 2  # the door and the early follower

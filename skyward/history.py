@@ -4,7 +4,8 @@ Each pool a script runs writes one directory, ``<cache>/history/<pool id>/`` (07
 0600, as the detached runs' records are):
 
 - ``run.json``: what the pool is and how it stands (name, provider, nodes, state, start, end,
-  $/hour and cost so far, the client's pid), rewritten whole;
+  $/hour and cost so far, the client's pid), rewritten whole on a change of state, and for its
+  cost every `COST_SECONDS`;
 - ``events.jsonl``: skyward's own lines about it (launching, a node ready, lost, replaced,
   resumed, the budget spent, a stall with its stacks), in order;
 - ``metrics.jsonl``: its `sky.report` metrics, with the node, the rank and the time;
@@ -32,9 +33,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from skyward.cachedir import cache_root
+from skyward.cachedir import cache_root, write_private
 
 FLUSH_SECONDS = 0.5
+# How often ``run.json`` is rewritten for its cost alone (a change of state rewrites it at once).
+COST_SECONDS = 5.0
 # Past this many bytes a file's older half is dropped (output and events); metrics are kept
 # whole up to METRICS_BYTES, then no more are written (one event says so).
 OUTPUT_BYTES = 8 << 20
@@ -84,6 +87,7 @@ class Recorder:
         self._count = dict.fromkeys(FILES, 0)
         self._metrics_full = False
         self._dirty = True
+        self._cost_written = -COST_SECONDS  # time.monotonic() of the last cost written
         self._done = threading.Event()
         self._writer: threading.Thread | None = None
 
@@ -147,17 +151,21 @@ class Recorder:
                 continue
 
     def flush(self) -> None:
+        now = time.monotonic()
         with self._lock:
             pending = {kind: records for kind, records in self._pending.items() if records}
             self._pending = {kind: [] for kind in FILES}
-            info = dict(self._info) if self._dirty or self.costing is not None else None
+            costs = self.costing is not None and now - self._cost_written >= COST_SECONDS
+            info = dict(self._info) if self._dirty or costs else None
             self._dirty = False
         for kind, records in pending.items():
             self._append(kind, records)
-        if info is not None:
-            if self.costing is not None:
-                info["per_hour"], info["cost"] = self.costing()
-            _write_json(self.directory / "run.json", info)
+        if info is None:
+            return
+        if self.costing is not None:  # the cost as of now, whatever made this write
+            info["per_hour"], info["cost"] = self.costing()
+            self._cost_written = now
+        write_private(self.directory / "run.json", json.dumps(info, indent=1))
 
     def _append(self, kind: str, records: list[Record]) -> None:
         path = self.directory / f"{kind}.jsonl"
@@ -174,13 +182,6 @@ class Recorder:
             _drop_older_half(path)
 
 
-def _write_json(path: Path, data: Record) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    with _opened(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) as fd:
-        os.write(fd, json.dumps(data, indent=1).encode())
-    os.replace(tmp, path)
-
-
 @contextlib.contextmanager
 def _opened(path: Path, flags: int) -> Iterator[int]:
     fd = os.open(path, flags, 0o600)
@@ -193,11 +194,7 @@ def _opened(path: Path, flags: int) -> Iterator[int]:
 def _drop_older_half(path: Path) -> None:
     """Keep the newer half of `path`'s lines (whole lines), replacing the file at once."""
     data = path.read_bytes()
-    cut = data.find(b"\n", len(data) // 2)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with _opened(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) as fd:
-        os.write(fd, data[cut + 1 :])
-    os.replace(tmp, path)
+    write_private(path, data[data.find(b"\n", len(data) // 2) + 1 :])
 
 
 # -- reading (the dashboard) -------------------------------------------------------------------
@@ -247,7 +244,14 @@ def records(run_id: str, kind: str, after: int = 0, offset: int = 0) -> tuple[li
     stopped. A file that shrank (its older half dropped) is read again from its start."""
     if kind not in FILES or run(run_id) is None:
         return [], 0
-    path = history_dir() / run_id / f"{kind}.jsonl"
+    found, offset = read_jsonl(history_dir() / run_id / f"{kind}.jsonl", offset)
+    return [record for record in found if record.get("n", 0) > after], offset
+
+
+def read_jsonl(path: Path, offset: int = 0) -> tuple[list[Record], int]:
+    """The JSON objects of `path`'s whole lines from byte `offset` on (a line still being
+    written waits for the next read), and the offset after them; a file shorter than `offset`
+    (its older half dropped) is read from its start, a missing one is empty."""
     try:
         with path.open("rb") as handle:
             if offset > os.fstat(handle.fileno()).st_size:
@@ -256,11 +260,11 @@ def records(run_id: str, kind: str, after: int = 0, offset: int = 0) -> tuple[li
             data = handle.read()
     except FileNotFoundError:
         return [], 0
-    whole = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next read
+    whole = data[: data.rfind(b"\n") + 1]
     found = []
     for line in whole.splitlines():
         with contextlib.suppress(ValueError):
             record = json.loads(line)
-            if record.get("n", 0) > after:
+            if isinstance(record, dict):
                 found.append(record)
     return found, offset + len(whole)

@@ -60,9 +60,14 @@ class Report:
     rank: int | None = None
 
     @property
+    def global_rank(self) -> int:
+        """The rank that reported, counted over every node (the node, with one rank a node)."""
+        return self.node if self.rank is None else self.rank
+
+    @property
     def first_rank(self) -> bool:
         """Whether rank 0 (node 0's first rank) made it: the one the console shows."""
-        return (self.node if self.rank is None else self.rank) == 0
+        return self.global_rank == 0
 
 
 def report(

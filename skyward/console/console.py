@@ -225,7 +225,7 @@ class Console(Progress):
         """Note a rank's `sky.report`: rank 0's latest is shown on node 0's line (never
         printed: a line per report would drown the nodes' own lines)."""
         if self.history is not None:
-            rank = report.node if report.rank is None else report.rank
+            rank = report.global_rank
             self.history.report(
                 who(rank, self.ranks_per_node),
                 report.node,

@@ -13,7 +13,6 @@ Both kinds are described the same way, a `Row`: what the list shows of a run.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -263,18 +262,14 @@ class _Detached:
             return
         for rank, directory in enumerate(rec.directories):
             path = Path(directory) / "reports.jsonl"
-            offset = self._report_offsets.get(rank, 0)
             try:
-                with path.open("rb") as handle:
-                    handle.seek(offset)
-                    data = handle.read()
-            except OSError:
+                entries, self._report_offsets[rank] = history.read_jsonl(
+                    path, self._report_offsets.get(rank, 0)
+                )
+            except OSError:  # not readable now: the next look tries again
                 continue
-            whole = data[: data.rfind(b"\n") + 1]
-            self._report_offsets[rank] = offset + len(whole)
-            for line in whole.splitlines():
+            for entry in entries:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
-                    entry = json.loads(line)
                     self._count["metrics"] += 1
                     found: Row = {
                         "n": self._count["metrics"],

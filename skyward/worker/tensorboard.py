@@ -60,7 +60,7 @@ class TensorBoard:
     def report(self, report: Report, ranks_per_node: int) -> None:
         if self.directory is None:
             return
-        rank = report.node if report.rank is None else report.rank
+        rank = report.global_rank
         name = f"node-{report.node}" if ranks_per_node == 1 else f"node-{report.node}-rank-{rank}"
         with self._lock:
             writer = self._writer(name)

@@ -11,7 +11,6 @@ connections go, the run stays with its nodes, and the client keeps a record.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import subprocess
 import time
@@ -177,7 +176,6 @@ class _Plan:
     grace: float
     keep_for: float
     outputs: str | None  # where the outputs go (`_output_dir`)
-    batch_ranks: int  # a batch job's ranks a node (its pool holds one agent a node)
 
     @property
     def bucket(self) -> str | None:
@@ -210,13 +208,12 @@ def _submit(
     run = _checked(
         provider, script, args, name, restarts, grace, keep_for, max_cost, output_dir, workdir
     )
-    batch_ranks = plan.processes_per_node(processes_per_node, accelerator) or 1
     if run.kind == "tcp" and processes_per_node not in (None, 1):
         raise ConfigError(
             f"processes_per_node={processes_per_node}: a detached run on {provider.name} holds "
             "one rank per node; run it attached (without --detach) for several ranks a node"
         )
-    run = dataclasses.replace(run, batch_ranks=batch_ranks)
+    batch_ranks = plan.processes_per_node(processes_per_node, accelerator) or 1
     pool = ComputePool(
         provider=provider,
         nodes=nodes,
@@ -230,7 +227,7 @@ def _submit(
         processes_per_node=1 if run.kind in ("slurm", "tcp") else processes_per_node,
     )
     pool.keeps_history = False  # the dashboard lists the run, not the pool that started it
-    state = _through_pool(pool, run, processes_per_node or 1)
+    state = _through_pool(pool, run, processes_per_node or 1, batch_ranks)
     if "running_at" not in state:
         Run(run.name).stop()
         raise DetachError(
@@ -260,20 +257,10 @@ def _checked(
 ) -> _Plan:
     """The run's settings checked, each a `ConfigError` naming it, before anything starts."""
     kind = provider.detached_kind()
+    restarts = checks.whole(restarts, "restarts", minimum=0)
+    grace = checks.seconds(grace, "grace", zero=True)
     keep_for = checks.seconds(keep_for, "keep_for", zero=True)
-    checked = _Plan(
-        name=name,
-        kind=kind,
-        script=str(script),
-        target=None,
-        cwd=None,
-        args=list(args),
-        restarts=checks.whole(restarts, "restarts", minimum=0),
-        grace=float(checks.seconds(grace, "grace", zero=True)),
-        keep_for=keep_for,
-        outputs=_output_dir(output_dir, provider, keep_for),
-        batch_ranks=1,
-    )
+    outputs = _output_dir(output_dir, provider, keep_for)
     if max_cost is not None:
         raise ConfigError(
             "max_cost cannot be kept by a detached run: no client is there to stop it when it "
@@ -281,13 +268,17 @@ def _checked(
             "run it attached"
         )
     target, cwd = script_target(script, workdir)
-    return dataclasses.replace(checked, target=target, cwd=cwd)
+    return _Plan(
+        name, kind, str(script), target, cwd, list(args), restarts, float(grace), keep_for, outputs
+    )
 
 
-def _through_pool(pool: ComputePool, run: _Plan, per_node: int) -> supervisor.RunState:
-    """Start the pool, start the run on its nodes (or plan a batch job), end the pool (its
-    nodes kept where the run holds them), then queue the batch job; the run's state once
-    every rank has started."""
+def _through_pool(
+    pool: ComputePool, run: _Plan, per_node: int, batch_ranks: int
+) -> supervisor.RunState:
+    """Start the pool, start the run on its nodes (or plan a batch job of `batch_ranks` ranks
+    a node), end the pool (its nodes kept where the run holds them), then queue the batch
+    job; the run's state once every rank has started."""
     # Local: the nodes are this machine's processes, and the leader's interpreter starts while
     # the pool does (it waits for its plan): not after, between the pool and "every rank started".
     # (Its directory is rank 0's: where the plugins' default makes several ranks a node, node
@@ -311,7 +302,7 @@ def _through_pool(pool: ComputePool, run: _Plan, per_node: int) -> supervisor.Ru
                 run.restarts,
                 run.grace,
                 run.bucket,
-                run.batch_ranks,
+                batch_ranks,
             )
             price = pool.cost.price.per_hour
         else:

@@ -123,6 +123,14 @@ def _skyward(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
     )
 
 
+def _train_detached(tmp_path: Path, name: str, steps: int) -> None:
+    """`TRAINING` started as detached run `name` on 2 Local nodes, for `steps` steps."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAINING)
+    started = _skyward("run", "--detach", "--name", name, "--nodes", "2", str(script), str(steps))
+    assert started.returncode == 0, started.stderr
+
+
 def _row(browser: Browser, name: str):  # type: ignore[no-untyped-def]
     return browser.page.get_by_role("row").filter(
         has=browser.page.get_by_role("link", name=name, exact=True)
@@ -157,10 +165,7 @@ def test_a_detached_run_appears_live_its_lines_and_loss_chart_and_it_succeeds(
     page = browser.page
     page.goto(dashboard)
     expect(page.get_by_role("heading", name="Runs")).to_be_visible()
-    script = tmp_path / "train.py"
-    script.write_text(TRAINING)
-    started = _skyward("run", "--detach", "--name", "watch-me", "--nodes", "2", str(script), "20")
-    assert started.returncode == 0, started.stderr
+    _train_detached(tmp_path, "watch-me", steps=20)
     # Without a reload: the list polls.
     row = _row(browser, "watch-me")
     expect(row).to_be_visible(timeout=10_000)
@@ -201,10 +206,7 @@ def test_a_detached_run_appears_live_its_lines_and_loss_chart_and_it_succeeds(
 def test_the_stop_button_stops_a_running_run_and_leaves_no_rank(
     dashboard: str, browser: Browser, tmp_path: Path
 ) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(TRAINING)
-    started = _skyward("run", "--detach", "--name", "stop-me", "--nodes", "2", str(script), "600")
-    assert started.returncode == 0, started.stderr
+    _train_detached(tmp_path, "stop-me", steps=600)
     page = browser.page
     base = _base(dashboard)
     page.goto(dashboard)

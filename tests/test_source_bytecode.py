@@ -25,7 +25,6 @@ def test_a_fresh_nodes_agent_imports_skyward_without_compiling_it(tmp_path: Path
     tag = sys.implementation.cache_tag
     assert f"skyward/worker/__pycache__/agent.{tag}.pyc" in cached
     assert len(cached) == len(AGENT_MODULES)  # the agent's modules only: the tarball stays small
-    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONDONTWRITEBYTECODE": "1"}
     # The agent's modules' source replaced by a line that fails: an import that read (and
     # compiled) a module's source instead of its shipped bytecode raises.
     for module in AGENT_MODULES:
@@ -33,43 +32,26 @@ def test_a_fresh_nodes_agent_imports_skyward_without_compiling_it(tmp_path: Path
         if not path.exists():
             path = src / module.replace(".", "/") / "__init__.py"
         path.write_text("raise ImportError('compiled from source')\n")
-    ran = subprocess.run(
-        [sys.executable, "-c", "import skyward.worker.agent"],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
+    ran = _python(src, "import skyward.worker.agent")
     assert ran.returncode == 0, ran.stderr
     # And the check can fail: a module without shipped bytecode is compiled, and raises.
     for pyc in (src / "skyward/worker/__pycache__").glob("agent.*.pyc"):
         pyc.unlink()
-    again = subprocess.run(
-        [sys.executable, "-c", "import skyward.worker.agent"],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert "compiled from source" in again.stderr
+    assert "compiled from source" in _python(src, "import skyward.worker.agent").stderr
 
 
 def test_the_shipped_bytecode_runs_and_names_its_source(tmp_path: Path) -> None:
     src = _unpacked(tmp_path / "src")
-    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONDONTWRITEBYTECODE": "1"}
-    probe = (
-        "import skyward.errors as e, traceback\n"
-        "try:\n"
-        "    raise e.ConfigError('x')\n"
-        "except e.ConfigError:\n"
-        "    pass\n"
-        "import skyward.worker.agent as a\n"
-        "print(a.__file__)\n"
-        "print(a.main.__code__.co_filename)\n"
-    )
-    ran = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=tmp_path
-    )
+    probe = "import skyward.worker.agent as a; print(a.__file__, a.main.__code__.co_filename)"
+    ran = _python(src, probe)
     assert ran.returncode == 0, ran.stderr
     file, code_file = ran.stdout.split()
     assert file == code_file == str(src / "skyward/worker/agent.py")
+
+
+def _python(src: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """`code` run by a fresh interpreter with `src` as its skyward, writing no bytecode."""
+    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=src.parent
+    )
